@@ -1,0 +1,58 @@
+"""The one place that imports TensorFlow's private `tensorflow.python.*` modules.
+
+ReplicatorStrategy reuses TF's distributed-variable classes, input pipeline,
+cross-device ops and replica threads. Those live in private modules whose
+layout may change between TF releases, so every such import is made here and
+checked against the TF versions this file was written for. Upgrading TF means
+re-checking this one file.
+"""
+
+import os
+
+import tensorflow as tf
+
+TESTED_TF_VERSIONS = ("2.21",)
+_ALLOW_UNTESTED_ENV = "REPLICATOR_STRATEGY_ALLOW_UNTESTED_TF"
+
+
+def _check_tf_version():
+  major_minor = ".".join(tf.__version__.split(".")[:2])
+  if major_minor in TESTED_TF_VERSIONS or os.environ.get(_ALLOW_UNTESTED_ENV):
+    return
+  raise ImportError(
+      f"replicator_strategy relies on private TensorFlow modules and was "
+      f"tested with TensorFlow {', '.join(TESTED_TF_VERSIONS)}.x. Received: "
+      f"tensorflow=={tf.__version__}. Install a tested version "
+      f"(pip install 'tensorflow-cpu==2.21.*') or set {_ALLOW_UNTESTED_ENV}=1 "
+      f"to try this one anyway.")
+
+
+_check_tf_version()
+
+# pylint: disable=g-import-not-at-top,unused-import
+from tensorflow.python.distribute import cross_device_ops
+from tensorflow.python.distribute import device_util
+from tensorflow.python.distribute import distribute_lib
+from tensorflow.python.distribute import distribute_utils
+from tensorflow.python.distribute import input_lib
+from tensorflow.python.distribute import input_util
+from tensorflow.python.distribute import mirrored_run
+from tensorflow.python.distribute import numpy_dataset
+from tensorflow.python.distribute import reduce_util
+from tensorflow.python.distribute import values
+from tensorflow.python.eager import context
+from tensorflow.python.eager import def_function
+from tensorflow.python.eager import record
+from tensorflow.python.autograph.core import ag_ctx
+from tensorflow.python.autograph.impl import api as autograph
+# pylint: enable=g-import-not-at-top,unused-import
+
+StrategyExtendedV1 = distribute_lib.StrategyExtendedV1
+UpdateContext = distribute_lib.UpdateContext
+ThreadReplicaContext = mirrored_run._MirroredReplicaContext  # pylint: disable=protected-access
+
+
+# pylint: disable=g-import-not-at-top
+from tensorflow.python.distribute import collective_util
+from tensorflow.python.distribute import cross_device_utils
+# pylint: enable=g-import-not-at-top

@@ -1,0 +1,77 @@
+"""Choosing the all-reduce algorithm that fits the devices.
+
+Devices that share host memory (logical CPU devices) gain nothing from ring
+or tree algorithms made for separate devices: each step of a ring is a copy
+within one memory, so the cheapest all-reduce is to add the replicas' values
+on one device and hand every replica that one sum. Separate GPUs use NCCL
+when TensorFlow was built with it.
+
+>>> ops, reason = choose(("/cpu:0", "/cpu:1"), "auto")
+>>> reason
+'add_on_one_device: devices share host memory'
+"""
+
+import itertools
+
+import tensorflow as tf
+
+from replicator_strategy import _tf_internal as tfi
+
+ALGORITHMS = ("auto", "add_on_one_device", "nccl", "hierarchical_copy",
+              "ring")
+
+# Collective group keys are process-global: every instance that runs ring
+# collectives takes its own range so several strategies never collide.
+_group_key_ranges = itertools.count(start=1_000_000, step=1_000_000)
+
+
+def choose(devices, algorithm):
+  """Returns `(cross_device_ops, reason)` for `devices` and a requested algorithm.
+
+  `algorithm` is one of `ALGORITHMS` or a `tf.distribute.CrossDeviceOps`.
+  """
+  if isinstance(algorithm, tf.distribute.CrossDeviceOps):
+    return algorithm, f"given by the user: {type(algorithm).__name__}"
+  if algorithm not in ALGORITHMS:
+    raise ValueError(
+        f"Expected `all_reduce` to be one of {ALGORITHMS} or a "
+        f"tf.distribute.CrossDeviceOps instance. Received: "
+        f"all_reduce={algorithm!r}")
+  if algorithm == "auto":
+    algorithm, reason = _auto(devices)
+  else:
+    reason = "requested"
+  return _build(algorithm, devices), f"{algorithm}: {reason}"
+
+
+def _auto(devices):
+  if len(devices) == 1:
+    return "add_on_one_device", "a single device has nothing to exchange"
+  if all(_device_type(d) == "CPU" for d in devices):
+    return "add_on_one_device", "devices share host memory"
+  physical_gpus = len(tf.config.list_physical_devices("GPU"))
+  if len(devices) > physical_gpus:
+    return "add_on_one_device", "logical GPUs share a physical GPU's memory"
+  if tf.sysconfig.get_build_info().get("is_cuda_build", False):
+    return "nccl", "separate GPUs and TensorFlow built with NCCL"
+  return "hierarchical_copy", "separate GPUs without NCCL"
+
+
+def _build(algorithm, devices):
+  if algorithm == "add_on_one_device":
+    return tf.distribute.ReductionToOneDevice(reduce_to_device=devices[0])
+  if algorithm == "nccl":
+    return tf.distribute.NcclAllReduce()
+  if algorithm == "hierarchical_copy":
+    return tf.distribute.HierarchicalCopyAllReduce()
+  return tfi.cross_device_ops.CollectiveAllReduce(
+      devices=devices,
+      group_size=len(devices),
+      options=tfi.collective_util.Options(
+          implementation=tfi.collective_util.CommunicationImplementation.RING),
+      collective_keys=tfi.cross_device_utils.CollectiveKeys(
+          group_key_start=next(_group_key_ranges)))
+
+
+def _device_type(device):
+  return tf.DeviceSpec.from_string(device).device_type

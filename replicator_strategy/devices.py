@@ -1,0 +1,123 @@
+"""Which devices a ReplicatorStrategy replicates over, and splitting the CPU.
+
+>>> import replicator_strategy as rs
+>>> rs.split_cpu(4)  # before TensorFlow touches a device
+>>> rs.local_devices()
+('/job:localhost/replica:0/task:0/device:CPU:0', ..., '/job:localhost/replica:0/task:0/device:CPU:3')
+"""
+
+import tensorflow as tf
+
+from replicator_strategy import _tf_internal as tfi
+
+_SUPPORTED_TYPES = ("CPU", "GPU")
+
+
+def split_cpu(num_devices):
+  """Splits the physical CPU into `num_devices` logical CPU devices.
+
+  Multi-replica code then runs on any machine, which is how tests and demos
+  exercise 2 or 4 replicas without GPUs. Call it before TensorFlow creates
+  its devices (before the first op, dataset or variable); calling it again
+  with the same count is harmless.
+
+  >>> split_cpu(4)
+  >>> len(tf.config.list_logical_devices("CPU"))
+  4
+  """
+  if not isinstance(num_devices, int) or num_devices < 1:
+    raise ValueError(
+        f"Expected `num_devices` to be a positive int. Received: "
+        f"num_devices={num_devices!r}")
+  cpu = tf.config.list_physical_devices("CPU")[0]
+  wanted = [tf.config.LogicalDeviceConfiguration()] * num_devices
+  current = tf.config.get_logical_device_configuration(cpu)
+  if current is not None and len(current) == num_devices:
+    return
+  try:
+    tf.config.set_logical_device_configuration(cpu, wanted)
+  except RuntimeError as e:
+    have = len(tf.config.list_logical_devices("CPU"))
+    raise RuntimeError(
+        f"split_cpu({num_devices}) was called after TensorFlow initialised "
+        f"its devices, so the CPU stays split into {have} logical device(s). "
+        f"Call split_cpu at the start of the program, before any TensorFlow "
+        f"op, dataset, variable or strategy is created.") from e
+
+
+def local_devices():
+  """The devices `ReplicatorStrategy()` uses by default, as full names.
+
+  Every local GPU if there is one, else every logical CPU device.
+  """
+  for device_type in ("GPU", "CPU"):
+    found = tf.config.list_logical_devices(device_type)
+    if found:
+      return tuple(tfi.device_util.canonicalize(d.name) for d in found)
+  raise RuntimeError("TensorFlow reports no CPU or GPU device.")
+
+
+def tpu_present():
+  return bool(tf.config.list_logical_devices("TPU"))
+
+
+def resolve_devices(devices):
+  """Validates user device strings and returns their canonical full names.
+
+  Raises ValueError naming the bad entry and listing the devices that exist,
+  and NotImplementedError for TPU devices.
+  """
+  existing = {
+      tfi.device_util.canonicalize(d.name): d.device_type
+      for d in tf.config.list_logical_devices()
+  }
+  listing = ", ".join(sorted(existing)) or "none"
+  if isinstance(devices, str) or not hasattr(devices, "__iter__"):
+    raise ValueError(
+        f"Expected `devices` to be a list of device strings such as "
+        f"['/gpu:0', '/gpu:1']. Received: devices={devices!r}. "
+        f"Devices that exist: {listing}")
+  devices = list(devices)
+  if not devices:
+    raise ValueError(
+        f"Expected `devices` to name at least one device. Received: "
+        f"devices=[]. Devices that exist: {listing}")
+  resolved = []
+  for entry in devices:
+    try:
+      name = tfi.device_util.canonicalize(entry)
+    except (ValueError, TypeError) as e:
+      raise ValueError(
+          f"Device {entry!r} in `devices` is not a valid device string "
+          f"({e}). Devices that exist: {listing}") from e
+    if name not in existing:
+      raise ValueError(
+          f"Device {entry!r} in `devices` does not exist on this machine. "
+          f"Devices that exist: {listing}")
+    if existing[name] == "TPU":
+      raise NotImplementedError(tpu_not_supported_message())
+    if existing[name] not in _SUPPORTED_TYPES:
+      raise ValueError(
+          f"Device {entry!r} in `devices` has type {existing[name]}; "
+          f"ReplicatorStrategy replicates over CPU or GPU devices. "
+          f"Devices that exist: {listing}")
+    if name in resolved:
+      raise ValueError(
+          f"Device {entry!r} appears more than once in `devices` (as "
+          f"{name}). List each device once. Devices that exist: {listing}")
+    resolved.append(name)
+  types = {existing[name] for name in resolved}
+  if len(types) > 1:
+    raise ValueError(
+        f"`devices` mixes device types {sorted(types)}: {devices!r}. A "
+        f"replica on a CPU would hold back every GPU replica each step; list "
+        f"only GPUs or only CPUs. Devices that exist: {listing}")
+  return tuple(resolved)
+
+
+def tpu_not_supported_message():
+  return (
+      "ReplicatorStrategy recognises TPU devices but does not run on them "
+      "yet: TPU execution needs XLA replication, which is not implemented or "
+      "tested. Use tf.distribute.TPUStrategy on TPU hosts, or pass "
+      "devices=[...] naming CPU or GPU devices.")

@@ -1,0 +1,226 @@
+"""`ReplicatorExtended`: the strategy's machinery behind `tf.distribute.Strategy`.
+
+Everything TF and Keras reach through `strategy.extended` lives here:
+variable creation, reductions, updates, input distribution and replica
+execution. Subclasses TF's `StrategyExtendedV1`, the base every TF strategy
+uses, because `Strategy.run` calls its `call_for_each_replica`.
+
+>>> strategy = ReplicatorStrategy()
+>>> strategy.extended.worker_devices
+('/job:localhost/replica:0/task:0/device:CPU:0', ...)
+"""
+
+from absl import logging
+import tensorflow as tf
+
+from replicator_strategy import _tf_internal as tfi
+from replicator_strategy import all_reduce as all_reduce_lib
+from replicator_strategy import replica_context
+from replicator_strategy import variables
+
+_utils = tfi.distribute_utils
+
+
+class ReplicatorExtended(tfi.StrategyExtendedV1):
+  """Replicates over `devices` of one machine, one replica per device."""
+
+  def __init__(self, container_strategy, devices, all_reduce):
+    super().__init__(container_strategy)
+    self._devices = tuple(devices)
+    self._host_device = tfi.device_util.get_host_for_device(self._devices[0])
+    self._cross_device_ops, self.all_reduce_choice = all_reduce_lib.choose(
+        self._devices, all_reduce)
+    self._host_reduce_ops = tf.distribute.ReductionToOneDevice()
+    # Partial final batches: a replica may get fewer (or no) examples.
+    self.experimental_enable_get_next_as_optional = True
+    self._use_var_policy = False
+    logging.info("ReplicatorStrategy: %d replica(s) on %s; all-reduce %s",
+                 len(self._devices), ", ".join(self._devices),
+                 self.all_reduce_choice)
+
+  # Replica execution.
+
+  def _call_for_each_replica(self, fn, args, kwargs):
+    return replica_context.call_for_each_replica(
+        self._container_strategy(), fn, args, kwargs)
+
+  def _get_local_replica_id(self, replica_id_in_sync_group):
+    return replica_id_in_sync_group
+
+  def _get_replica_id_in_sync_group(self, replica_id):
+    return replica_id
+
+  # Variables.
+
+  def _create_variable(self, next_creator, **kwargs):
+    return variables.create(self._container_strategy(), self._devices,
+                            next_creator, **kwargs)
+
+  def _validate_colocate_with_variable(self, colocate_with_variable):
+    _utils.validate_colocate_distributed_variable(colocate_with_variable, self)
+
+  def read_var(self, replica_local_var):
+    if _utils.is_sync_on_read(replica_local_var):
+      return replica_local_var._get_cross_replica()  # pylint: disable=protected-access
+    return tf.identity(replica_local_var._get())  # pylint: disable=protected-access
+
+  def value_container(self, val):
+    return _utils.value_container(val)
+
+  def _update(self, var, fn, args, kwargs, group):
+    return self._update_per_device(
+        [(v.device, v) for v in var.values], fn, args, kwargs, group)
+
+  def _update_non_slot(self, colocate_with, fn, args, kwargs, group):
+    return self._update_per_device([(d, None) for d in colocate_with], fn,
+                                   args, kwargs, group)
+
+  def _update_per_device(self, targets, fn, args, kwargs, group):
+    updates = []
+    for i, (device, component) in enumerate(targets):
+      leading = () if component is None else (component,)
+      with tf.device(device), tfi.UpdateContext(i), tf.name_scope(
+          f"update_{i}"):
+        updates.append(
+            fn(*leading, *_utils.select_replica(i, args),
+               **_utils.select_replica(i, kwargs)))
+    return _utils.update_regroup(self, updates, group)
+
+  def non_slot_devices(self, var_list):
+    del var_list
+    return self._devices
+
+  # Reductions and broadcasts.
+
+  def _ops_for(self, value, destinations):
+    """The all-reduce algorithm, or the host path where it can't serve."""
+    parts = value.values if isinstance(value, tfi.values.DistributedValues) else (value,)
+    if any(tf.as_dtype(p.dtype) == tf.int32 for p in parts):
+      return self._host_reduce_ops  # NCCL cannot reduce int32.
+    if destinations is not None and not tfi.cross_device_ops._devices_match(  # pylint: disable=protected-access
+        value, destinations):
+      return self._host_reduce_ops
+    return self._cross_device_ops
+
+  def _reduce_to(self, reduce_op, value, destinations, options):
+    def reduce_one(v):
+      if _utils.is_mirrored(v) and reduce_op == tf.distribute.ReduceOp.MEAN:
+        return v
+      if not isinstance(v, tfi.values.DistributedValues):
+        return tfi.cross_device_ops.reduce_non_distributed_value(
+            reduce_op, v, destinations, self._num_replicas_in_sync)
+      return self._ops_for(v, destinations).reduce(
+          reduce_op, v, destinations=destinations, options=options)
+
+    return tf.nest.map_structure(reduce_one, value)
+
+  def _batch_reduce_to(self, reduce_op, value_destination_pairs, options):
+    if all(self._ops_for(v, d) is self._cross_device_ops
+           for v, d in value_destination_pairs):
+      return self._cross_device_ops.batch_reduce(
+          reduce_op, value_destination_pairs, options=options)
+    return [self._reduce_to(reduce_op, v, d, options)
+            for v, d in value_destination_pairs]
+
+  def _gather_to_implementation(self, value, destinations, axis, options):
+    if not isinstance(value, tfi.values.DistributedValues):
+      return value
+    return self._host_reduce_ops._gather(  # pylint: disable=protected-access
+        value, destinations=destinations, axis=axis, options=options)
+
+  def _broadcast_to(self, tensor, destinations):
+    if isinstance(tensor, (float, int)):
+      return tensor  # Converted later, to the destination variable's dtype.
+    return self._ops_for(tensor, None).broadcast(
+        tensor, destinations or self._devices)
+
+  # Input.
+
+  def _input_workers_with_options(self, options=None):
+    compute = self._devices
+    if options is not None and not options.experimental_fetch_to_device:
+      compute = (self._host_device,) * len(self._devices)
+    return tfi.input_lib.InputWorkers([(self._host_device, compute)])
+
+  @property
+  def _input_workers(self):
+    return self._input_workers_with_options()
+
+  def _experimental_distribute_dataset(self, dataset, options):
+    _reject_per_replica_mode(options, "experimental_distribute_dataset")
+    return tfi.input_util.get_distributed_dataset(
+        dataset, self._input_workers_with_options(options),
+        self._container_strategy(),
+        num_replicas_in_sync=self._num_replicas_in_sync, options=options)
+
+  def _distribute_datasets_from_function(self, dataset_fn, options):
+    _reject_per_replica_mode(options, "distribute_datasets_from_function")
+    input_context = tf.distribute.InputContext(
+        num_input_pipelines=1, input_pipeline_id=0,
+        num_replicas_in_sync=self._num_replicas_in_sync)
+    return tfi.input_util.get_distributed_datasets_from_function(
+        dataset_fn, self._input_workers_with_options(options),
+        [input_context], self._container_strategy(), options)
+
+  def _experimental_distribute_values_from_function(self, value_fn):
+    per_replica = [
+        value_fn(tf.distribute.experimental.ValueContext(
+            i, self._num_replicas_in_sync))
+        for i in range(self._num_replicas_in_sync)
+    ]
+    return _utils.regroup(per_replica, always_wrap=True)
+
+  def _experimental_make_numpy_dataset(self, numpy_input, session):
+    return tfi.numpy_dataset.one_host_numpy_dataset(
+        numpy_input, tfi.numpy_dataset.SingleDevice(self._host_device),
+        session)
+
+  # Topology.
+
+  @property
+  def _num_replicas_in_sync(self):
+    return len(self._devices)
+
+  @property
+  def worker_devices(self):
+    return self._devices
+
+  @property
+  def worker_devices_by_replica(self):
+    return [[d] for d in self._devices]
+
+  @property
+  def parameter_devices(self):
+    return self._devices
+
+  def _in_multi_worker_mode(self):
+    return False
+
+  @property
+  def experimental_between_graph(self):
+    return False
+
+  @property
+  def experimental_should_init(self):
+    return True
+
+  @property
+  def should_checkpoint(self):
+    return True
+
+  @property
+  def should_save_summary(self):
+    return True
+
+  @property
+  def _global_batch_size(self):
+    return True
+
+
+def _reject_per_replica_mode(options, api):
+  if (options is not None and options.experimental_replication_mode ==
+      tf.distribute.InputReplicationMode.PER_REPLICA):
+    raise NotImplementedError(
+        f"ReplicatorStrategy.{api} does not support "
+        f"InputReplicationMode.PER_REPLICA yet. Use the default PER_WORKER "
+        f"mode (leave experimental_replication_mode unset).")

@@ -1,0 +1,57 @@
+"""Reduction operations: `tf.distribute.ReduceOp`'s SUM and MEAN, plus MIN and MAX.
+
+`tf.distribute.ReduceOp` has only SUM and MEAN. ReplicatorStrategy accepts
+those members unchanged, their string names, and this module's `ReduceOp`,
+which adds MIN and MAX (TF-Replicator's vocabulary).
+
+>>> parse("max")
+<ReduceOp.MAX: 'MAX'>
+>>> parse(tf.distribute.ReduceOp.SUM)
+<ReduceOp.SUM: 'SUM'>
+"""
+
+import enum
+
+import tensorflow as tf
+
+
+class ReduceOp(enum.Enum):
+  """How values from all replicas are combined."""
+  SUM = "SUM"
+  MEAN = "MEAN"
+  MIN = "MIN"
+  MAX = "MAX"
+
+  def to_tf(self):
+    """The `tf.distribute.ReduceOp` for SUM and MEAN; ValueError otherwise."""
+    if self not in (ReduceOp.SUM, ReduceOp.MEAN):
+      raise ValueError(f"{self} has no tf.distribute.ReduceOp equivalent.")
+    return tf.distribute.ReduceOp(self.value)
+
+  @property
+  def is_extremum(self):
+    return self in (ReduceOp.MIN, ReduceOp.MAX)
+
+
+def parse(op):
+  """Returns the `ReduceOp` for a string, `tf.distribute.ReduceOp` or `ReduceOp`."""
+  if isinstance(op, ReduceOp):
+    return op
+  if isinstance(op, tf.distribute.ReduceOp):
+    return ReduceOp(op.value)
+  if isinstance(op, str) and op.upper() in ReduceOp.__members__:
+    return ReduceOp[op.upper()]
+  raise ValueError(
+      f"Expected a reduce op: one of 'sum', 'mean', 'min', 'max' (any case), "
+      f"a tf.distribute.ReduceOp or a replicator_strategy.ReduceOp. "
+      f"Received: {op!r}")
+
+
+def reduce_stacked(op, stacked):
+  """Reduces a tensor stacked along axis 0 (one row per replica) with `op`."""
+  return {
+      ReduceOp.SUM: tf.reduce_sum,
+      ReduceOp.MEAN: tf.reduce_mean,
+      ReduceOp.MIN: tf.reduce_min,
+      ReduceOp.MAX: tf.reduce_max,
+  }[op](stacked, axis=0)

@@ -1,0 +1,66 @@
+"""`ReplicatorStrategy`: single-device code, replicated over every local device.
+
+>>> import replicator_strategy as rs
+>>> rs.split_cpu(4)                      # demo/test only: 4 virtual CPUs
+>>> strategy = rs.ReplicatorStrategy()   # every GPU, else every CPU device
+>>> strategy.num_replicas_in_sync
+4
+>>> with strategy.scope():
+...   model = keras.Sequential([keras.layers.Dense(1)])
+...   model.compile("sgd", "mse")
+>>> model.fit(x, y, batch_size=64)       # the global batch, split 4 ways
+
+TF-Replicator (Buchlovsky et al., 2019, arXiv:1902.00465) rebuilt as a
+`tf.distribute.Strategy`.
+"""
+
+import tensorflow as tf
+
+from replicator_strategy import devices as devices_lib
+from replicator_strategy import extended as extended_lib
+from replicator_strategy import reduce_op as reduce_op_lib
+
+
+class ReplicatorStrategy(tf.distribute.Strategy):
+  """Synchronous data-parallel replication over the devices of one machine.
+
+  Args:
+    devices: device strings to replicate over, one replica each. Default:
+      every local GPU, or every logical CPU device when there is no GPU.
+    all_reduce: "auto" (default: picked for the topology, see
+      `replicator_strategy.all_reduce`), "add_on_one_device", "nccl",
+      "hierarchical_copy", "ring", or a `tf.distribute.CrossDeviceOps`.
+  """
+
+  def __init__(self, devices=None, all_reduce="auto"):
+    if devices is None:
+      if devices_lib.tpu_present():
+        raise NotImplementedError(devices_lib.tpu_not_supported_message())
+      devices = devices_lib.local_devices()
+    else:
+      devices = devices_lib.resolve_devices(devices)
+    super().__init__(extended_lib.ReplicatorExtended(self, devices, all_reduce))
+
+  def reduce(self, reduce_op, value, axis):
+    """`tf.distribute.Strategy.reduce`, also with "min" and "max".
+
+    >>> strategy.reduce("max", per_replica_values, axis=None)
+    """
+    op = reduce_op_lib.parse(reduce_op)
+    if not op.is_extremum:
+      return super().reduce(op.to_tf(), value, axis)
+
+    def reduce_one(v):
+      parts = self.experimental_local_results(v)
+      if axis is not None:
+        parts = [reduce_op_lib.reduce_stacked(op, tf.experimental.numpy.moveaxis(
+            p, axis, 0)) for p in parts]
+      with tf.device(self.extended._host_device):  # pylint: disable=protected-access
+        return reduce_op_lib.reduce_stacked(op, tf.stack(parts))
+
+    return tf.nest.map_structure(reduce_one, value)
+
+  def __repr__(self):
+    return (f"ReplicatorStrategy({self.num_replicas_in_sync} replicas: "
+            f"{', '.join(self.extended.worker_devices)}; all-reduce "
+            f"{self.extended.all_reduce_choice})")

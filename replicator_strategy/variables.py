@@ -1,0 +1,54 @@
+"""Creating distributed variables: one component per replica device.
+
+TF's `MirroredVariable` (on-write, every aggregation) and `SyncOnReadVariable`
+(on-read, e.g. Keras metrics) carry checkpointing, SavedModel export and
+Keras integration, so they are reused; this module only decides where the
+components live and what each starts from.
+
+>>> strategy = ReplicatorStrategy()
+>>> with strategy.scope():
+...   v = tf.Variable(1.0)
+>>> type(v).__name__
+'MirroredVariable'
+"""
+
+import tensorflow as tf
+
+from replicator_strategy import _tf_internal as tfi
+
+
+def create(strategy, devices, next_creator, **kwargs):
+  """Creates a variable with one component on each of `devices`."""
+  colocate_with = kwargs.pop("colocate_with", None)
+  if isinstance(colocate_with, tfi.numpy_dataset.SingleDevice):
+    with tf.device(colocate_with.device):
+      return next_creator(**kwargs)
+  if colocate_with is not None:
+    devices = colocate_with._devices  # pylint: disable=protected-access
+
+  def create_components(**kwargs):
+    components = []
+    for i, device in enumerate(devices):
+      with tf.device(device):
+        if i > 0:
+          # Replicas start from the primary's value, so they are identical
+          # even when the initializer is random.
+          kwargs["initial_value"] = _copy_of(components[0])
+          kwargs["name"] = "%s/replica_%d/" % (
+              components[0].name.split(":")[0], i)
+        with tfi.context.device_policy(tfi.context.DEVICE_PLACEMENT_SILENT):
+          with tfi.record.stop_recording():
+            components.append(next_creator(**kwargs))
+    return components
+
+  return tfi.distribute_utils.create_mirrored_variable(
+      strategy, create_components, tfi.distribute_utils.VARIABLE_CLASS_MAPPING,
+      tfi.distribute_utils.VARIABLE_POLICY_MAPPING, **kwargs)
+
+
+def _copy_of(primary):
+  def initial_value():
+    if tf.executing_eagerly() or tf.inside_function():
+      return tf.identity(primary.value())
+    return tf.identity(primary.initial_value)
+  return initial_value
