@@ -131,8 +131,9 @@ class ReplicatorExtended(tfi.StrategyExtendedV1):
   def _broadcast_to(self, tensor, destinations):
     if isinstance(tensor, (float, int)):
       return tensor  # Converted later, to the destination variable's dtype.
-    return self._ops_for(tensor, None).broadcast(
-        tensor, destinations or self._devices)
+    if destinations is None:
+      destinations = self._devices
+    return self._ops_for(tensor, None).broadcast(tensor, destinations)
 
   # Input.
 
@@ -163,11 +164,11 @@ class ReplicatorExtended(tfi.StrategyExtendedV1):
         [input_context], self._container_strategy(), options)
 
   def _experimental_distribute_values_from_function(self, value_fn):
-    per_replica = [
-        value_fn(tf.distribute.experimental.ValueContext(
-            i, self._num_replicas_in_sync))
-        for i in range(self._num_replicas_in_sync)
-    ]
+    per_replica = []
+    for i, device in enumerate(self._devices):
+      with tf.device(device):
+        per_replica.append(value_fn(tf.distribute.experimental.ValueContext(
+            i, self._num_replicas_in_sync)))
     return _utils.regroup(per_replica, always_wrap=True)
 
   def _experimental_make_numpy_dataset(self, numpy_input, session):

@@ -1,0 +1,195 @@
+"""Replica-context collectives, eagerly and in tf.function, on 1, 2, 4 replicas."""
+
+import unittest
+
+import numpy as np
+from parameterized import parameterized
+import tensorflow as tf
+
+import replicator_strategy as rs
+import topology
+
+_MODES = [("eager", False), ("function", True)]
+_CASES = [(f"{n}_replicas_{mode}", n, traced)
+          for n in topology.REPLICA_COUNTS for mode, traced in _MODES]
+
+
+def run_per_replica(strategy, fn, traced):
+  """strategy.run(fn), returning the per-replica results as numpy."""
+  run = lambda: strategy.run(fn)
+  if traced:
+    run = tf.function(run)
+  return [tf.nest.map_structure(np.asarray, r)
+          for r in strategy.experimental_local_results(run())]
+
+
+def replica_value(offset=0.0):
+  ctx = tf.distribute.get_replica_context()
+  return tf.cast(ctx.replica_id_in_sync_group, tf.float32) + offset
+
+
+class AllReduceTest(unittest.TestCase):
+
+  @parameterized.expand(_CASES)
+  def test_every_op_on_nested_structures(self, _, n, traced):
+    strategy = topology.strategy_over(n)
+
+    def fn():
+      ctx = tf.distribute.get_replica_context()
+      x = replica_value(1.0)  # 1..n
+      vec = tf.stack([x, -x])
+      return {op: ctx.all_reduce(op, {"s": x, "v": [vec]})
+              for op in ("sum", "mean", "min", "max")}
+
+    ids = np.arange(1, n + 1, dtype=np.float32)
+    expected = {"sum": ids.sum(), "mean": ids.mean(), "min": ids.min(),
+                "max": ids.max()}
+    expected_vec = {"sum": [ids.sum(), -ids.sum()],
+                    "mean": [ids.mean(), -ids.mean()],
+                    "min": [ids.min(), -ids.max()],
+                    "max": [ids.max(), -ids.min()]}
+    for result in run_per_replica(strategy, fn, traced):
+      for op in expected:
+        np.testing.assert_allclose(result[op]["s"], expected[op])
+        np.testing.assert_allclose(result[op]["v"][0], expected_vec[op])
+
+  @parameterized.expand([(str(op), op) for op in (
+      tf.distribute.ReduceOp.SUM, tf.distribute.ReduceOp.MEAN, rs.ReduceOp.SUM,
+      rs.ReduceOp.MIN, rs.ReduceOp.MAX, "SUM", "Max")])
+  def test_accepts_tf_and_own_reduce_ops(self, _, op):
+    strategy = topology.strategy_over(4)
+    fn = lambda: tf.distribute.get_replica_context().all_reduce(
+        op, replica_value())
+    name = rs.ReduceOp[op.name if hasattr(op, "name") else op.upper()]
+    expected = {"SUM": 6.0, "MEAN": 1.5, "MIN": 0.0, "MAX": 3.0}[name.value]
+    for result in run_per_replica(strategy, fn, traced=True):
+      self.assertEqual(result, expected)
+
+  def test_unknown_op_names_the_choices(self):
+    strategy = topology.strategy_over(2)
+    fn = lambda: tf.distribute.get_replica_context().all_reduce("prod", 1.0)
+    with self.assertRaisesRegex(ValueError, "'sum', 'mean', 'min', 'max'.*'prod'"):
+      strategy.run(fn)
+
+  @parameterized.expand(_CASES)
+  def test_gradients(self, _, n, traced):
+    strategy = topology.strategy_over(n)
+
+    def fn():
+      ctx = tf.distribute.get_replica_context()
+      rid = ctx.replica_id_in_sync_group
+      x = tf.cast(rid, tf.float32) + 1.0
+      with tf.GradientTape(persistent=True) as tape:
+        tape.watch(x)
+        sums = ctx.all_reduce("sum", x * 2.0)
+        maxes = ctx.all_reduce("max", x)
+        mins = ctx.all_reduce("min", x * x)
+      return (tape.gradient(sums, x), tape.gradient(maxes, x),
+              tape.gradient(mins, x))
+
+    results = run_per_replica(strategy, fn, traced)
+    for rid, (d_sum, d_max, d_min) in enumerate(results):
+      # d(sum_k 2 x_k)/dx_r summed over the n replicas' outputs = 2n.
+      self.assertAlmostEqual(d_sum, 2.0 * n)
+      # Every replica's max is x_{n-1}: gradient n on that replica only.
+      self.assertAlmostEqual(d_max, n if rid == n - 1 else 0.0)
+      # min(x^2) is x_0^2 = 1: gradient n * 2 * x_0 on replica 0 only.
+      self.assertAlmostEqual(d_min, 2.0 * n if rid == 0 else 0.0)
+
+  def test_ties_split_the_gradient(self):
+    strategy = topology.strategy_over(4)
+
+    def fn():
+      ctx = tf.distribute.get_replica_context()
+      x = tf.constant(5.0)
+      with tf.GradientTape() as tape:
+        tape.watch(x)
+        y = ctx.all_reduce("max", x)
+      return tape.gradient(y, x)
+
+    # All four tie: the summed upstream gradient 4 is split four ways.
+    self.assertEqual(run_per_replica(strategy, fn, traced=True), [1.0] * 4)
+
+
+class BroadcastTest(unittest.TestCase):
+
+  @parameterized.expand(_CASES)
+  def test_every_replica_gets_the_source_value(self, _, n, traced):
+    strategy = topology.strategy_over(n)
+    source = n - 1
+
+    def fn():
+      ctx = tf.distribute.get_replica_context()
+      x = replica_value()
+      return ctx.broadcast({"a": x, "b": [tf.fill([2], x * 10)]},
+                           source_replica_id=source)
+
+    for result in run_per_replica(strategy, fn, traced):
+      self.assertEqual(result["a"], source)
+      np.testing.assert_array_equal(result["b"][0], [source * 10.0] * 2)
+
+  @parameterized.expand(_CASES)
+  def test_gradient_flows_to_source_only(self, _, n, traced):
+    strategy = topology.strategy_over(n)
+
+    def fn():
+      ctx = tf.distribute.get_replica_context()
+      x = replica_value(1.0)
+      with tf.GradientTape() as tape:
+        tape.watch(x)
+        y = ctx.broadcast(x * 3.0) * replica_value(1.0)
+      return tape.gradient(y, x)
+
+    # d/dx_0 of sum_r 3 x_0 (r+1) = 3 * n(n+1)/2; zero elsewhere.
+    results = run_per_replica(strategy, fn, traced)
+    self.assertAlmostEqual(results[0], 3.0 * n * (n + 1) / 2)
+    self.assertEqual(results[1:], [0.0] * (n - 1))
+
+  def test_bad_source_replica(self):
+    strategy = topology.strategy_over(2)
+    fn = lambda: tf.distribute.get_replica_context().broadcast(1.0, 2)
+    with self.assertRaisesRegex(ValueError, r"source_replica_id.*\[0, 2\).*2"):
+      strategy.run(fn)
+
+
+class ContextTest(unittest.TestCase):
+
+  @parameterized.expand(_CASES)
+  def test_ids_gather_and_merge_call(self, _, n, traced):
+    strategy = topology.strategy_over(n)
+
+    def fn():
+      ctx = tf.distribute.get_replica_context()
+      assert isinstance(ctx, rs.ReplicaContext), type(ctx)
+      x = replica_value()
+      gathered = ctx.all_gather({"row": tf.fill([1, 2], x)}, axis=0)
+      merged = ctx.merge_call(
+          lambda strategy, v: strategy.reduce("sum", v, axis=None), args=(x,))
+      return (ctx.replica_id_in_sync_group, ctx.num_replicas_in_sync,
+              gathered["row"], merged)
+
+    for rid, (got_id, count, rows, merged) in enumerate(
+        run_per_replica(strategy, fn, traced)):
+      self.assertEqual((got_id, count), (rid, n))
+      np.testing.assert_array_equal(
+          rows, np.repeat(np.arange(n, dtype=np.float32)[:, None], 2, axis=1))
+      self.assertEqual(merged, n * (n - 1) / 2)
+
+  def test_all_gather_gradient(self):
+    strategy = topology.strategy_over(2)
+
+    def fn():
+      ctx = tf.distribute.get_replica_context()
+      x = tf.reshape(replica_value(1.0), [1])
+      with tf.GradientTape() as tape:
+        tape.watch(x)
+        g = ctx.all_gather(x, axis=0)  # [1, 2] everywhere
+        y = tf.reduce_sum(g * tf.constant([10.0, 100.0]))
+      return tape.gradient(y, x)
+
+    results = run_per_replica(strategy, fn, traced=True)
+    np.testing.assert_allclose(results, [[20.0], [200.0]])
+
+
+if __name__ == "__main__":
+  unittest.main()

@@ -1,0 +1,240 @@
+"""Construction, placement and the cross-replica API, on 1, 2 and 4 replicas."""
+
+import unittest
+from unittest import mock
+
+from absl.testing import absltest  # pylint: disable=unused-import
+import numpy as np
+from parameterized import parameterized
+import tensorflow as tf
+
+import replicator_strategy as rs
+import topology
+
+CPU = "/job:localhost/replica:0/task:0/device:CPU:%d"
+
+
+class ConstructionTest(unittest.TestCase):
+
+  def test_default_takes_every_logical_cpu(self):
+    strategy = rs.ReplicatorStrategy()
+    self.assertEqual(strategy.extended.worker_devices,
+                     tuple(CPU % i for i in range(4)))
+    self.assertEqual(strategy.num_replicas_in_sync, 4)
+
+  def test_explicit_devices_in_any_spelling(self):
+    strategy = rs.ReplicatorStrategy(devices=["/cpu:2", "CPU:0"])
+    self.assertEqual(strategy.extended.worker_devices, (CPU % 2, CPU % 0))
+
+  @parameterized.expand([
+      ("missing", ["/cpu:0", "/cpu:9"], "'/cpu:9'.*does not exist"),
+      ("gpu_absent", ["/gpu:0"], "'/gpu:0'.*does not exist"),
+      ("duplicate", ["/cpu:1", "/device:CPU:1"], "'/device:CPU:1'.*more than once"),
+      ("empty", [], "at least one device"),
+      ("garbage", ["not a device"], "'not a device'"),
+      ("plain_string", "/cpu:0", "list of device strings"),
+  ])
+  def test_bad_device_lists_name_the_entry_and_what_exists(self, _, devices,
+                                                         pattern):
+    with self.assertRaisesRegex(ValueError, pattern) as raised:
+      rs.ReplicatorStrategy(devices=devices)
+    self.assertIn("Devices that exist: " + CPU % 0, str(raised.exception))
+
+  def test_mixed_device_types_are_rejected(self):
+    fake = [tf.config.LogicalDevice(CPU % 0, "CPU"),
+            tf.config.LogicalDevice(CPU.replace("CPU", "GPU") % 0, "GPU")]
+    with mock.patch.object(tf.config, "list_logical_devices",
+                           lambda *a: fake):
+      with self.assertRaisesRegex(ValueError, r"mixes device types \['CPU', 'GPU'\]"):
+        rs.ReplicatorStrategy(devices=["/cpu:0", "/gpu:0"])
+
+  def test_tpu_host_gets_not_implemented(self):
+    tpu = tf.config.LogicalDevice(CPU.replace("CPU", "TPU") % 0, "TPU")
+    listing = lambda device_type=None: (
+        [tpu] if device_type in (None, "TPU") else [])
+    with mock.patch.object(tf.config, "list_logical_devices", listing):
+      with self.assertRaisesRegex(NotImplementedError, "TPUStrategy"):
+        rs.ReplicatorStrategy()
+      with self.assertRaisesRegex(NotImplementedError, "TPU"):
+        rs.ReplicatorStrategy(devices=["/tpu:0"])
+
+  def test_split_cpu_after_initialisation_says_so(self):
+    tf.constant(1.0)  # TF devices exist now.
+    rs.split_cpu(4)  # Same split as conftest's: nothing to do.
+    with self.assertRaisesRegex(RuntimeError,
+                                "split_cpu.3. was called after.*into 4"):
+      rs.split_cpu(3)
+    with self.assertRaisesRegex(ValueError, "positive int.*0"):
+      rs.split_cpu(0)
+
+  def test_bad_all_reduce_names_the_choices(self):
+    with self.assertRaisesRegex(ValueError, "'auto'.*Received: all_reduce='fast'"):
+      rs.ReplicatorStrategy(all_reduce="fast")
+
+  def test_all_reduce_choice_is_automatic_and_reported(self):
+    strategy = topology.strategy_over(4)
+    self.assertEqual(strategy.extended.all_reduce_choice,
+                     "add_on_one_device: devices share host memory")
+    self.assertIn("all-reduce add_on_one_device", repr(strategy))
+    given = topology.strategy_over(2, all_reduce=tf.distribute.ReductionToOneDevice())
+    self.assertIn("given by the user", given.extended.all_reduce_choice)
+
+  @parameterized.expand(["add_on_one_device", "ring", "hierarchical_copy"])
+  def test_every_cpu_capable_algorithm_sums(self, algorithm):
+    strategy = topology.strategy_over(4, all_reduce=algorithm)
+    fn = lambda: tf.distribute.get_replica_context().all_reduce(
+        "sum", tf.fill([3], tf.cast(
+            tf.distribute.get_replica_context().replica_id_in_sync_group,
+            tf.float32)))
+    for r in strategy.experimental_local_results(tf.function(
+        lambda: strategy.run(fn))()):
+      np.testing.assert_array_equal(r, [6.0] * 3)
+
+  @parameterized.expand(["auto", "ring"])
+  def test_instances_work_side_by_side(self, algorithm):
+    # Stock MirroredStrategy's second instance collides with the first's
+    # collectives; each ReplicatorStrategy keeps to its own.
+    first = topology.strategy_over(2, all_reduce=algorithm)
+    second = topology.strategy_over(2, all_reduce=algorithm)
+    third = topology.strategy_over(4, all_reduce=algorithm)
+
+    def summed(strategy, width):
+      def fn():
+        ctx = tf.distribute.get_replica_context()
+        return ctx.all_reduce("sum", tf.ones([width]) * tf.cast(
+            ctx.replica_id_in_sync_group + 1, tf.float32))
+      return tf.function(lambda: strategy.run(fn))
+
+    steps = [(first, summed(first, 3), 3.0), (second, summed(second, 5), 3.0),
+             (third, summed(third, 7), 10.0)]
+    for _ in range(2):
+      for strategy, step, total in steps:
+        for r in strategy.experimental_local_results(step()):
+          np.testing.assert_array_equal(r, np.full(r.shape, total))
+
+
+def _per_replica(strategy, fn):
+  return strategy.experimental_distribute_values_from_function(fn)
+
+
+class CrossReplicaTest(unittest.TestCase):
+
+  @parameterized.expand(topology.NAMED_REPLICA_COUNTS)
+  def test_reduce_with_and_without_axis_on_nests(self, _, n):
+    strategy = topology.strategy_over(n)
+    values = _per_replica(strategy, lambda ctx: {
+        "a": tf.constant([1.0, 2.0]) * (ctx.replica_id_in_sync_group + 1),
+        "b": (tf.constant(float(ctx.replica_id_in_sync_group)),)})
+    ids = np.arange(1, n + 1)
+    no_axis = strategy.reduce("sum", values, axis=None)
+    np.testing.assert_allclose(no_axis["a"], [ids.sum(), 2 * ids.sum()])
+    np.testing.assert_allclose(no_axis["b"][0], (ids - 1).sum())
+    mean_axis = strategy.reduce(tf.distribute.ReduceOp.MEAN, values["a"], axis=0)
+    np.testing.assert_allclose(mean_axis, np.mean(np.concatenate(
+        [[i, 2 * i] for i in ids])))
+    np.testing.assert_allclose(strategy.reduce("max", values["a"], axis=0), 2 * n)
+    np.testing.assert_allclose(strategy.reduce("min", values, axis=None)["a"],
+                               [1.0, 2.0])
+
+  @parameterized.expand(topology.NAMED_REPLICA_COUNTS)
+  def test_gather_and_local_results(self, _, n):
+    strategy = topology.strategy_over(n)
+    values = _per_replica(strategy, lambda ctx: tf.fill(
+        [2, ctx.replica_id_in_sync_group + 1],
+        float(ctx.replica_id_in_sync_group)))
+    local = strategy.experimental_local_results(values)
+    self.assertEqual(len(local), n)
+    for i, v in enumerate(local):
+      self.assertEqual(v.device, CPU % i)
+    gathered = strategy.gather(values, axis=1)
+    np.testing.assert_array_equal(
+        gathered[0], np.concatenate([[i] * (i + 1) for i in range(n)]))
+
+  @parameterized.expand(topology.NAMED_REPLICA_COUNTS)
+  def test_distribute_dataset_splits_the_global_batch_and_keeps_the_tail(self, _, n):
+    strategy = topology.strategy_over(n)
+    # 23 examples in global batches of 8: the last batch has 7.
+    dataset = tf.data.Dataset.range(23).batch(8)
+    seen = []
+    for batch in strategy.experimental_distribute_dataset(dataset):
+      parts = strategy.experimental_local_results(batch)
+      self.assertEqual(len(parts), n)
+      if len(seen) < 16:
+        self.assertEqual([len(p) for p in parts], [8 // n] * n)
+      seen.extend(np.concatenate([p.numpy() for p in parts]).tolist())
+    self.assertEqual(seen, list(range(23)))
+
+  @parameterized.expand(topology.NAMED_REPLICA_COUNTS)
+  def test_distributed_dataset_in_a_traced_loop(self, _, n):
+    strategy = topology.strategy_over(n)
+    dataset = strategy.experimental_distribute_dataset(
+        tf.data.Dataset.range(20).map(lambda x: tf.cast(x, tf.float32)).batch(8))
+
+    @tf.function
+    def total():
+      acc = tf.constant(0.0)
+      for batch in dataset:
+        acc += strategy.reduce("sum", strategy.run(tf.reduce_sum, (batch,)),
+                               axis=None)
+      return acc
+
+    self.assertEqual(total().numpy(), sum(range(20)))
+
+  @parameterized.expand(topology.NAMED_REPLICA_COUNTS)
+  def test_datasets_from_function_gets_the_per_replica_batch(self, _, n):
+    strategy = topology.strategy_over(n)
+    contexts = []
+
+    def dataset_fn(ctx):
+      contexts.append(ctx)
+      return tf.data.Dataset.range(16).batch(ctx.get_per_replica_batch_size(8))
+
+    batches = list(strategy.distribute_datasets_from_function(dataset_fn))
+    self.assertEqual(len(contexts), 1)
+    self.assertEqual((contexts[0].num_replicas_in_sync,
+                      contexts[0].num_input_pipelines), (n, 1))
+    first = strategy.experimental_local_results(batches[0])
+    self.assertEqual([len(p) for p in first], [8 // n] * n)
+
+  @parameterized.expand(topology.NAMED_REPLICA_COUNTS)
+  def test_reduce_to_and_batch_reduce_to(self, _, n):
+    strategy = topology.strategy_over(n)
+    with strategy.scope():
+      var = tf.Variable(0.0)
+    values = _per_replica(
+        strategy, lambda ctx: tf.constant(float(ctx.replica_id_in_sync_group + 1)))
+    ids = np.arange(1, n + 1)
+    summed = strategy.extended.reduce_to("sum", values, destinations=var)
+    self.assertEqual(
+        [float(v) for v in strategy.experimental_local_results(summed)],
+        [ids.sum()] * n)
+    on_host = strategy.extended.reduce_to("mean", values, destinations="/cpu:0")
+    self.assertEqual(float(strategy.experimental_local_results(on_host)[0]),
+                     ids.mean())
+    batched = strategy.extended.batch_reduce_to(
+        tf.distribute.ReduceOp.MEAN, [(values, var), (values, var)])
+    for result in batched:
+      self.assertEqual(
+          [float(v) for v in strategy.experimental_local_results(result)],
+          [ids.mean()] * n)
+
+  @parameterized.expand(topology.NAMED_REPLICA_COUNTS)
+  def test_run_returns_per_replica_results_for_per_replica_args(self, _, n):
+    strategy = topology.strategy_over(n)
+    values = _per_replica(strategy, lambda ctx: tf.constant(
+        float(ctx.replica_id_in_sync_group)))
+    doubled = strategy.run(lambda x: x * 2.0, args=(values,))
+    self.assertEqual([float(v) for v in strategy.experimental_local_results(
+        doubled)], [2.0 * i for i in range(n)])
+
+  def test_per_replica_input_mode_is_rejected_clearly(self):
+    strategy = topology.strategy_over(2)
+    options = tf.distribute.InputOptions(
+        experimental_replication_mode=tf.distribute.InputReplicationMode.PER_REPLICA)
+    with self.assertRaisesRegex(NotImplementedError, "PER_REPLICA"):
+      strategy.distribute_datasets_from_function(
+          lambda ctx: tf.data.Dataset.range(4), options)
+
+
+if __name__ == "__main__":
+  unittest.main()
