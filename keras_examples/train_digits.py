@@ -5,7 +5,7 @@ call `model.fit` as usual. Each global batch is split across the replicas and
 their gradients are all-reduced every step. Without a GPU the CPU is split
 into `--replicas` logical devices so the multi-replica path runs anywhere.
 
-  python keras_examples/train_digits.py --replicas 4 --epochs 20
+  python keras_examples/train_digits.py --replicas 4 --epochs 10
 """
 
 import argparse
@@ -25,7 +25,7 @@ def parse_args():
                       help="logical CPU devices to split into when there is "
                       "no GPU (default: 4); ignored on GPU machines, which "
                       "use every GPU")
-  parser.add_argument("--epochs", type=int, default=20)
+  parser.add_argument("--epochs", type=int, default=10)
   parser.add_argument("--global-batch-size", type=int, default=64,
                       help="examples per step, summed over all replicas")
   return parser.parse_args()
@@ -65,12 +65,12 @@ def main():
   with strategy.scope():
     model = build_model()
     model.compile(
-        optimizer=keras.optimizers.Adam(1e-3),
+        optimizer=keras.optimizers.Adam(3e-3),
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         metrics=["accuracy"])
 
   model.fit(x_train, y_train, batch_size=args.global_batch_size,
-            epochs=args.epochs, validation_split=0.1, verbose=2)
+            epochs=args.epochs, validation_split=0.1)
   _, test_accuracy = model.evaluate(x_test, y_test, verbose=0)
 
   print(strategy)
