@@ -27,7 +27,7 @@ class ReplicatorExtended(tfi.StrategyExtendedV1):
   def __init__(self, container_strategy, devices, all_reduce):
     super().__init__(container_strategy)
     self._devices = tuple(devices)
-    self._host_device = tfi.device_util.get_host_for_device(self._devices[0])
+    self.host_device = tfi.device_util.get_host_for_device(self._devices[0])
     self._cross_device_ops, self.all_reduce_choice = all_reduce_lib.choose(
         self._devices, all_reduce)
     self._host_reduce_ops = tf.distribute.ReductionToOneDevice()
@@ -140,8 +140,8 @@ class ReplicatorExtended(tfi.StrategyExtendedV1):
   def _input_workers_with_options(self, options=None):
     compute = self._devices
     if options is not None and not options.experimental_fetch_to_device:
-      compute = (self._host_device,) * len(self._devices)
-    return tfi.input_lib.InputWorkers([(self._host_device, compute)])
+      compute = (self.host_device,) * len(self._devices)
+    return tfi.input_lib.InputWorkers([(self.host_device, compute)])
 
   @property
   def _input_workers(self):
@@ -173,7 +173,7 @@ class ReplicatorExtended(tfi.StrategyExtendedV1):
 
   def _experimental_make_numpy_dataset(self, numpy_input, session):
     return tfi.numpy_dataset.one_host_numpy_dataset(
-        numpy_input, tfi.numpy_dataset.SingleDevice(self._host_device),
+        numpy_input, tfi.numpy_dataset.SingleDevice(self.host_device),
         session)
 
   # Topology.

@@ -47,11 +47,11 @@ def parse(op):
       f"Received: {op!r}")
 
 
-def reduce_stacked(op, stacked):
-  """Reduces a tensor stacked along axis 0 (one row per replica) with `op`."""
+def reduce_along(op, tensor, axis):
+  """Reduces `tensor` along `axis` with `op` (axis 0 of a per-replica stack)."""
   return {
       ReduceOp.SUM: tf.reduce_sum,
       ReduceOp.MEAN: tf.reduce_mean,
       ReduceOp.MIN: tf.reduce_min,
       ReduceOp.MAX: tf.reduce_max,
-  }[op](stacked, axis=0)
+  }[op](tensor, axis=axis)

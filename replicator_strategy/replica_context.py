@@ -90,7 +90,7 @@ def _reduce_extremum(strategy, op, *per_replica):
   for value in per_replica:
     parts = strategy.experimental_local_results(value)
     with tf.device(extended.worker_devices[0]):
-      reduced = reduce_op_lib.reduce_stacked(op, tf.stack(parts))
+      reduced = reduce_op_lib.reduce_along(op, tf.stack(parts), 0)
     out.append(extended.broadcast_to(reduced, value))
   return out
 

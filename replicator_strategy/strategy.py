@@ -53,10 +53,9 @@ class ReplicatorStrategy(tf.distribute.Strategy):
     def reduce_one(v):
       parts = self.experimental_local_results(v)
       if axis is not None:
-        parts = [reduce_op_lib.reduce_stacked(op, tf.experimental.numpy.moveaxis(
-            p, axis, 0)) for p in parts]
-      with tf.device(self.extended._host_device):  # pylint: disable=protected-access
-        return reduce_op_lib.reduce_stacked(op, tf.stack(parts))
+        parts = [reduce_op_lib.reduce_along(op, p, axis) for p in parts]
+      with tf.device(self.extended.host_device):
+        return reduce_op_lib.reduce_along(op, tf.stack(parts), 0)
 
     return tf.nest.map_structure(reduce_one, value)
 
