@@ -29,6 +29,9 @@ def choose(devices, algorithm):
   """Returns `(cross_device_ops, reason)` for `devices` and a requested algorithm.
 
   `algorithm` is one of `ALGORITHMS` or a `tf.distribute.CrossDeviceOps`.
+  "ring" (TF's collective ops, MirroredStrategy's CPU default) shares
+  MirroredStrategy's limit: an optimizer first built inside a `tf.function`
+  step fails with a placeholder error, so build it first when choosing it.
   """
   if isinstance(algorithm, tf.distribute.CrossDeviceOps):
     return algorithm, f"given by the user: {type(algorithm).__name__}"

@@ -79,6 +79,12 @@ class ConstructionTest(unittest.TestCase):
     given = topology.strategy_over(2, all_reduce=tf.distribute.ReductionToOneDevice())
     self.assertIn("given by the user", given.extended.all_reduce_choice)
 
+  def test_topology_and_algorithm_are_logged_at_start(self):
+    with self.assertLogs("absl", level="INFO") as logs:
+      topology.strategy_over(2)
+    self.assertEqual(len(logs.output), 1)
+    self.assertRegex(logs.output[0], "2 replica.*CPU:0.*CPU:1.*add_on_one_device")
+
   @parameterized.expand(["add_on_one_device", "ring", "hierarchical_copy"])
   def test_every_cpu_capable_algorithm_sums(self, algorithm):
     strategy = topology.strategy_over(4, all_reduce=algorithm)
