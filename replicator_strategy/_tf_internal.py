@@ -30,7 +30,9 @@ def _check_tf_version():
 _check_tf_version()
 
 # pylint: disable=g-import-not-at-top,unused-import
+from tensorflow.python.distribute import collective_util
 from tensorflow.python.distribute import cross_device_ops
+from tensorflow.python.distribute import cross_device_utils
 from tensorflow.python.distribute import device_util
 from tensorflow.python.distribute import distribute_lib
 from tensorflow.python.distribute import distribute_utils
@@ -38,7 +40,6 @@ from tensorflow.python.distribute import input_lib
 from tensorflow.python.distribute import input_util
 from tensorflow.python.distribute import mirrored_run
 from tensorflow.python.distribute import numpy_dataset
-from tensorflow.python.distribute import reduce_util
 from tensorflow.python.distribute import values
 from tensorflow.python.eager import context
 from tensorflow.python.eager import def_function
@@ -51,8 +52,3 @@ StrategyExtendedV1 = distribute_lib.StrategyExtendedV1
 UpdateContext = distribute_lib.UpdateContext
 ThreadReplicaContext = mirrored_run._MirroredReplicaContext  # pylint: disable=protected-access
 
-
-# pylint: disable=g-import-not-at-top
-from tensorflow.python.distribute import collective_util
-from tensorflow.python.distribute import cross_device_utils
-# pylint: enable=g-import-not-at-top

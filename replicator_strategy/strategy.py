@@ -60,6 +60,7 @@ class ReplicatorStrategy(tf.distribute.Strategy):
     return tf.nest.map_structure(reduce_one, value)
 
   def __repr__(self):
-    return (f"ReplicatorStrategy({self.num_replicas_in_sync} replicas: "
+    n = self.num_replicas_in_sync
+    return (f"ReplicatorStrategy({n} replica{'s' if n > 1 else ''}: "
             f"{', '.join(self.extended.worker_devices)}; all-reduce "
             f"{self.extended.all_reduce_choice})")
