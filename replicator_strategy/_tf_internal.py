@@ -44,6 +44,9 @@ from tensorflow.python.distribute import values
 from tensorflow.python.eager import context
 from tensorflow.python.eager import def_function
 from tensorflow.python.eager import record
+from tensorflow.python.ops import collective_ops
+from tensorflow.python.ops import control_flow_v2_func_graphs
+from tensorflow.python.ops import resource_variable_ops
 from tensorflow.python.autograph.core import ag_ctx
 from tensorflow.python.autograph.impl import api as autograph
 # pylint: enable=g-import-not-at-top,unused-import
@@ -51,4 +54,6 @@ from tensorflow.python.autograph.impl import api as autograph
 StrategyExtendedV1 = distribute_lib.StrategyExtendedV1
 UpdateContext = distribute_lib.UpdateContext
 ThreadReplicaContext = mirrored_run._MirroredReplicaContext  # pylint: disable=protected-access
+WHILE_LOOP_GRAPHS = (control_flow_v2_func_graphs.WhileBodyFuncGraph,
+                     control_flow_v2_func_graphs.WhileCondFuncGraph)
 

@@ -11,18 +11,13 @@ when TensorFlow was built with it.
 'add_on_one_device: devices share host memory'
 """
 
-import itertools
-
 import tensorflow as tf
 
 from replicator_strategy import _tf_internal as tfi
+from replicator_strategy import collectives
 
 ALGORITHMS = ("auto", "add_on_one_device", "nccl", "hierarchical_copy",
               "ring")
-
-# Collective group keys are process-global: every instance that runs ring
-# collectives takes its own range so several strategies never collide.
-_group_key_ranges = itertools.count(start=1_000_000, step=1_000_000)
 
 
 def choose(devices, algorithm):
@@ -73,7 +68,7 @@ def _build(algorithm, devices):
       options=tfi.collective_util.Options(
           implementation=tfi.collective_util.CommunicationImplementation.RING),
       collective_keys=tfi.cross_device_utils.CollectiveKeys(
-          group_key_start=next(_group_key_ranges)))
+          group_key_start=collectives.new_group_key()))
 
 
 def _device_type(device):

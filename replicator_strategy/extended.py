@@ -15,6 +15,8 @@ import tensorflow as tf
 
 from replicator_strategy import _tf_internal as tfi
 from replicator_strategy import all_reduce as all_reduce_lib
+from replicator_strategy import collectives as collectives_lib
+from replicator_strategy import reduce_op as reduce_op_lib
 from replicator_strategy import replica_context
 from replicator_strategy import variables
 
@@ -31,6 +33,7 @@ class ReplicatorExtended(tfi.StrategyExtendedV1):
     self._cross_device_ops, self.all_reduce_choice = all_reduce_lib.choose(
         self._devices, all_reduce)
     self._host_reduce_ops = tf.distribute.ReductionToOneDevice()
+    self.collectives = collectives_lib.ReplicaCollectives(self._devices)
     # Partial final batches: a replica may get fewer (or no) examples.
     self.experimental_enable_get_next_as_optional = True
     self._use_var_policy = False
@@ -43,6 +46,33 @@ class ReplicatorExtended(tfi.StrategyExtendedV1):
   def _call_for_each_replica(self, fn, args, kwargs):
     return replica_context.call_for_each_replica(
         self._container_strategy(), fn, args, kwargs)
+
+  def _use_merge_call(self):
+    # TF and Keras ask this before every merge_call they could avoid; inside
+    # control flow they then call `_replica_ctx_all_reduce` and
+    # `_replica_ctx_update` directly, served below by per-replica collectives.
+    return replica_context.merge_call_possible()
+
+  def _replica_ctx_all_reduce(self, reduce_op, value, options=None):
+    if self._use_merge_call():
+      return super()._replica_ctx_all_reduce(reduce_op, value, options)
+    ctx = tf.distribute.get_replica_context()
+    flat = tf.nest.flatten(value)
+    reduced = self.collectives.all_reduce(
+        ctx._replica_id_in_sync_group, reduce_op_lib.parse(reduce_op), flat,  # pylint: disable=protected-access
+        ctx.collective_keys(len(flat)))
+    return tf.nest.pack_sequence_as(value, reduced)
+
+  def _replica_ctx_update(self, var, fn, args, kwargs, group):
+    if self._use_merge_call():
+      return super()._replica_ctx_update(var, fn, args, kwargs, group)
+    # Every replica holds the same (all-reduced) arguments, so each updates
+    # its own component and the components stay identical.
+    replica_id = _current_replica_id()
+    if isinstance(var, tfi.values.DistributedVariable):
+      var = var._get_replica(replica_id)  # pylint: disable=protected-access
+    with tf.device(var.device), tf.name_scope(f"update_{replica_id}"):
+      return fn(var, *args, **kwargs)
 
   def _get_local_replica_id(self, replica_id_in_sync_group):
     return replica_id_in_sync_group
@@ -216,6 +246,10 @@ class ReplicatorExtended(tfi.StrategyExtendedV1):
   @property
   def _global_batch_size(self):
     return True
+
+
+def _current_replica_id():
+  return tf.distribute.get_replica_context()._replica_id_in_sync_group  # pylint: disable=protected-access
 
 
 def _reject_per_replica_mode(options, api):

@@ -2,8 +2,11 @@
 
 Each replica runs the user's function in its own thread (TensorFlow's
 `mirrored_run` threads, reused unchanged); `merge_call` is the rendezvous
-where all replicas meet. On top of `tf.distribute.ReplicaContext` this adds
-MIN/MAX all-reduce and `broadcast`, both differentiable.
+where all replicas meet. Inside control flow (a `tf.cond` or `tf.while_loop`
+branch, a nested `tf.function`) the replicas trace separate graphs and cannot
+meet, so there collectives are launched per replica instead (`collectives`).
+On top of `tf.distribute.ReplicaContext` this adds MIN/MAX all-reduce and
+`broadcast`, all differentiable, on both paths.
 
 >>> import replicator_strategy as rs
 >>> strategy = rs.ReplicatorStrategy()
@@ -22,11 +25,27 @@ import weakref
 import tensorflow as tf
 
 from replicator_strategy import _tf_internal as tfi
+from replicator_strategy import collectives as collectives_lib
 from replicator_strategy import reduce_op as reduce_op_lib
 
 
 class ReplicaContext(tfi.ThreadReplicaContext):
   """`tf.distribute.ReplicaContext` with MIN/MAX all-reduce and broadcast."""
+
+  def __init__(self, strategy, replica_id_in_sync_group):
+    super().__init__(strategy, replica_id_in_sync_group)
+    self._home_graph = tf.compat.v1.get_default_graph()
+
+  @property
+  def can_merge(self):
+    """Whether `merge_call` can gather the replicas here.
+
+    False inside control flow or a nested `tf.function`: each replica traces
+    its own graph there. Eager code (even under `tf.init_scope`) always merges:
+    replica threads take turns, so a blocking collective would never return.
+    """
+    return (tf.executing_eagerly() or
+            tf.compat.v1.get_default_graph() is self._home_graph)
 
   def all_reduce(self, reduce_op, value, options=None):
     """All-reduces a nested structure with "sum", "mean", "min" or "max".
@@ -36,24 +55,23 @@ class ReplicaContext(tfi.ThreadReplicaContext):
     the replicas holding the extremum, split evenly among ties.
     """
     op = reduce_op_lib.parse(reduce_op)
-    if not op.is_extremum:
+    if self.can_merge and not op.is_extremum:
       return super().all_reduce(op.to_tf(), value, options)
-    flat = tf.nest.flatten(value)
-
-    @tf.custom_gradient
-    def extremum(*xs):
-      ys = self.merge_call(_reduce_extremum, args=(op,) + tuple(xs))
-
-      def grad(*dys):
-        summed = self.all_reduce("sum", list(dys))
-        masks = [tf.cast(tf.equal(x, y), dy.dtype) for x, y, dy in
-                 zip(xs, ys, dys)]
-        ties = self.all_reduce("sum", masks)
-        return [g * m / t for g, m, t in zip(summed, masks, ties)]
-
-      return list(ys), grad
-
-    return tf.nest.pack_sequence_as(value, extremum(*flat))
+    flat = [tf.convert_to_tensor(v) for v in tf.nest.flatten(value)]
+    if op.is_extremum:
+      ys = self._exchange(
+          lambda strategy, *values: _reduce_extremum(strategy, op, *values),
+          lambda keys, values: self._collectives.all_reduce(
+              self._replica_id_in_sync_group, op, values, keys),
+          flat,
+          grad=lambda xs, ys, dys: self._extremum_grad(xs, ys, dys))
+    else:  # Only inside control flow: TF's SUM and MEAN merge otherwise.
+      ys = self._exchange(
+          None,
+          lambda keys, values: self._collectives.all_reduce(
+              self._replica_id_in_sync_group, op, values, keys),
+          flat, grad=None)
+    return tf.nest.pack_sequence_as(value, ys)
 
   def broadcast(self, value, source_replica_id=0):
     """Every replica gets `source_replica_id`'s value of a nested structure.
@@ -68,20 +86,93 @@ class ReplicaContext(tfi.ThreadReplicaContext):
           f"Expected `source_replica_id` to be an int in [0, "
           f"{num_replicas}). Received: source_replica_id="
           f"{source_replica_id!r}")
-    flat = tf.nest.flatten(value)
     is_source = self._replica_id_in_sync_group == source_replica_id
+    flat = [tf.convert_to_tensor(v) for v in tf.nest.flatten(value)]
+
+    def grad(xs, ys, dys):
+      summed = self.all_reduce("sum", dys)
+      return [g if is_source else tf.zeros_like(g) for g in summed]
+
+    ys = self._exchange(
+        lambda strategy, *values: _broadcast_from(
+            strategy, source_replica_id, *values),
+        lambda keys, values: self._collectives.all_reduce(
+            self._replica_id_in_sync_group, reduce_op_lib.ReduceOp.SUM,
+            [v if is_source else tf.zeros_like(v) for v in values], keys),
+        flat, grad=grad)
+    return tf.nest.pack_sequence_as(value, ys)
+
+  def all_gather(self, value, axis, options=None):
+    """`tf.distribute.ReplicaContext.all_gather`, also inside control flow.
+
+    Inside control flow every replica's value must have the same shape.
+    """
+    if self.can_merge:
+      return super().all_gather(value, axis, options)
+    flat = [tf.convert_to_tensor(v) for v in tf.nest.flatten(value)]
+    ys = self._exchange(
+        None,
+        lambda keys, values: self._collectives.all_gather(
+            self._replica_id_in_sync_group, values, axis, keys),
+        flat, grad=None)
+    return tf.nest.pack_sequence_as(value, ys)
+
+  @property
+  def _collectives(self):
+    return self._strategy.extended.collectives
+
+  def collective_keys(self, count):
+    """Instance keys for this replica's next `count` run-time collectives."""
+    collectives_lib.check_not_in_replica_loop(self._home_graph)
+    return self._collectives.draw_keys(self._replica_id_in_sync_group, count,
+                                       self._home_graph)
+
+  def _exchange(self, merge_fn, collective_fn, xs, grad):
+    """Differentiable exchange of the tensors `xs` between replicas.
+
+    Through `merge_call` (`merge_fn(strategy, *per_replica_xs)`) where the
+    replicas can meet, else through run-time collectives
+    (`collective_fn(keys, xs)`). `grad(xs, ys, dys)` gives the gradients on
+    the merge path; the collective path has none yet.
+    """
+    merging = self.can_merge
+    if not merging:
+      # Drawn outside the custom gradient, which would otherwise take the
+      # key counters for variables to differentiate.
+      keys = self.collective_keys(len(xs))
 
     @tf.custom_gradient
-    def broadcast(*xs):
-      ys = self.merge_call(_broadcast_from, args=(source_replica_id,) + xs)
+    def exchange(*xs):
+      if merging:
+        ys = self.merge_call(merge_fn, args=xs)
+      else:
+        ys = collective_fn(keys, list(xs))
 
-      def grad(*dys):
-        summed = self.all_reduce("sum", list(dys))
-        return [g if is_source else tf.zeros_like(g) for g in summed]
+      def gradient(*dys):
+        if not merging:
+          raise NotImplementedError(
+              "Gradients through a cross-replica collective inside control "
+              "flow (a tf.cond branch or nested tf.function in the function "
+              "passed to strategy.run) are not supported yet. Call the "
+              "collective outside the tf.cond, or stop its gradient with "
+              "tf.stop_gradient if none is needed.")
+        return grad(list(xs), ys, list(dys))
 
-      return list(ys), grad
+      return list(ys), gradient
 
-    return tf.nest.pack_sequence_as(value, broadcast(*flat))
+    return exchange(*xs)
+
+  def _extremum_grad(self, xs, ys, dys):
+    summed = self.all_reduce("sum", dys)
+    masks = [tf.cast(tf.equal(x, y), dy.dtype) for x, y, dy in zip(xs, ys, dys)]
+    ties = self.all_reduce("sum", masks)
+    return [g * m / t for g, m, t in zip(summed, masks, ties)]
+
+
+def merge_call_possible():
+  """False inside a replica's control flow, where replicas can't merge."""
+  ctx = tf.distribute.get_replica_context()
+  return not isinstance(ctx, ReplicaContext) or ctx.can_merge
 
 
 def _reduce_extremum(strategy, op, *per_replica):

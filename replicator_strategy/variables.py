@@ -15,6 +15,32 @@ components live and what each starts from.
 import tensorflow as tf
 
 from replicator_strategy import _tf_internal as tfi
+from replicator_strategy import replica_context
+
+
+class MirroredVariable(tfi.values.MirroredVariable):
+  """TF's MirroredVariable, with ONLY_FIRST_REPLICA updates in control flow.
+
+  TF broadcasts replica 0's value for such an update through `merge_call`,
+  which can't gather replicas inside a `tf.cond` (Keras's loss-scale
+  optimizer steps its counters there); this broadcasts with a collective.
+  """
+
+  def _update_replica(self, update_fn, value, **kwargs):
+    ctx = tf.distribute.get_replica_context()
+    if (self.aggregation != tf.VariableAggregation.ONLY_FIRST_REPLICA or
+        not isinstance(ctx, replica_context.ReplicaContext) or ctx.can_merge):
+      return super()._update_replica(update_fn, value, **kwargs)
+    if tf.is_tensor(value):
+      value = ctx.broadcast(value, source_replica_id=0)
+    return ctx._update(self, update_fn, args=(value,), kwargs=kwargs,  # pylint: disable=protected-access
+                       group=True)
+
+
+_CLASS_MAPPING = {
+    **tfi.distribute_utils.VARIABLE_CLASS_MAPPING,
+    tf.VariableSynchronization.ON_WRITE: MirroredVariable,
+}
 
 
 def create(strategy, devices, next_creator, **kwargs):
@@ -42,7 +68,7 @@ def create(strategy, devices, next_creator, **kwargs):
     return components
 
   return tfi.distribute_utils.create_mirrored_variable(
-      strategy, create_components, tfi.distribute_utils.VARIABLE_CLASS_MAPPING,
+      strategy, create_components, _CLASS_MAPPING,
       tfi.distribute_utils.VARIABLE_POLICY_MAPPING, **kwargs)
 
 

@@ -1,0 +1,135 @@
+"""Collectives each replica launches by itself: the path inside control flow.
+
+`merge_call` gathers the replica threads at one point of one graph. Inside a
+`tf.cond` branch (or a nested `tf.function`) every replica traces its own
+graph, so there is no point where all of them meet; Keras's EMA overwrite,
+gradient accumulation and loss scaling call for all-reduces and updates
+exactly there. In such places each replica launches TF collective ops that
+meet at run time instead.
+
+Every launch needs an instance key that its peers agree on and that no other
+launch, in this step or any other, reuses. Each device has a counter
+variable that every launch increments: TF's automatic control dependencies
+order the increments in program order, and replicas run the same program, so
+the n-th launch of every replica draws the same key. (TF's own call-time keys
+can't be captured inside control flow, and keys fixed at trace time clash
+between loop iterations.)
+
+>>> # inside a tf.cond branch, in one replica's trace of strategy.run:
+>>> strategy.extended.collectives.all_reduce(replica_id, ReduceOp.SUM, [g], keys)
+"""
+
+import itertools
+
+import tensorflow as tf
+
+from replicator_strategy import _tf_internal as tfi
+from replicator_strategy import reduce_op as reduce_op_lib
+
+ReduceOp = reduce_op_lib.ReduceOp
+
+# A replica that never arrives (a branch taken on some replicas only) fails
+# the step after this long instead of hanging it.
+TIMEOUT_SECONDS = 300
+
+# Collective group keys are process-global: every group takes its own key
+# range so that several strategies never collide.
+_group_keys = itertools.count(start=1_000_000, step=1_000_000)
+
+_MERGE_OPS = {
+    ReduceOp.SUM: ("Add", "Id"),
+    ReduceOp.MEAN: ("Add", "Div"),
+    ReduceOp.MIN: ("Min", "Id"),
+    ReduceOp.MAX: ("Max", "Id"),
+}
+
+
+def new_group_key():
+  return next(_group_keys)
+
+
+class ReplicaCollectives:
+  """Run-time collectives over `devices`, launched one replica at a time."""
+
+  def __init__(self, devices):
+    self._devices = tuple(devices)
+    self._group_key = new_group_key()
+    with tf.init_scope():
+      # Created directly, bypassing variable creator scopes: these belong to
+      # no model and must never become distributed variables themselves.
+      self._key_counters = []
+      for device in self._devices:
+        with tf.device(device):
+          self._key_counters.append(
+              tfi.resource_variable_ops.ResourceVariable(
+                  0, dtype=tf.int32, trainable=False,
+                  name="replicator_collective_key"))
+
+  def draw_keys(self, replica_id, count, home_graph):
+    """`count` fresh instance keys, in this replica's program order.
+
+    The counter is captured in `home_graph`, where strategy.run is traced:
+    control-flow branches that capture an eager handle themselves can't be
+    differentiated.
+    """
+    with home_graph.as_default():
+      handle = home_graph.capture(self._key_counters[replica_id].handle)
+    keys = []
+    with tf.device(self._devices[replica_id]):
+      for _ in range(count):
+        increment = tf.raw_ops.AssignAddVariableOp(resource=handle, value=1)
+        with tf.control_dependencies([increment]):
+          keys.append(tf.raw_ops.ReadVariableOp(resource=handle,
+                                                dtype=tf.int32))
+    return keys
+
+  def _launch(self, replica_id, collective, tensor, key):
+    with tf.device(self._devices[replica_id]):
+      # TF's collective kernels need a resource input on their device. It is
+      # made in place: a gradient graph must not capture eager handles.
+      token = tf.raw_ops.VarHandleOp(
+          dtype=tf.float32, shape=[],
+          shared_name=f"replicator_token_{self._group_key}_{replica_id}")
+      result = collective(tensor, len(self._devices), self._group_key, key,
+                          ordering_token=token, timeout=TIMEOUT_SECONDS)
+    # Collective ops have no registered gradient; differentiable callers
+    # wrap them in a custom gradient (ReplicaContext).
+    return tf.stop_gradient(result)
+
+  def all_reduce(self, replica_id, op, tensors, keys):
+    """Each of `tensors` reduced with `op` over all replicas; a key each."""
+    merge_op, final_op = _MERGE_OPS[op]
+    return [
+        self._launch(
+            replica_id,
+            lambda *a, **k: tfi.collective_ops.all_reduce_v2(
+                *a, merge_op=merge_op, final_op=final_op, **k),
+            tf.convert_to_tensor(t), key)
+        for t, key in zip(tensors, keys)
+    ]
+
+  def all_gather(self, replica_id, tensors, axis, keys):
+    """Each of `tensors` concatenated over all replicas along `axis`."""
+    out = []
+    for tensor, key in zip(tensors, keys):
+      moved = tf.experimental.numpy.moveaxis(tensor, axis, 0)
+      gathered = self._launch(replica_id, tfi.collective_ops.all_gather_v2,
+                              moved, key)
+      out.append(tf.experimental.numpy.moveaxis(gathered, 0, axis))
+    return out
+
+
+def check_not_in_replica_loop(home_graph):
+  """Refuses collectives in a while loop that each replica runs on its own."""
+  graph = tf.compat.v1.get_default_graph()
+  while graph is not home_graph and graph is not None:
+    if isinstance(graph, tfi.WHILE_LOOP_GRAPHS):
+      raise NotImplementedError(
+          "A cross-replica collective (all_reduce, all_gather, broadcast, or "
+          "a variable update that aggregates) was called inside a "
+          "tf.while_loop written inside the function passed to strategy.run. "
+          "Each replica runs its own copy of such a loop, and TensorFlow's "
+          "collective ops only meet within one loop. Put the loop around "
+          "strategy.run instead (call strategy.run in each iteration), or "
+          "all-reduce once after the loop.")
+    graph = getattr(graph, "outer_graph", None)

@@ -1,0 +1,159 @@
+"""Collectives inside control flow, where replicas cannot meet in merge_call.
+
+Keras calls all-reduces and variable updates inside `tf.cond` (EMA overwrite,
+gradient accumulation, loss scaling) and inside the `tf.while_loop` of
+`steps_per_execution`; these tests do the same through the public API.
+"""
+
+import unittest
+
+import numpy as np
+from parameterized import parameterized
+import tensorflow as tf
+
+import topology
+
+
+def local(strategy, per_replica):
+  return [tf.nest.map_structure(np.asarray, r)
+          for r in strategy.experimental_local_results(per_replica)]
+
+
+class ControlFlowTest(unittest.TestCase):
+
+  @parameterized.expand(topology.NAMED_REPLICA_COUNTS)
+  def test_every_collective_inside_cond(self, _, n):
+    strategy = topology.strategy_over(n)
+
+    def fn(flag):
+      ctx = tf.distribute.get_replica_context()
+      x = tf.cast(ctx.replica_id_in_sync_group, tf.float32) + 1.0
+
+      def collectives():
+        return {
+            "sum": ctx.all_reduce("sum", x),
+            "mean": ctx.all_reduce(tf.distribute.ReduceOp.MEAN, x),
+            "min": ctx.all_reduce("min", x),
+            "max": ctx.all_reduce("max", x),
+            "broadcast": ctx.broadcast(x, source_replica_id=n - 1),
+            "gather": ctx.all_gather(tf.reshape(x, [1]), axis=0),
+        }
+
+      def nothing():
+        return {"sum": x, "mean": x, "min": x, "max": x, "broadcast": x,
+                "gather": tf.zeros([n])}
+
+      return tf.cond(flag, collectives, nothing)
+
+    step = tf.function(lambda flag: strategy.run(fn, args=(flag,)))
+    ids = np.arange(1, n + 1, dtype=np.float32)
+    for result in local(strategy, step(tf.constant(True))):
+      self.assertEqual(result["sum"], ids.sum())
+      self.assertEqual(result["mean"], ids.mean())
+      self.assertEqual((result["min"], result["max"]), (1.0, n))
+      self.assertEqual(result["broadcast"], n)
+      np.testing.assert_array_equal(result["gather"], ids)
+    # The branch not taken launches nothing; the next call still agrees.
+    self.assertEqual([r["sum"] for r in local(strategy, step(tf.constant(False)))],
+                     list(ids))
+    self.assertEqual([r["sum"] for r in local(strategy, step(tf.constant(True)))],
+                     [ids.sum()] * n)
+
+  @parameterized.expand([("sum", lambda ctx, x: ctx.all_reduce("sum", x)),
+                         ("max", lambda ctx, x: ctx.all_reduce("max", x)),
+                         ("broadcast", lambda ctx, x: ctx.broadcast(x)),
+                         ("gather", lambda ctx, x: ctx.all_gather(x, 0))])
+  def test_gradient_inside_cond_is_refused_not_wrong(self, _, exchange):
+    strategy = topology.strategy_over(2)
+
+    def fn():
+      ctx = tf.distribute.get_replica_context()
+      x = tf.ones([1])
+      with tf.GradientTape() as tape:
+        tape.watch(x)
+        y = tf.cond(tf.constant(True), lambda: exchange(ctx, x), lambda: x)
+      return tape.gradient(y, x)
+
+    with self.assertRaisesRegex(NotImplementedError,
+                                "Gradients through a cross-replica"):
+      tf.function(lambda: strategy.run(fn))()
+
+  @parameterized.expand(topology.NAMED_REPLICA_COUNTS)
+  def test_cond_collectives_in_a_loop_around_run(self, _, n):
+    # The shape of Keras's steps_per_execution: a tf.while_loop whose body
+    # calls strategy.run, whose replicas all-reduce inside a tf.cond.
+    strategy = topology.strategy_over(n)
+
+    def fn(i):
+      ctx = tf.distribute.get_replica_context()
+      x = tf.cast(ctx.replica_id_in_sync_group, tf.float32) + 1.0
+      return tf.cond(i % 2 == 0, lambda: ctx.all_reduce("sum", x * 2.0),
+                     lambda: ctx.all_reduce("max", x))
+
+    @tf.function
+    def loop(steps):
+      def body(i, acc):
+        step = strategy.run(fn, args=(i,))
+        return i + 1, acc + strategy.reduce("mean", step, axis=None)
+      return tf.while_loop(lambda i, _: i < steps, body,
+                           (tf.constant(0), tf.constant(0.0)))[1]
+
+    ids_sum = n * (n + 1) / 2
+    for steps in (3, 4, 3):
+      even = (steps + 1) // 2
+      self.assertEqual(float(loop(tf.constant(steps))),
+                       even * 2 * ids_sum + (steps - even) * n)
+
+  def test_collective_in_a_loop_inside_the_replica_function_is_refused(self):
+    strategy = topology.strategy_over(2)
+
+    def fn():
+      ctx = tf.distribute.get_replica_context()
+      return tf.while_loop(
+          lambda i, _: i < 3,
+          lambda i, acc: (i + 1, acc + ctx.all_reduce("sum", 1.0)),
+          (tf.constant(0), tf.constant(0.0)))[1]
+
+    with self.assertRaisesRegex(NotImplementedError,
+                                "tf.while_loop.*Put the loop around"):
+      tf.function(lambda: strategy.run(fn))()
+
+  @parameterized.expand(topology.NAMED_REPLICA_COUNTS)
+  def test_variable_updates_inside_cond_stay_mirrored(self, _, n):
+    strategy = topology.strategy_over(n)
+    aggregations = {
+        "sum": tf.VariableAggregation.SUM,
+        "mean": tf.VariableAggregation.MEAN,
+        "first": tf.VariableAggregation.ONLY_FIRST_REPLICA,
+    }
+    with strategy.scope():
+      variables = {k: tf.Variable(0.0, aggregation=a)
+                   for k, a in aggregations.items()}
+      counter = tf.Variable(0, dtype=tf.int64,
+                            aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
+
+    def fn():
+      ctx = tf.distribute.get_replica_context()
+      x = tf.cast(ctx.replica_id_in_sync_group, tf.float32) + 1.0
+
+      def update():
+        ops = [v.assign_add(x) for v in variables.values()]
+        ops.append(counter.assign_add(1))
+        with tf.control_dependencies(ops):
+          return tf.constant(True)
+
+      return tf.cond(tf.constant(True), update, lambda: tf.constant(False))
+
+    step = tf.function(lambda: strategy.run(fn))
+    step()
+    step()
+    ids = np.arange(1, n + 1, dtype=np.float32)
+    want = {"sum": 2 * ids.sum(), "mean": 2 * ids.mean(), "first": 2.0}
+    for name, v in variables.items():
+      self.assertEqual([float(c) for c in local(strategy, v)], [want[name]] * n,
+                       name)
+    self.assertEqual([int(c) for c in local(strategy, counter)], [2] * n)
+
+
+if __name__ == "__main__":
+  unittest.main()
