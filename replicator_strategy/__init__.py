@@ -6,6 +6,7 @@
 ...   model = build_model()  # any single-device Keras model
 """
 
+from replicator_strategy import keras_integration
 from replicator_strategy.devices import local_devices
 from replicator_strategy.devices import split_cpu
 from replicator_strategy.extended import ReplicatorExtended
@@ -22,3 +23,5 @@ __all__ = [
     "split_cpu",
 ]
 __version__ = "0.1.0"
+
+keras_integration.install()

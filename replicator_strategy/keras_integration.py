@@ -1,0 +1,88 @@
+"""Two things Keras 3 gets wrong under any strategy, put right for this one.
+
+- Per-batch logs (the progress bar, `on_*_batch_end` callbacks, the return of
+  `train_on_batch`) are averages of each replica's *local* metric results,
+  which differ from the global values for anything but equal local batches
+  and linear metrics. Here the metric variables are summed across replicas
+  first (one batched all-reduce per step) and the results computed from the
+  sums, exactly as one device would.
+- `predict_on_batch` hands the whole batch to every replica and concatenates
+  the replicas' outputs: N times the rows. Here the batch is split into
+  contiguous per-replica parts, so the rows come back once, in order.
+
+Installed on import of `replicator_strategy`, on `keras.Model`; both wrappers
+call Keras's own method unchanged for any other strategy.
+
+>>> with ReplicatorStrategy().scope():
+...   model = build_and_compile()
+>>> model.predict_on_batch(x).shape[0] == len(x)
+True
+"""
+
+import functools
+
+import keras
+import tensorflow as tf
+
+from replicator_strategy import replica_context
+from replicator_strategy import strategy as strategy_lib
+
+
+def install():
+  """Wraps `keras.Model.get_metrics_result` and `predict_on_batch`, once."""
+  if getattr(keras.Model, "_replicator_strategy_installed", False):
+    return
+  keras.Model.get_metrics_result = _global_metrics_result(
+      keras.Model.get_metrics_result)
+  keras.Model.predict_on_batch = _split_predict_on_batch(
+      keras.Model.predict_on_batch)
+  keras.Model._replicator_strategy_installed = True  # pylint: disable=protected-access
+
+
+def _global_metrics_result(get_metrics_result):
+
+  @functools.wraps(get_metrics_result)
+  def wrapper(self):
+    ctx = tf.distribute.get_replica_context()
+    if (not isinstance(ctx, replica_context.ReplicaContext) or
+        ctx.num_replicas_in_sync == 1):
+      return get_metrics_result(self)
+    variables = [v for metric in self.metrics for v in metric.variables]
+    if not variables:
+      return get_metrics_result(self)
+    # Keras metric state is additive (totals, counts, confusion entries).
+    summed = ctx.all_reduce("sum", [tf.convert_to_tensor(v) for v in variables])
+    with keras.StatelessScope(state_mapping=list(zip(variables, summed))):
+      return get_metrics_result(self)
+
+  return wrapper
+
+
+def _split_predict_on_batch(predict_on_batch):
+
+  @functools.wraps(predict_on_batch)
+  def wrapper(self, x):
+    strategy = getattr(self, "_distribute_strategy", None)
+    if (isinstance(strategy, strategy_lib.ReplicatorStrategy) and
+        strategy.num_replicas_in_sync > 1):
+      x = split_batch(strategy, x)
+    return predict_on_batch(self, x)
+
+  return wrapper
+
+
+def split_batch(strategy, batch):
+  """A batch (any nest) as per-replica contiguous parts, sizes within one."""
+  n = strategy.num_replicas_in_sync
+  batch = tf.nest.map_structure(tf.convert_to_tensor, batch)
+
+  def part(ctx):
+    i = ctx.replica_id_in_sync_group
+
+    def rows(t):
+      total = tf.shape(t)[0]
+      return t[(total * i) // n:(total * (i + 1)) // n]
+
+    return tf.nest.map_structure(rows, batch)
+
+  return strategy.experimental_distribute_values_from_function(part)

@@ -1,0 +1,98 @@
+"""Per-batch logs and `*_on_batch` under the strategy equal one device's."""
+
+import unittest
+
+import keras
+import numpy as np
+from parameterized import parameterized
+import tensorflow as tf
+
+import topology
+
+ROWS, GLOBAL_BATCH = 44, 16  # The last batch has 12 rows: uneven on 4 replicas.
+
+
+def data():
+  rng = np.random.default_rng(1)
+  x = rng.normal(size=(ROWS, 6)).astype(np.float32)
+  y = (rng.random(ROWS) < 0.4).astype(np.float32)
+  return x, y
+
+
+def build(strategy=None):
+  keras.utils.set_random_seed(3)
+  scope = strategy.scope() if strategy else tf.distribute.get_strategy().scope()
+  with scope:
+    model = keras.Sequential([keras.Input((6,)),
+                              keras.layers.Dense(1, activation="sigmoid")])
+    # Precision is not an average of per-replica precisions, and a zero
+    # learning rate keeps both models identical batch after batch.
+    model.compile(keras.optimizers.SGD(0.0), "binary_crossentropy",
+                  metrics=[keras.metrics.Precision(name="precision"), "accuracy"])
+  return model
+
+
+class BatchLogger(keras.callbacks.Callback):
+
+  def __init__(self):
+    super().__init__()
+    self.logs = []
+
+  def on_train_batch_end(self, batch, logs=None):
+    self.logs.append({k: float(v) for k, v in logs.items()})
+
+  def on_test_batch_end(self, batch, logs=None):
+    self.logs.append({k: float(v) for k, v in logs.items()})
+
+
+def batch_logs(model, method):
+  x, y = data()
+  logger = BatchLogger()
+  if method == "fit":
+    model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=1, shuffle=False,
+              callbacks=[logger], verbose=0)
+  else:
+    model.evaluate(x, y, batch_size=GLOBAL_BATCH, callbacks=[logger],
+                   verbose=0)
+  return logger.logs
+
+
+class KerasIntegrationTest(unittest.TestCase):
+
+  @parameterized.expand([(f"{n}_replicas_{m}", n, m)
+                         for n in topology.REPLICA_COUNTS
+                         for m in ("fit", "evaluate")])
+  def test_per_batch_logs_are_global(self, _, n, method):
+    want = batch_logs(build(), method)
+    got = batch_logs(build(topology.strategy_over(n)), method)
+    self.assertEqual(len(got), len(want))
+    for g, w in zip(got, want):
+      self.assertEqual(sorted(g), sorted(w))
+      for key in w:
+        np.testing.assert_allclose(g[key], w[key], rtol=1e-5, err_msg=key)
+
+  @parameterized.expand([(f"{n}_replicas_{rows}_rows", n, rows)
+                         for n in topology.REPLICA_COUNTS for rows in (10, 3)])
+  def test_predict_on_batch_returns_each_row_once_in_order(self, _, n, rows):
+    x = data()[0][:rows]
+    want = build().predict_on_batch(x)
+    got = build(topology.strategy_over(n)).predict_on_batch(x)
+    self.assertEqual(got.shape, (rows, 1))
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+
+  @parameterized.expand(topology.NAMED_REPLICA_COUNTS)
+  def test_train_and_test_on_batch_return_one_device_values(self, _, n):
+    x, y = data()
+    single, distributed = build(), build(topology.strategy_over(n))
+    for method in ("train_on_batch", "test_on_batch"):
+      want = getattr(single, method)(x[:GLOBAL_BATCH], y[:GLOBAL_BATCH],
+                                     return_dict=True)
+      got = getattr(distributed, method)(x[:GLOBAL_BATCH], y[:GLOBAL_BATCH],
+                                         return_dict=True)
+      for key in want:
+        np.testing.assert_allclose(got[key], want[key], rtol=1e-5,
+                                   err_msg=f"{method} {key}")
+
+
+if __name__ == "__main__":
+  unittest.main()
