@@ -1,0 +1,202 @@
+"""Keras `fit`/`evaluate`/`predict` under the strategy equal one device.
+
+Four model families (MLP, conv net with synchronized batch norm, embedding,
+RNN) and the input kinds Keras accepts. Training data is a multiple of the
+global batch; evaluation and prediction data are not, so every example must
+be counted once and every row returned once, in order.
+
+`keras.utils.PyDataset` is left out: under any strategy (MirroredStrategy
+too) Keras's pre-build step takes a batch from the epoch iterator and
+abandons it, which shifts the batches a PyDataset's first epoch sees.
+"""
+
+import unittest
+
+import keras
+import numpy as np
+from parameterized import parameterized
+import tensorflow as tf
+
+import topology
+
+GLOBAL_BATCH = 16
+TRAIN_ROWS, EVAL_ROWS = 64, 27
+RTOL, ATOL = 1e-5, 1e-6
+
+
+def mlp():
+  return keras.Sequential([keras.Input((6,)),
+                           keras.layers.Dense(8, activation="relu"),
+                           keras.layers.Dense(3)])
+
+
+def conv_sync_bn():
+  return keras.Sequential([
+      keras.Input((6, 6, 2)),
+      # No bias before batch norm: its true gradient is zero, and Adam would
+      # blow float noise in it up to full-size steps that differ per run.
+      keras.layers.Conv2D(4, 3, use_bias=False),
+      keras.layers.BatchNormalization(synchronized=True),
+      keras.layers.ReLU(),
+      keras.layers.GlobalAveragePooling2D(),
+      keras.layers.Dense(3),
+  ])
+
+
+def embedding():
+  return keras.Sequential([keras.Input((5,), dtype="int32"),
+                           keras.layers.Embedding(20, 4),
+                           keras.layers.GlobalAveragePooling1D(),
+                           keras.layers.Dense(3)])
+
+
+def rnn():
+  return keras.Sequential([keras.Input((4, 3)), keras.layers.SimpleRNN(5),
+                           keras.layers.Dense(3)])
+
+
+MODELS = {
+    "mlp": (mlp, lambda rng, n: rng.normal(size=(n, 6))),
+    "conv_sync_bn": (conv_sync_bn, lambda rng, n: rng.normal(size=(n, 6, 6, 2))),
+    "embedding": (embedding, lambda rng, n: rng.integers(0, 20, size=(n, 5))),
+    "rnn": (rnn, lambda rng, n: rng.normal(size=(n, 4, 3))),
+}
+
+
+def make_data(model_name, rows, seed):
+  rng = np.random.default_rng(seed)
+  x = MODELS[model_name][1](rng, rows)
+  x = x.astype(np.int32 if x.dtype.kind == "i" else np.float32)
+  return x, rng.integers(0, 3, size=rows).astype(np.int32)
+
+
+def build(model_name, strategy):
+  keras.utils.set_random_seed(7)
+  with strategy.scope():
+    model = MODELS[model_name][0]()
+    model.compile(keras.optimizers.Adam(0.01),
+                  keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  metrics=["accuracy"])
+  return model
+
+
+def train_and_measure(model_name, strategy, fit_input):
+  model = build(model_name, strategy)
+  x, y = make_data(model_name, TRAIN_ROWS, seed=0)
+  history = fit_input(model, x, y).history
+  xe, ye = make_data(model_name, EVAL_ROWS, seed=1)
+  return {
+      "history": history,
+      "evaluate": model.evaluate(xe, ye, batch_size=GLOBAL_BATCH, verbose=0),
+      "predict": model.predict(xe, batch_size=GLOBAL_BATCH, verbose=0),
+      "weights": model.get_weights(),
+  }
+
+
+def fit_numpy(model, x, y):
+  return model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=2, shuffle=False,
+                   verbose=0)
+
+
+def assert_same_results(test, got, want):
+  test.assertEqual(sorted(got["history"]), sorted(want["history"]))
+  for key, values in want["history"].items():
+    np.testing.assert_allclose(got["history"][key], values, rtol=RTOL,
+                               atol=ATOL, err_msg=key)
+  np.testing.assert_allclose(got["evaluate"], want["evaluate"], rtol=RTOL,
+                             atol=ATOL)
+  test.assertEqual(got["predict"].shape, (EVAL_ROWS, 3))
+  np.testing.assert_allclose(got["predict"], want["predict"], rtol=RTOL,
+                             atol=ATOL)
+  for g, w in zip(got["weights"], want["weights"]):
+    np.testing.assert_allclose(g, w, rtol=RTOL, atol=ATOL)
+
+
+class ModelParityTest(unittest.TestCase):
+
+  @parameterized.expand([(f"{m}_{n}_replicas", m, n) for m in MODELS
+                         for n in topology.REPLICA_COUNTS])
+  def test_fit_evaluate_predict_and_weights(self, _, model_name, n):
+    want = train_and_measure(model_name, tf.distribute.get_strategy(),
+                             fit_numpy)
+    got = train_and_measure(model_name, topology.strategy_over(n), fit_numpy)
+    assert_same_results(self, got, want)
+
+
+def fit_dataset(model, x, y):
+  dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL_BATCH)
+  return model.fit(dataset, epochs=2, verbose=0)
+
+
+def fit_infinite_dataset(model, x, y):
+  dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(
+      GLOBAL_BATCH).repeat()
+  return model.fit(dataset, epochs=2, steps_per_epoch=TRAIN_ROWS // GLOBAL_BATCH,
+                   verbose=0)
+
+
+def fit_generator(model, x, y):
+  def batches():
+    while True:
+      for i in range(0, TRAIN_ROWS, GLOBAL_BATCH):
+        yield x[i:i + GLOBAL_BATCH], y[i:i + GLOBAL_BATCH]
+  return model.fit(batches(), epochs=2, steps_per_epoch=TRAIN_ROWS // GLOBAL_BATCH,
+                   verbose=0)
+
+
+def fit_distributed_dataset(model, x, y):
+  dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL_BATCH)
+  return model.fit(model.distribute_strategy.experimental_distribute_dataset(
+      dataset), epochs=2, verbose=0)
+
+
+def fit_with_validation(model, x, y):
+  xv, yv = make_data("mlp", EVAL_ROWS, seed=2)
+  return model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=2, shuffle=False,
+                   validation_data=(xv, yv), verbose=0)
+
+
+def fit_validation_split(model, x, y):
+  return model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=2, shuffle=False,
+                   validation_split=0.25, verbose=0)
+
+
+def fit_steps_per_execution(model, x, y):
+  with model.distribute_strategy.scope():
+    model.compile(keras.optimizers.Adam(0.01),
+                  keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  metrics=["accuracy"], steps_per_execution=3)
+  return fit_numpy(model, x, y)
+
+
+INPUTS = {
+    "dataset": fit_dataset,
+    "infinite_dataset": fit_infinite_dataset,
+    "generator": fit_generator,
+    "validation_data": fit_with_validation,
+    "validation_split": fit_validation_split,
+    "steps_per_execution": fit_steps_per_execution,
+}
+
+
+class InputParityTest(unittest.TestCase):
+
+  # Four replicas: the other counts take the same paths, and this keeps the
+  # module's time in check.
+  @parameterized.expand(list(INPUTS))
+  def test_every_input_kind(self, input_name):
+    want = train_and_measure("mlp", tf.distribute.get_strategy(),
+                             INPUTS[input_name])
+    got = train_and_measure("mlp", topology.strategy_over(4),
+                            INPUTS[input_name])
+    assert_same_results(self, got, want)
+
+  def test_distributed_dataset_from_the_strategy(self):
+    want = train_and_measure("mlp", tf.distribute.get_strategy(), fit_dataset)
+    got = train_and_measure("mlp", topology.strategy_over(4),
+                            fit_distributed_dataset)
+    assert_same_results(self, got, want)
+
+
+if __name__ == "__main__":
+  unittest.main()
