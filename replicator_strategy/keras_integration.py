@@ -1,4 +1,4 @@
-"""Two things Keras 3 gets wrong under any strategy, put right for this one.
+"""Three things Keras 3 gets wrong under any strategy, put right for this one.
 
 - Per-batch logs (the progress bar, `on_*_batch_end` callbacks, the return of
   `train_on_batch`) are averages of each replica's *local* metric results,
@@ -9,9 +9,13 @@
 - `predict_on_batch` hands the whole batch to every replica and concatenates
   the replicas' outputs: N times the rows. Here the batch is split into
   contiguous per-replica parts, so the rows come back once, in order.
+- Gradient clipping (`clipnorm`, `global_clipnorm`, `clipvalue`) clips each
+  replica's share of the gradient before the all-reduce, which is not the
+  clipped global gradient. Here clipping optimizers all-reduce first.
 
-Installed on import of `replicator_strategy`, on `keras.Model`; both wrappers
-call Keras's own method unchanged for any other strategy.
+Installed on import of `replicator_strategy`, on `keras.Model` and
+`keras.optimizers.Optimizer`; every wrapper calls Keras's own method
+unchanged for any other strategy.
 
 >>> with ReplicatorStrategy().scope():
 ...   model = build_and_compile()
@@ -36,17 +40,29 @@ def install():
       keras.Model.get_metrics_result)
   keras.Model.predict_on_batch = _split_predict_on_batch(
       keras.Model.predict_on_batch)
-  keras.Model._replicator_strategy_installed = True  # pylint: disable=protected-access
+  optimizer = keras.optimizers.Optimizer
+  # pylint: disable=protected-access
+  optimizer._backend_apply_gradients = _reduce_before_clipping(
+      optimizer._backend_apply_gradients)
+  optimizer._all_reduce_sum_gradients = _skip_if_reduced(
+      optimizer._all_reduce_sum_gradients)
+  keras.Model._replicator_strategy_installed = True
+  # pylint: enable=protected-access
+
+
+def _in_our_replicas():
+  ctx = tf.distribute.get_replica_context()
+  return (isinstance(ctx, replica_context.ReplicaContext) and
+          ctx.num_replicas_in_sync > 1)
 
 
 def _global_metrics_result(get_metrics_result):
 
   @functools.wraps(get_metrics_result)
   def wrapper(self):
-    ctx = tf.distribute.get_replica_context()
-    if (not isinstance(ctx, replica_context.ReplicaContext) or
-        ctx.num_replicas_in_sync == 1):
+    if not _in_our_replicas():
       return get_metrics_result(self)
+    ctx = tf.distribute.get_replica_context()
     variables = [v for metric in self.metrics for v in metric.variables]
     if not variables:
       return get_metrics_result(self)
@@ -67,6 +83,38 @@ def _split_predict_on_batch(predict_on_batch):
         strategy.num_replicas_in_sync > 1):
       x = split_batch(strategy, x)
     return predict_on_batch(self, x)
+
+  return wrapper
+
+
+def _reduce_before_clipping(backend_apply_gradients):
+
+  @functools.wraps(backend_apply_gradients)
+  def wrapper(self, grads, trainable_variables):
+    clips = self.clipnorm or self.global_clipnorm or self.clipvalue
+    if not (clips and _in_our_replicas()):
+      return backend_apply_gradients(self, grads, trainable_variables)
+    pairs = self._all_reduce_sum_gradients(  # pylint: disable=protected-access
+        zip(grads, [v.value if isinstance(v, keras.Variable) else v
+                    for v in trainable_variables]))
+    # Summing is linear, so accumulating reduced gradients changes nothing.
+    self._gradients_reduced = True  # pylint: disable=protected-access
+    try:
+      return backend_apply_gradients(self, [g for g, _ in pairs],
+                                     trainable_variables)
+    finally:
+      self._gradients_reduced = False  # pylint: disable=protected-access
+
+  return wrapper
+
+
+def _skip_if_reduced(all_reduce_sum_gradients):
+
+  @functools.wraps(all_reduce_sum_gradients)
+  def wrapper(self, grads_and_vars):
+    if getattr(self, "_gradients_reduced", False):
+      return list(grads_and_vars)
+    return all_reduce_sum_gradients(self, grads_and_vars)
 
   return wrapper
 

@@ -1,0 +1,167 @@
+"""Keras `model.fit` on 1, 2, 4 replicas matches `fit` without a strategy.
+
+Every Keras 3 optimizer feature that talks to the strategy is covered: the
+plain update (`extended.update` after a SUM all-reduce), weight decay,
+gradient clipping, EMA with periodic overwrite and gradient accumulation (both
+update inside a `tf.cond`, where replicas can't `merge_call`: each updates its
+own copy, and accumulation all-reduces with run-time collectives), and the
+loss-scale optimizer under mixed precision. Each runs traced, with
+`steps_per_execution` 1 and 3 (3 puts the step in a `tf.while_loop`, and 4
+steps an epoch leave a partial execution). The reference is the same `fit`
+without a strategy and one step per execution, from the same weights on the
+same data and global batch.
+"""
+
+import contextlib
+import functools
+import unittest
+
+import keras
+import numpy as np
+from parameterized import parameterized
+
+import topology
+
+GLOBAL_BATCH = 16
+STEPS_PER_EPOCH = 4
+EPOCHS = 2
+RTOL, ATOL = 1e-5, 1e-6
+# Mixed precision: each replica sums its gradients over 16/n examples in
+# float16 (relative precision ~1e-3) before the float32 all-reduce adds the
+# partial sums, so they round differently from the one-device sums over all 16
+# examples. Adam moves a weight by about its learning rate (0.01) whatever the
+# gradient's size, so the weights differ by ~1e-5 absolute (up to 4e-5), which
+# is large relative to weights near zero: hence the atol too.
+FLOAT16_RTOL, FLOAT16_ATOL = 1e-3, 1e-4
+
+# name: (optimizer factory, dtype policy).
+_OPTIMIZERS = {
+    "sgd": (lambda: keras.optimizers.SGD(learning_rate=0.1), "float32"),
+    "momentum": (lambda: keras.optimizers.SGD(learning_rate=0.1,
+                                              momentum=0.9), "float32"),
+    "adam": (lambda: keras.optimizers.Adam(learning_rate=0.01), "float32"),
+    "adamw": (lambda: keras.optimizers.AdamW(learning_rate=0.01,
+                                             weight_decay=0.1), "float32"),
+    # The thresholds are below the gradient norms (1 to 2 per weight, 2.8 in
+    # all), so clipping changes every step.
+    "adam_clipnorm": (lambda: keras.optimizers.Adam(learning_rate=0.01,
+                                                    clipnorm=0.5), "float32"),
+    "adam_global_clipnorm": (lambda: keras.optimizers.Adam(
+        learning_rate=0.01, global_clipnorm=1.0), "float32"),
+    "adam_ema": (lambda: keras.optimizers.Adam(
+        learning_rate=0.01, use_ema=True, ema_overwrite_frequency=2),
+                 "float32"),
+    "sgd_accumulate": (lambda: keras.optimizers.SGD(
+        learning_rate=0.1, gradient_accumulation_steps=2), "float32"),
+    "adam_accumulate": (lambda: keras.optimizers.Adam(
+        learning_rate=0.01, gradient_accumulation_steps=2), "float32"),
+    "loss_scale_adam": (lambda: keras.optimizers.LossScaleOptimizer(
+        keras.optimizers.Adam(learning_rate=0.01)), "mixed_float16"),
+}
+# Every optimizer on 2 replicas with 1 and 3 steps per execution, and on 4
+# replicas with 3 (one step per execution on 4 replicas would take the same
+# path as on 2, at twice the cost). One replica goes through the same strategy
+# machinery with nothing to exchange; the features that branch inside the
+# step (EMA overwrite, accumulation, loss scaling) suffice there.
+_CASES = (
+    [(f"2_replicas_{name}_spe{spe}", 2, name, spe)
+     for name in _OPTIMIZERS for spe in (1, 3)] +
+    [(f"4_replicas_{name}_spe3", 4, name, 3) for name in _OPTIMIZERS] +
+    [(f"1_replica_{name}_spe3", 1, name, 3)
+     for name in ("sgd", "adam_ema", "adam_accumulate", "loss_scale_adam")])
+
+
+def data():
+  rng = np.random.default_rng(0)
+  x = rng.normal(size=(GLOBAL_BATCH * STEPS_PER_EPOCH, 8)).astype(np.float32)
+  y = rng.normal(size=(GLOBAL_BATCH * STEPS_PER_EPOCH, 3)).astype(np.float32)
+  return x, y
+
+
+def build_model():
+  return keras.Sequential([
+      keras.Input((8,)),
+      keras.layers.Dense(16, activation="relu"),
+      keras.layers.Dense(3),
+  ])
+
+
+@contextlib.contextmanager
+def dtype_policy(name):
+  """Sets Keras's global dtype policy, restoring the previous one after."""
+  previous = keras.config.dtype_policy()
+  keras.config.set_dtype_policy(name)
+  try:
+    yield
+  finally:
+    keras.config.set_dtype_policy(previous)
+
+
+@functools.cache
+def initial_weights():
+  with dtype_policy("float32"):
+    keras.utils.set_random_seed(0)
+    return tuple(build_model().get_weights())
+
+
+def train(optimizer_name, steps_per_execution, strategy=None):
+  """Fits a fresh model from `initial_weights()`; returns it, its optimizer
+  and the per-epoch losses. Built under `strategy.scope()` if given."""
+  make_optimizer, policy = _OPTIMIZERS[optimizer_name]
+  scope = strategy.scope() if strategy else contextlib.nullcontext()
+  with dtype_policy(policy), scope:
+    keras.utils.set_random_seed(0)
+    model = build_model()
+    model.set_weights(initial_weights())
+    optimizer = make_optimizer()
+    model.compile(optimizer=optimizer, loss="mse", run_eagerly=False,
+                  jit_compile=False, steps_per_execution=steps_per_execution)
+    history = model.fit(*data(), batch_size=GLOBAL_BATCH, epochs=EPOCHS,
+                        shuffle=False, verbose=0)
+  return model, optimizer, history.history["loss"]
+
+
+@functools.cache
+def reference_run(optimizer_name):
+  """Losses, final weights and optimizer state of `fit` with no strategy."""
+  model, optimizer, losses = train(optimizer_name, steps_per_execution=1)
+  return (losses, [w.numpy() for w in model.weights],
+          int(optimizer.iterations.numpy()),
+          [v.numpy() for v in optimizer.variables])
+
+
+class KerasOptimizersTest(unittest.TestCase):
+
+  @parameterized.expand(_CASES)
+  def test_fit_matches_no_strategy(self, _, n, optimizer_name,
+                                   steps_per_execution):
+    strategy = topology.strategy_over(n)
+    model, optimizer, losses = train(optimizer_name, steps_per_execution,
+                                     strategy)
+
+    want_losses, want_weights, want_iterations, want_optimizer = (
+        reference_run(optimizer_name))
+    rtol, atol = ((FLOAT16_RTOL, FLOAT16_ATOL)
+                  if _OPTIMIZERS[optimizer_name][1] == "mixed_float16"
+                  else (RTOL, ATOL))
+    np.testing.assert_allclose(losses, want_losses, rtol=rtol, atol=atol,
+                               err_msg="per-epoch loss history")
+    self.assertEqual(int(optimizer.iterations.numpy()), want_iterations)
+    for v, want, start in zip(model.weights, want_weights, initial_weights()):
+      self.assertGreater(np.abs(want - start).max(), 1e-3)  # it trained
+      for replica, got in enumerate(
+          strategy.experimental_local_results(v.value)):
+        np.testing.assert_allclose(
+            got, want, rtol=rtol, atol=atol,
+            err_msg=f"{v.path} on replica {replica}")
+    # Moments, EMA averages, loss scale; the gradient accumulators are back
+    # at zero after an even number of steps. (Paths differ in the optimizer's
+    # uniquified name; the order is the same.)
+    self.assertEqual(len(optimizer.variables), len(want_optimizer))
+    for v, want in zip(optimizer.variables, want_optimizer):
+      np.testing.assert_allclose(v.numpy(), want, rtol=rtol, atol=atol,
+                                 err_msg=v.path)
+
+
+if __name__ == "__main__":
+  unittest.main()
