@@ -1,7 +1,7 @@
 """Keras `fit`/`evaluate`/`predict` under the strategy equal one device.
 
 Four model families (MLP, conv net with synchronized batch norm, embedding,
-RNN) and the input kinds Keras accepts. Training data is a multiple of the
+RNN), the MLP also through `tf.keras`, and the input kinds Keras accepts. Training data is a multiple of the
 global batch; evaluation and prediction data are not, so every example must
 be counted once and every row returned once, in order.
 
@@ -28,6 +28,13 @@ def mlp():
   return keras.Sequential([keras.Input((6,)),
                            keras.layers.Dense(8, activation="relu"),
                            keras.layers.Dense(3)])
+
+
+def tf_keras_mlp():
+  # `tf.keras` names the same Keras 3 that `import keras` gives.
+  return tf.keras.Sequential([tf.keras.Input((6,)),
+                              tf.keras.layers.Dense(8, activation="relu"),
+                              tf.keras.layers.Dense(3)])
 
 
 def conv_sync_bn():
@@ -57,6 +64,7 @@ def rnn():
 
 MODELS = {
     "mlp": (mlp, lambda rng, n: rng.normal(size=(n, 6))),
+    "tf_keras_mlp": (tf_keras_mlp, lambda rng, n: rng.normal(size=(n, 6))),
     "conv_sync_bn": (conv_sync_bn, lambda rng, n: rng.normal(size=(n, 6, 6, 2))),
     "embedding": (embedding, lambda rng, n: rng.integers(0, 20, size=(n, 5))),
     "rnn": (rnn, lambda rng, n: rng.normal(size=(n, 4, 3))),
