@@ -15,6 +15,7 @@ import numpy as np
 from parameterized import parameterized
 import tensorflow as tf
 
+import models
 import topology
 
 GLOBAL_BATCH = 16
@@ -41,20 +42,6 @@ def dataset():
   return tf.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL_BATCH)
 
 
-def build_model():
-  return keras.Sequential([
-      keras.Input((8,)),
-      keras.layers.Dense(16, activation="tanh"),
-      keras.layers.Dense(3),
-  ])
-
-
-@functools.cache
-def initial_weights():
-  keras.utils.set_random_seed(0)
-  return tuple(build_model().get_weights())
-
-
 def make_step(model, optimizer):
   """The per-replica step: returns the replica's share of the global loss."""
 
@@ -74,8 +61,8 @@ def make_step(model, optimizer):
 @functools.cache
 def reference_run(optimizer_name):
   """Losses and final weights of the loop on one device, no strategy."""
-  model = build_model()
-  model.set_weights(initial_weights())
+  model = models.small_mlp()
+  model.set_weights(models.initial_weights())
   optimizer = _OPTIMIZERS[optimizer_name]()
   train_step = tf.function(make_step(model, optimizer))
   losses = [float(train_step(x, y)) for x, y in dataset()]
@@ -90,8 +77,8 @@ class CustomLoopTest(unittest.TestCase):
                                           prebuilt):
     strategy = topology.strategy_over(n)
     with strategy.scope():
-      model = build_model()
-      model.set_weights(initial_weights())
+      model = models.small_mlp()
+      model.set_weights(models.initial_weights())
       optimizer = _OPTIMIZERS[optimizer_name]()
       if prebuilt:
         optimizer.build(model.trainable_variables)
@@ -108,7 +95,7 @@ class CustomLoopTest(unittest.TestCase):
     want_losses, want_weights = reference_run(optimizer_name)
     np.testing.assert_allclose(losses, want_losses, rtol=RTOL, atol=ATOL)
     self.assertEqual(int(optimizer.iterations.numpy()), STEPS)
-    for v, want, start in zip(model.weights, want_weights, initial_weights()):
+    for v, want, start in zip(model.weights, want_weights, models.initial_weights()):
       self.assertGreater(np.abs(want - start).max(), 1e-3)  # it trained
       for replica, got in enumerate(
           strategy.experimental_local_results(v.value)):

@@ -20,6 +20,7 @@ import numpy as np
 from parameterized import parameterized
 import tensorflow as tf
 
+import models
 import topology
 
 BATCH = 16
@@ -41,20 +42,6 @@ X, Y = _data()
 X_PREDICT = np.random.default_rng(1).normal(size=(20, 8)).astype(np.float32)
 
 
-def build_model():
-  return keras.Sequential([
-      keras.Input((8,)),
-      keras.layers.Dense(16, activation="tanh"),
-      keras.layers.Dense(3),
-  ])
-
-
-@functools.cache
-def initial_weights():
-  keras.utils.set_random_seed(0)
-  return tuple(build_model().get_weights())
-
-
 def compile_with_adam(model):
   model.compile(keras.optimizers.Adam(learning_rate=0.01), "mse")
   return model
@@ -62,8 +49,8 @@ def compile_with_adam(model):
 
 def compiled_model():
   """A model with fixed starting weights; call under a scope."""
-  model = build_model()
-  model.set_weights(initial_weights())
+  model = models.small_mlp()
+  model.set_weights(models.initial_weights())
   return compile_with_adam(model)
 
 
@@ -137,7 +124,7 @@ class CallbacksTest(TempDirMixin, SameValuesMixin, unittest.TestCase):
         sorted(os.listdir(self.tmp)),
         ["m-01.keras", "m-02.keras", "w-01.weights.h5", "w-02.weights.h5"])
     for epoch in (1, 2):
-      plain = build_model()
+      plain = models.small_mlp()
       plain.load_weights(self.path(f"w-{epoch:02d}.weights.h5"))
       self.assert_arrays_equal(plain.get_weights(), at_epoch_end[epoch],
                                f"weights file of epoch {epoch}")
@@ -321,7 +308,7 @@ class BackupAndRestoreTest(TempDirMixin, SameValuesMixin, unittest.TestCase):
     # Its starting weights differ, so only the backup can make it match.
     keras.utils.set_random_seed(1)
     with topology.strategy_over(n).scope():
-      resumed = compile_with_adam(build_model())
+      resumed = compile_with_adam(models.small_mlp())
     history = fit(resumed, epochs=EPOCHS,
                   callbacks=[keras.callbacks.BackupAndRestore(backup_dir)])
 
@@ -399,7 +386,7 @@ class SavingTest(TempDirMixin, SameValuesMixin, unittest.TestCase):
   def test_weights_file_loads_into_every_topology(self, _, n):
     model, _ = trained_under(n)
     self.assertGreater(
-        np.abs(model.get_weights()[0] - initial_weights()[0]).max(), 1e-4)
+        np.abs(model.get_weights()[0] - models.initial_weights()[0]).max(), 1e-4)
     path = self.path("w.weights.h5")
     model.save_weights(path)
 

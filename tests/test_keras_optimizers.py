@@ -20,6 +20,7 @@ import keras
 import numpy as np
 from parameterized import parameterized
 
+import models
 import topology
 
 GLOBAL_BATCH = 16
@@ -78,14 +79,6 @@ def data():
   return x, y
 
 
-def build_model():
-  return keras.Sequential([
-      keras.Input((8,)),
-      keras.layers.Dense(16, activation="relu"),
-      keras.layers.Dense(3),
-  ])
-
-
 @contextlib.contextmanager
 def dtype_policy(name):
   """Sets Keras's global dtype policy, restoring the previous one after."""
@@ -97,22 +90,18 @@ def dtype_policy(name):
     keras.config.set_dtype_policy(previous)
 
 
-@functools.cache
-def initial_weights():
-  with dtype_policy("float32"):
-    keras.utils.set_random_seed(0)
-    return tuple(build_model().get_weights())
-
-
 def train(optimizer_name, steps_per_execution, strategy=None):
-  """Fits a fresh model from `initial_weights()`; returns it, its optimizer
-  and the per-epoch losses. Built under `strategy.scope()` if given."""
+  """Fits a fresh model from the shared initial weights.
+
+  Returns the model, its optimizer and the per-epoch losses. The model is
+  built under `strategy.scope()` if a strategy is given.
+  """
   make_optimizer, policy = _OPTIMIZERS[optimizer_name]
   scope = strategy.scope() if strategy else contextlib.nullcontext()
   with dtype_policy(policy), scope:
     keras.utils.set_random_seed(0)
-    model = build_model()
-    model.set_weights(initial_weights())
+    model = models.small_mlp("relu")
+    model.set_weights(models.initial_weights("relu"))
     optimizer = make_optimizer()
     model.compile(optimizer=optimizer, loss="mse", run_eagerly=False,
                   jit_compile=False, steps_per_execution=steps_per_execution)
@@ -147,7 +136,8 @@ class KerasOptimizersTest(unittest.TestCase):
     np.testing.assert_allclose(losses, want_losses, rtol=rtol, atol=atol,
                                err_msg="per-epoch loss history")
     self.assertEqual(int(optimizer.iterations.numpy()), want_iterations)
-    for v, want, start in zip(model.weights, want_weights, initial_weights()):
+    start_weights = models.initial_weights("relu")
+    for v, want, start in zip(model.weights, want_weights, start_weights):
       self.assertGreater(np.abs(want - start).max(), 1e-3)  # it trained
       for replica, got in enumerate(
           strategy.experimental_local_results(v.value)):
