@@ -1,4 +1,4 @@
-"""Three things Keras 3 gets wrong under any strategy, put right for this one.
+"""Five things Keras 3 gets wrong under any strategy, put right for this one.
 
 - Per-batch logs (the progress bar, `on_*_batch_end` callbacks, the return of
   `train_on_batch`) are averages of each replica's *local* metric results,
@@ -9,13 +9,19 @@
 - `predict_on_batch` hands the whole batch to every replica and concatenates
   the replicas' outputs: N times the rows. Here the batch is split into
   contiguous per-replica parts, so the rows come back once, in order.
+- A replica's mean loss is scaled by 1/N, which is right only when every
+  replica has as many rows; a final partial batch then trains differently
+  from one device. Here it is scaled by the replica's share of the rows.
+- Before the first step Keras builds the model from the first batch, averaged
+  over the replicas, which fails when the batch splits unevenly. Here it
+  builds from the whole first batch.
 - Gradient clipping (`clipnorm`, `global_clipnorm`, `clipvalue`) clips each
   replica's share of the gradient before the all-reduce, which is not the
   clipped global gradient. Here clipping optimizers all-reduce first.
 
-Installed on import of `replicator_strategy`, on `keras.Model` and
-`keras.optimizers.Optimizer`; every wrapper calls Keras's own method
-unchanged for any other strategy.
+Installed on import of `replicator_strategy`, on `keras.Model`,
+`keras.optimizers.Optimizer` and Keras's loss-scaling functions; every
+wrapper calls Keras's own code unchanged for any other strategy.
 
 >>> with ReplicatorStrategy().scope():
 ...   model = build_and_compile()
@@ -26,6 +32,7 @@ True
 import functools
 
 import keras
+from keras.src.losses import loss as keras_loss  # Where Keras scales losses.
 import tensorflow as tf
 
 from replicator_strategy import replica_context
@@ -33,20 +40,25 @@ from replicator_strategy import strategy as strategy_lib
 
 
 def install():
-  """Wraps `keras.Model.get_metrics_result` and `predict_on_batch`, once."""
+  """Wraps the Keras methods and functions named above, once."""
   if getattr(keras.Model, "_replicator_strategy_installed", False):
     return
-  keras.Model.get_metrics_result = _global_metrics_result(
-      keras.Model.get_metrics_result)
-  keras.Model.predict_on_batch = _split_predict_on_batch(
-      keras.Model.predict_on_batch)
-  optimizer = keras.optimizers.Optimizer
   # pylint: disable=protected-access
+  model = keras.Model
+  model.get_metrics_result = _global_metrics_result(model.get_metrics_result)
+  model.predict_on_batch = _split_predict_on_batch(model.predict_on_batch)
+  model._maybe_symbolic_build = _build_from_whole_batch(
+      model._maybe_symbolic_build)
+  keras_loss.scale_loss_for_distribution = _scale_by_batch_share(
+      keras_loss.scale_loss_for_distribution, scale=True)
+  keras_loss.unscale_loss_for_distribution = _scale_by_batch_share(
+      keras_loss.unscale_loss_for_distribution, scale=False)
+  optimizer = keras.optimizers.Optimizer
   optimizer._backend_apply_gradients = _reduce_before_clipping(
       optimizer._backend_apply_gradients)
   optimizer._all_reduce_sum_gradients = _skip_if_reduced(
       optimizer._all_reduce_sum_gradients)
-  keras.Model._replicator_strategy_installed = True
+  model._replicator_strategy_installed = True
   # pylint: enable=protected-access
 
 
@@ -70,6 +82,49 @@ def _global_metrics_result(get_metrics_result):
     summed = ctx.all_reduce("sum", [tf.convert_to_tensor(v) for v in variables])
     with keras.StatelessScope(state_mapping=list(zip(variables, summed))):
       return get_metrics_result(self)
+
+  return wrapper
+
+
+def _build_from_whole_batch(maybe_symbolic_build):
+
+  @functools.wraps(maybe_symbolic_build)
+  def wrapper(self, iterator=None, data_batch=None):
+    strategy = getattr(self, "_distribute_strategy", None)
+    if iterator is None or not isinstance(strategy,
+                                          strategy_lib.ReplicatorStrategy):
+      return maybe_symbolic_build(self, iterator=iterator,
+                                  data_batch=data_batch)
+    for _, _, batches in iterator:  # Takes one batch, as Keras does.
+      first = next(batches)
+      break
+    else:
+      return maybe_symbolic_build(self, data_batch=data_batch)
+
+    def whole(value):
+      if not isinstance(value, tf.distribute.DistributedValues):
+        return value
+      parts = strategy.experimental_local_results(value)
+      return tf.concat(parts, axis=0) if parts[0].shape.rank else parts[0]
+
+    return maybe_symbolic_build(self, data_batch=tf.nest.map_structure(
+        whole, first))
+
+  return wrapper
+
+
+def _scale_by_batch_share(keras_fn, scale):
+  """Scales (or unscales) a replica's mean loss by its share of the rows."""
+
+  @functools.wraps(keras_fn)
+  def wrapper(value):
+    share = None
+    if _in_our_replicas():
+      share = tf.distribute.get_replica_context().local_batch_share()
+    if share is None:
+      return keras_fn(value)
+    share = tf.cast(share, value.dtype)
+    return value * share if scale else tf.math.divide_no_nan(value, share)
 
   return wrapper
 

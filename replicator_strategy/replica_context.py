@@ -32,9 +32,11 @@ from replicator_strategy import reduce_op as reduce_op_lib
 class ReplicaContext(tfi.ThreadReplicaContext):
   """`tf.distribute.ReplicaContext` with MIN/MAX all-reduce and broadcast."""
 
-  def __init__(self, strategy, replica_id_in_sync_group):
+  def __init__(self, strategy, replica_id_in_sync_group, inputs=()):
     super().__init__(strategy, replica_id_in_sync_group)
     self._home_graph = tf.compat.v1.get_default_graph()
+    self._inputs = inputs
+    self._batch_shares = {}
 
   @property
   def can_merge(self):
@@ -116,6 +118,25 @@ class ReplicaContext(tfi.ThreadReplicaContext):
             self._replica_id_in_sync_group, values, axis, keys),
         flat, grad=None)
     return tf.nest.pack_sequence_as(value, ys)
+
+  def local_batch_share(self):
+    """This replica's rows over all replicas' rows, or None if unknown.
+
+    Rows are the leading dimension of the first tensor given to
+    `strategy.run`. Exact loss scaling under uneven splits needs it: a
+    replica's mean loss counts in proportion to its rows (Keras weights each
+    replica's mean loss 1/N otherwise).
+    """
+    graph = tf.compat.v1.get_default_graph()
+    if graph not in self._batch_shares:
+      leaves = [t for t in tf.nest.flatten(self._inputs)
+                if tf.is_tensor(t) and t.shape.rank != 0]
+      share = None
+      if leaves:
+        rows = tf.cast(tf.shape(leaves[0])[0], tf.float32)
+        share = tf.math.divide_no_nan(rows, self.all_reduce("sum", rows))
+      self._batch_shares[graph] = share
+    return self._batch_shares[graph]
 
   @property
   def _collectives(self):
@@ -220,7 +241,8 @@ def call_for_each_replica(strategy, fn, args, kwargs):
   @tfi.autograph.do_not_convert
   def in_replica_context(*a, **k):
     thread_context = tf.distribute.get_replica_context()
-    with ReplicaContext(strategy, thread_context._replica_id_in_sync_group):  # pylint: disable=protected-access
+    with ReplicaContext(strategy, thread_context._replica_id_in_sync_group,  # pylint: disable=protected-access
+                        inputs=(a, k)):
       return fn(*a, **k)
 
   return tfi.mirrored_run.call_for_each_replica(strategy, in_replica_context,
