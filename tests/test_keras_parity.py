@@ -208,8 +208,12 @@ INPUTS = {
 
 class InputParityTest(unittest.TestCase):
 
+  # Not the generator on one replica: Keras's pre-build takes the first batch
+  # of a generator and, with a one-device strategy (MirroredStrategy too),
+  # never trains on it. See docs/keras.md, known limits.
   @parameterized.expand([(f"{name}_{n}_replicas", name, n)
-                         for name in INPUTS for n in topology.REPLICA_COUNTS])
+                         for name in INPUTS for n in topology.REPLICA_COUNTS
+                         if (name, n) != ("generator", 1)])
   def test_every_input_kind(self, _, input_name, n):
     want = train_and_measure("mlp", tf.distribute.get_strategy(),
                              INPUTS[input_name])
