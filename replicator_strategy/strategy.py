@@ -14,6 +14,9 @@ TF-Replicator (Buchlovsky et al., 2019, arXiv:1902.00465) rebuilt as a
 `tf.distribute.Strategy`.
 """
 
+import json
+import os
+
 import tensorflow as tf
 
 from replicator_strategy import devices as devices_lib
@@ -33,6 +36,7 @@ class ReplicatorStrategy(tf.distribute.Strategy):
   """
 
   def __init__(self, devices=None, all_reduce="auto"):
+    _refuse_multi_worker_tf_config()
     if devices is None:
       if devices_lib.tpu_present():
         raise NotImplementedError(devices_lib.tpu_not_supported_message())
@@ -64,3 +68,23 @@ class ReplicatorStrategy(tf.distribute.Strategy):
     return (f"ReplicatorStrategy({n} replica{'s' if n > 1 else ''}: "
             f"{', '.join(self.extended.worker_devices)}; all-reduce "
             f"{self.extended.all_reduce_choice})")
+
+
+def _refuse_multi_worker_tf_config():
+  """Multi-worker runs are not supported yet: fail rather than train alone."""
+  raw = os.environ.get("TF_CONFIG")
+  if not raw:
+    return
+  try:
+    cluster = json.loads(raw).get("cluster", {})
+    tasks = sum(len(addresses) for addresses in cluster.values())
+  except (ValueError, AttributeError, TypeError) as e:
+    raise ValueError(
+        f"TF_CONFIG is not a valid cluster description ({e}). Received: "
+        f"TF_CONFIG={raw!r}. Unset it to run on this machine alone.") from e
+  if tasks > 1:
+    raise NotImplementedError(
+        f"TF_CONFIG describes a cluster of {tasks} tasks, but "
+        f"ReplicatorStrategy runs on one machine only so far; every worker "
+        f"would train alone. Unset TF_CONFIG, or use "
+        f"tf.distribute.MultiWorkerMirroredStrategy for now.")
