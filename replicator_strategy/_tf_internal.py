@@ -30,6 +30,7 @@ def _check_tf_version():
 _check_tf_version()
 
 # pylint: disable=g-import-not-at-top,unused-import
+from tensorflow.compiler.xla.tsl.protobuf import coordination_config_pb2
 from tensorflow.python.distribute import collective_util
 from tensorflow.python.distribute import cross_device_ops
 from tensorflow.python.distribute import cross_device_utils

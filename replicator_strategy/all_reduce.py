@@ -20,8 +20,12 @@ ALGORITHMS = ("auto", "add_on_one_device", "nccl", "hierarchical_copy",
               "ring")
 
 
-def choose(devices, algorithm):
+def choose(devices, algorithm, num_workers=1,
+           timeout_seconds=collectives.TIMEOUT_SECONDS):
   """Returns `(cross_device_ops, reason)` for `devices` and a requested algorithm.
+
+  With several workers, `devices` are this worker's and only TF's collective
+  ops ("ring", the "auto" choice) reach the others.
 
   `algorithm` is one of `ALGORITHMS` or a `tf.distribute.CrossDeviceOps`.
   "ring" (TF's collective ops, MirroredStrategy's CPU default) shares
@@ -35,11 +39,26 @@ def choose(devices, algorithm):
         f"Expected `all_reduce` to be one of {ALGORITHMS} or a "
         f"tf.distribute.CrossDeviceOps instance. Received: "
         f"all_reduce={algorithm!r}")
+  if num_workers > 1:
+    if algorithm not in ("auto", "ring"):
+      raise ValueError(
+          f"all_reduce={algorithm!r} works within one machine only; across "
+          f"{num_workers} workers only TensorFlow's collective ops reach "
+          f"every replica. Use all_reduce='auto' or 'ring'.")
+    reason = (f"collective ops over {num_workers} workers x {len(devices)} "
+              f"device(s)")
+    return _collective(devices, len(devices) * num_workers,
+                       timeout_seconds), f"ring: {reason}"
   if algorithm == "auto":
     algorithm, reason = _auto(devices)
   else:
     reason = "requested"
   return _build(algorithm, devices), f"{algorithm}: {reason}"
+
+
+def across_workers(host_device, num_workers, timeout_seconds):
+  """All-reduce of one value per worker, on each worker's `host_device`."""
+  return _collective([host_device], num_workers, timeout_seconds)
 
 
 def _auto(devices):
@@ -62,11 +81,17 @@ def _build(algorithm, devices):
     return tf.distribute.NcclAllReduce()
   if algorithm == "hierarchical_copy":
     return tf.distribute.HierarchicalCopyAllReduce()
+  return _collective(devices, len(devices), None)
+
+
+def _collective(devices, group_size, timeout_seconds):
+  """TF's collective all-reduce among `group_size` replicas, ours on `devices`."""
   return tfi.cross_device_ops.CollectiveAllReduce(
       devices=devices,
-      group_size=len(devices),
+      group_size=group_size,
       options=tfi.collective_util.Options(
-          implementation=tfi.collective_util.CommunicationImplementation.RING),
+          implementation=tfi.collective_util.CommunicationImplementation.RING,
+          timeout_seconds=timeout_seconds),
       collective_keys=tfi.cross_device_utils.CollectiveKeys(
           group_key_start=collectives.new_group_key()))
 

@@ -16,7 +16,7 @@ can't be captured inside control flow, and keys fixed at trace time clash
 between loop iterations.)
 
 >>> # inside a tf.cond branch, in one replica's trace of strategy.run:
->>> strategy.extended.collectives.all_reduce(replica_id, ReduceOp.SUM, [g], keys)
+>>> strategy.extended.collectives.all_reduce(local_index, ReduceOp.SUM, [g], keys)
 """
 
 import itertools
@@ -28,9 +28,9 @@ from replicator_strategy import reduce_op as reduce_op_lib
 
 ReduceOp = reduce_op_lib.ReduceOp
 
-# A replica that never arrives (a branch taken on some replicas only) fails
-# the step after this long instead of hanging it.
-TIMEOUT_SECONDS = 300
+# A replica that never arrives (a branch taken on some replicas only, a
+# worker that died) fails the step after this long instead of hanging it.
+TIMEOUT_SECONDS = 120
 
 # Collective group keys are process-global: every group takes its own key
 # range so that several strategies never collide.
@@ -49,10 +49,15 @@ def new_group_key():
 
 
 class ReplicaCollectives:
-  """Run-time collectives over `devices`, launched one replica at a time."""
+  """Run-time collectives among `group_size` replicas, this worker's on `devices`.
 
-  def __init__(self, devices):
+  Methods take the replica's index among this worker's `devices`.
+  """
+
+  def __init__(self, devices, group_size, timeout_seconds=TIMEOUT_SECONDS):
     self._devices = tuple(devices)
+    self._group_size = group_size
+    self._timeout = timeout_seconds
     self._group_key = new_group_key()
     with tf.init_scope():
       # Created directly, bypassing variable creator scopes: these belong to
@@ -65,7 +70,7 @@ class ReplicaCollectives:
                   0, dtype=tf.int32, trainable=False,
                   name="replicator_collective_key"))
 
-  def draw_keys(self, replica_id, count, home_graph):
+  def draw_keys(self, local_index, count, home_graph):
     """`count` fresh instance keys, in this replica's program order.
 
     The counter is captured in `home_graph`, where strategy.run is traced:
@@ -73,9 +78,9 @@ class ReplicaCollectives:
     differentiated.
     """
     with home_graph.as_default():
-      handle = home_graph.capture(self._key_counters[replica_id].handle)
+      handle = home_graph.capture(self._key_counters[local_index].handle)
     keys = []
-    with tf.device(self._devices[replica_id]):
+    with tf.device(self._devices[local_index]):
       for _ in range(count):
         increment = tf.raw_ops.AssignAddVariableOp(resource=handle, value=1)
         with tf.control_dependencies([increment]):
@@ -83,40 +88,76 @@ class ReplicaCollectives:
                                                 dtype=tf.int32))
     return keys
 
-  def _launch(self, replica_id, collective, tensor, key):
-    with tf.device(self._devices[replica_id]):
+  def _launch(self, local_index, collective, tensor, key):
+    with tf.device(self._devices[local_index]):
       # TF's collective kernels need a resource input on their device. It is
       # made in place: a gradient graph must not capture eager handles.
       token = tf.raw_ops.VarHandleOp(
           dtype=tf.float32, shape=[],
-          shared_name=f"replicator_token_{self._group_key}_{replica_id}")
-      result = collective(tensor, len(self._devices), self._group_key, key,
-                          ordering_token=token, timeout=TIMEOUT_SECONDS)
+          shared_name=f"replicator_token_{self._group_key}_{local_index}")
+      result = collective(tensor, self._group_size, self._group_key, key,
+                          ordering_token=token, timeout=self._timeout)
     # Collective ops have no registered gradient; differentiable callers
     # wrap them in a custom gradient (ReplicaContext).
     return tf.stop_gradient(result)
 
-  def all_reduce(self, replica_id, op, tensors, keys):
+  def all_reduce(self, local_index, op, tensors, keys):
     """Each of `tensors` reduced with `op` over all replicas; a key each."""
     merge_op, final_op = _MERGE_OPS[op]
     return [
         self._launch(
-            replica_id,
+            local_index,
             lambda *a, **k: tfi.collective_ops.all_reduce_v2(
                 *a, merge_op=merge_op, final_op=final_op, **k),
             tf.convert_to_tensor(t), key)
         for t, key in zip(tensors, keys)
     ]
 
-  def all_gather(self, replica_id, tensors, axis, keys):
+  def all_gather(self, local_index, tensors, axis, keys):
     """Each of `tensors` concatenated over all replicas along `axis`."""
     out = []
     for tensor, key in zip(tensors, keys):
       moved = tf.experimental.numpy.moveaxis(tensor, axis, 0)
-      gathered = self._launch(replica_id, tfi.collective_ops.all_gather_v2,
+      gathered = self._launch(local_index, tfi.collective_ops.all_gather_v2,
                               moved, key)
       out.append(tf.experimental.numpy.moveaxis(gathered, 0, axis))
     return out
+
+
+class WorkerBroadcast:
+  """Sends the chief's value of a tensor to every worker, once per call.
+
+  Calls must come in the same order on every worker (as variable creation
+  does: the same program creates the same variables in the same order).
+  """
+
+  def __init__(self, device, cluster, timeout_seconds=TIMEOUT_SECONDS):
+    self._device = device
+    self._cluster = cluster
+    self._timeout = timeout_seconds
+    self._group_key = new_group_key()
+    self._instance_keys = itertools.count(start=1)
+
+  def from_chief(self, initial_value, dtype=None):
+    """A callable giving the chief's `initial_value` (a tensor or callable)."""
+    instance_key = next(self._instance_keys)
+
+    def value_from_chief():
+      with tf.device(self._device):
+        value = initial_value() if callable(initial_value) else initial_value
+        value = getattr(value, "wrapped_value", value)  # Restore-on-create.
+        value = tf.convert_to_tensor(value, dtype=dtype)
+        common = dict(group_size=self._cluster.num_workers,
+                      group_key=self._group_key, instance_key=instance_key,
+                      timeout=self._timeout)
+        if self._cluster.is_chief:
+          sent = tfi.collective_ops.broadcast_send_v2(value, **common)
+          with tf.control_dependencies([sent]):
+            return tf.identity(value)
+        return tfi.collective_ops.broadcast_recv_v2(
+            tf.shape(value), value.dtype, **common)
+
+    return value_from_chief
 
 
 def check_not_in_replica_loop(home_graph):

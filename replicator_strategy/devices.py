@@ -48,13 +48,21 @@ def split_cpu(num_devices):
 def local_devices():
   """The devices `ReplicatorStrategy()` uses by default, as full names.
 
-  Every local GPU if there is one, else every logical CPU device.
+  Every local GPU if there is one, else every logical CPU device. In a
+  cluster, this worker's only.
   """
   for device_type in ("GPU", "CPU"):
-    found = tf.config.list_logical_devices(device_type)
+    found = _this_tasks(tf.config.list_logical_devices(device_type))
     if found:
       return tuple(tfi.device_util.canonicalize(d.name) for d in found)
   raise RuntimeError("TensorFlow reports no CPU or GPU device.")
+
+
+def _this_tasks(logical_devices):
+  """Drops other workers' devices, which TF lists once in a cluster."""
+  task = tfi.context.context().host_address_space()
+  return [d for d in logical_devices
+          if tfi.device_util.canonicalize(d.name).startswith(task + "/")]
 
 
 def tpu_present():
@@ -69,7 +77,7 @@ def resolve_devices(devices):
   """
   existing = {
       tfi.device_util.canonicalize(d.name): d.device_type
-      for d in tf.config.list_logical_devices()
+      for d in _this_tasks(tf.config.list_logical_devices())
   }
   listing = ", ".join(sorted(existing)) or "none"
   if isinstance(devices, str) or not hasattr(devices, "__iter__"):

@@ -24,22 +24,43 @@ _utils = tfi.distribute_utils
 
 
 class ReplicatorExtended(tfi.StrategyExtendedV1):
-  """Replicates over `devices` of one machine, one replica per device."""
+  """Replicates over `devices` of this worker, one replica per device.
 
-  def __init__(self, container_strategy, devices, all_reduce):
+  With a `cluster` (see `replicator_strategy.cluster`), every worker runs
+  the same number of replicas; worker w holds global replicas
+  w*M .. w*M+M-1 of N*M.
+  """
+
+  def __init__(self, container_strategy, devices, all_reduce, cluster=None,
+               timeout_seconds=collectives_lib.TIMEOUT_SECONDS):
     super().__init__(container_strategy)
     self._devices = tuple(devices)
+    self.cluster = cluster
+    self.num_workers = cluster.num_workers if cluster else 1
+    self.first_replica_id = (
+        cluster.worker_index * len(self._devices) if cluster else 0)
     self.host_device = tfi.device_util.get_host_for_device(self._devices[0])
     self._cross_device_ops, self.all_reduce_choice = all_reduce_lib.choose(
-        self._devices, all_reduce)
+        self._devices, all_reduce, num_workers=self.num_workers,
+        timeout_seconds=timeout_seconds)
     self._host_reduce_ops = tf.distribute.ReductionToOneDevice()
-    self.collectives = collectives_lib.ReplicaCollectives(self._devices)
+    self.collectives = collectives_lib.ReplicaCollectives(
+        self._devices, self._num_replicas_in_sync, timeout_seconds)
+    if cluster:
+      # A plain tensor in cross-replica context is this worker's value.
+      self._worker_reduce_ops = all_reduce_lib.across_workers(
+          self.host_device, self.num_workers, timeout_seconds)
+      self.worker_broadcast = collectives_lib.WorkerBroadcast(
+          self.host_device, cluster, timeout_seconds)
+      # Ops without a device stay on this worker.
+      self._default_device = cluster.task_name
     # Partial final batches: a replica may get fewer (or no) examples.
     self.experimental_enable_get_next_as_optional = True
     self._use_var_policy = False
-    logging.info("ReplicatorStrategy: %d replica(s) on %s; all-reduce %s",
+    logging.info("ReplicatorStrategy: %d replica(s) on %s%s; all-reduce %s",
                  len(self._devices), ", ".join(self._devices),
-                 self.all_reduce_choice)
+                 f" (worker {cluster.worker_index} of {cluster.num_workers})"
+                 if cluster else "", self.all_reduce_choice)
 
   # Replica execution.
 
@@ -59,7 +80,7 @@ class ReplicatorExtended(tfi.StrategyExtendedV1):
     ctx = tf.distribute.get_replica_context()
     flat = tf.nest.flatten(value)
     reduced = self.collectives.all_reduce(
-        ctx._replica_id_in_sync_group, reduce_op_lib.parse(reduce_op), flat,  # pylint: disable=protected-access
+        ctx.local_index, reduce_op_lib.parse(reduce_op), flat,
         ctx.collective_keys(len(flat)))
     return tf.nest.pack_sequence_as(value, reduced)
 
@@ -68,23 +89,29 @@ class ReplicatorExtended(tfi.StrategyExtendedV1):
       return super()._replica_ctx_update(var, fn, args, kwargs, group)
     # Every replica holds the same (all-reduced) arguments, so each updates
     # its own component and the components stay identical.
-    replica_id = _current_replica_id()
+    local_index = tf.distribute.get_replica_context().local_index
     if isinstance(var, tfi.values.DistributedVariable):
-      var = var._get_replica(replica_id)  # pylint: disable=protected-access
-    with tf.device(var.device), tf.name_scope(f"update_{replica_id}"):
+      var = var._get_replica(local_index)  # pylint: disable=protected-access
+    with tf.device(var.device), tf.name_scope(f"update_{local_index}"):
       return fn(var, *args, **kwargs)
 
   def _get_local_replica_id(self, replica_id_in_sync_group):
-    return replica_id_in_sync_group
+    return replica_id_in_sync_group - self.first_replica_id
 
   def _get_replica_id_in_sync_group(self, replica_id):
-    return replica_id
+    return self.first_replica_id + replica_id
 
   # Variables.
 
   def _create_variable(self, next_creator, **kwargs):
     return variables.create(self._container_strategy(), self._devices,
                             next_creator, **kwargs)
+
+  def initial_value_from_chief(self, initial_value, dtype=None):
+    """`initial_value` (a tensor or callable) as the chief computes it."""
+    if not self.cluster:
+      return initial_value
+    return self.worker_broadcast.from_chief(initial_value, dtype)
 
   def _validate_colocate_with_variable(self, colocate_with_variable):
     _utils.validate_colocate_distributed_variable(colocate_with_variable, self)
@@ -124,6 +151,8 @@ class ReplicatorExtended(tfi.StrategyExtendedV1):
 
   def _ops_for(self, value, destinations):
     """The all-reduce algorithm, or the host path where it can't serve."""
+    if self.cluster:
+      return self._cross_device_ops  # Collectives reach every worker.
     parts = value.values if isinstance(value, tfi.values.DistributedValues) else (value,)
     if any(tf.as_dtype(p.dtype) == tf.int32 for p in parts):
       return self._host_reduce_ops  # NCCL cannot reduce int32.
@@ -136,6 +165,9 @@ class ReplicatorExtended(tfi.StrategyExtendedV1):
     def reduce_one(v):
       if _utils.is_mirrored(v) and reduce_op == tf.distribute.ReduceOp.MEAN:
         return v
+      if not isinstance(v, tfi.values.DistributedValues) and self.cluster:
+        return self._worker_reduce_ops.reduce(
+            reduce_op, v, destinations=destinations, options=options)
       if not isinstance(v, tfi.values.DistributedValues):
         return tfi.cross_device_ops.reduce_non_distributed_value(
             reduce_op, v, destinations, self._num_replicas_in_sync)
@@ -154,9 +186,29 @@ class ReplicatorExtended(tfi.StrategyExtendedV1):
 
   def _gather_to_implementation(self, value, destinations, axis, options):
     if not isinstance(value, tfi.values.DistributedValues):
+      if self.cluster:  # This worker's value: gather every worker's.
+        return self._worker_reduce_ops._gather(  # pylint: disable=protected-access
+            value, destinations=destinations, axis=axis, options=options)
       return value
-    return self._host_reduce_ops._gather(  # pylint: disable=protected-access
+    ops = self._cross_device_ops if self.cluster else self._host_reduce_ops
+    return ops._gather(  # pylint: disable=protected-access
         value, destinations=destinations, axis=axis, options=options)
+
+  def reduce_extremum_to(self, op, value, destinations):
+    """MIN or MAX of a per-replica `value` over every replica, on `destinations`.
+
+    Gathers each replica's value (one collective across workers) and reduces
+    the stack, so it works wherever `gather` does.
+    """
+    if not isinstance(value, tfi.values.DistributedValues):
+      return value
+    stacked = self._gather_to(
+        _utils.regroup([tf.expand_dims(v, 0) for v in value.values],
+                       always_wrap=True),
+        destinations, axis=0)
+    return _utils.regroup([
+        reduce_op_lib.reduce_along(op, part, 0)
+        for part in self._local_results(stacked)])
 
   def _broadcast_to(self, tensor, destinations):
     if isinstance(tensor, (float, int)):
@@ -173,32 +225,40 @@ class ReplicatorExtended(tfi.StrategyExtendedV1):
       compute = (self.host_device,) * len(self._devices)
     return tfi.input_lib.InputWorkers([(self.host_device, compute)])
 
+  def _input_context(self):
+    """This worker's input pipeline among every worker's."""
+    return tf.distribute.InputContext(
+        num_input_pipelines=self.num_workers,
+        input_pipeline_id=self.cluster.worker_index if self.cluster else 0,
+        num_replicas_in_sync=self._num_replicas_in_sync)
+
   @property
   def _input_workers(self):
     return self._input_workers_with_options()
 
   def _experimental_distribute_dataset(self, dataset, options):
     _reject_per_replica_mode(options, "experimental_distribute_dataset")
+    if self.cluster:
+      _warn_if_not_sharded(dataset, self.num_workers)
     return tfi.input_util.get_distributed_dataset(
         dataset, self._input_workers_with_options(options),
         self._container_strategy(),
-        num_replicas_in_sync=self._num_replicas_in_sync, options=options)
+        num_replicas_in_sync=self._num_replicas_in_sync,
+        input_context=self._input_context() if self.cluster else None,
+        options=options)
 
   def _distribute_datasets_from_function(self, dataset_fn, options):
     _reject_per_replica_mode(options, "distribute_datasets_from_function")
-    input_context = tf.distribute.InputContext(
-        num_input_pipelines=1, input_pipeline_id=0,
-        num_replicas_in_sync=self._num_replicas_in_sync)
     return tfi.input_util.get_distributed_datasets_from_function(
         dataset_fn, self._input_workers_with_options(options),
-        [input_context], self._container_strategy(), options)
+        [self._input_context()], self._container_strategy(), options)
 
   def _experimental_distribute_values_from_function(self, value_fn):
     per_replica = []
     for i, device in enumerate(self._devices):
       with tf.device(device):
         per_replica.append(value_fn(tf.distribute.experimental.ValueContext(
-            i, self._num_replicas_in_sync)))
+            self.first_replica_id + i, self._num_replicas_in_sync)))
     return _utils.regroup(per_replica, always_wrap=True)
 
   def _experimental_make_numpy_dataset(self, numpy_input, session):
@@ -210,7 +270,7 @@ class ReplicatorExtended(tfi.StrategyExtendedV1):
 
   @property
   def _num_replicas_in_sync(self):
-    return len(self._devices)
+    return len(self._devices) * self.num_workers
 
   @property
   def worker_devices(self):
@@ -225,31 +285,42 @@ class ReplicatorExtended(tfi.StrategyExtendedV1):
     return self._devices
 
   def _in_multi_worker_mode(self):
-    return False
+    return self.num_workers > 1
 
   @property
   def experimental_between_graph(self):
-    return False
+    return self.num_workers > 1
 
   @property
   def experimental_should_init(self):
     return True
 
   @property
+  def is_chief(self):
+    return not self.cluster or self.cluster.is_chief
+
+  @property
   def should_checkpoint(self):
-    return True
+    return self.is_chief
 
   @property
   def should_save_summary(self):
-    return True
+    return self.is_chief
 
   @property
   def _global_batch_size(self):
     return True
 
 
-def _current_replica_id():
-  return tf.distribute.get_replica_context()._replica_id_in_sync_group  # pylint: disable=protected-access
+def _warn_if_not_sharded(dataset, num_workers):
+  policy = dataset.options().experimental_distribute.auto_shard_policy
+  if policy == tf.data.experimental.AutoShardPolicy.OFF:
+    logging.warning(
+        "The dataset given to ReplicatorStrategy.experimental_distribute_"
+        "dataset has AutoShardPolicy.OFF: each of the %d workers reads all of "
+        "it, so every example is seen %d times per epoch. Shard it yourself "
+        "(dataset.shard) or use AutoShardPolicy.DATA or FILE.", num_workers,
+        num_workers)
 
 
 def _reject_per_replica_mode(options, api):

@@ -1,4 +1,4 @@
-"""Five things Keras 3 gets wrong under any strategy, put right for this one.
+"""Six things Keras 3 gets wrong under any strategy, put right for this one.
 
 - Per-batch logs (the progress bar, `on_*_batch_end` callbacks, the return of
   `train_on_batch`) are averages of each replica's *local* metric results,
@@ -18,6 +18,9 @@
 - Gradient clipping (`clipnorm`, `global_clipnorm`, `clipvalue`) clips each
   replica's share of the gradient before the all-reduce, which is not the
   clipped global gradient. Here clipping optimizers all-reduce first.
+- Across workers, `predict` concatenates this worker's replicas only (Keras
+  gathers every worker's rows for MultiWorkerMirroredStrategy alone). Here
+  every worker gets all rows, in order.
 
 Installed on import of `replicator_strategy`, on `keras.Model`,
 `keras.optimizers.Optimizer` and Keras's loss-scaling functions; every
@@ -32,6 +35,7 @@ True
 import functools
 
 import keras
+from keras.src.backend.tensorflow import trainer as keras_tf_trainer
 from keras.src.losses import loss as keras_loss  # Where Keras scales losses.
 import tensorflow as tf
 
@@ -58,6 +62,8 @@ def install():
       optimizer._backend_apply_gradients)
   optimizer._all_reduce_sum_gradients = _skip_if_reduced(
       optimizer._all_reduce_sum_gradients)
+  keras_tf_trainer.reduce_per_replica = _concat_across_workers(
+      keras_tf_trainer.reduce_per_replica)
   model._replicator_strategy_installed = True
   # pylint: enable=protected-access
 
@@ -170,6 +176,23 @@ def _skip_if_reduced(all_reduce_sum_gradients):
     if getattr(self, "_gradients_reduced", False):
       return list(grads_and_vars)
     return all_reduce_sum_gradients(self, grads_and_vars)
+
+  return wrapper
+
+
+def _concat_across_workers(reduce_per_replica):
+
+  @functools.wraps(reduce_per_replica)
+  def wrapper(values, strategy, reduction):
+    if not (reduction == "concat" and
+            isinstance(strategy, strategy_lib.ReplicatorStrategy) and
+            strategy.extended.num_workers > 1):
+      return reduce_per_replica(values, strategy, reduction)
+    # Keras's own gather-and-reorder for MultiWorkerMirroredStrategy fits
+    # the input layout, which is the same TF input pipeline.
+    return tf.nest.map_structure(
+        lambda v: keras_tf_trainer._multi_worker_concat(v, strategy),  # pylint: disable=protected-access
+        values)
 
   return wrapper
 

@@ -64,14 +64,14 @@ class ReplicaContext(tfi.ThreadReplicaContext):
       ys = self._exchange(
           lambda strategy, *values: _reduce_extremum(strategy, op, *values),
           lambda keys, values: self._collectives.all_reduce(
-              self._replica_id_in_sync_group, op, values, keys),
+              self.local_index, op, values, keys),
           flat,
           grad=lambda xs, ys, dys: self._extremum_grad(xs, ys, dys))
     else:  # Only inside control flow: TF's SUM and MEAN merge otherwise.
       ys = self._exchange(
           None,
           lambda keys, values: self._collectives.all_reduce(
-              self._replica_id_in_sync_group, op, values, keys),
+              self.local_index, op, values, keys),
           flat, grad=None)
     return tf.nest.pack_sequence_as(value, ys)
 
@@ -99,7 +99,7 @@ class ReplicaContext(tfi.ThreadReplicaContext):
         lambda strategy, *values: _broadcast_from(
             strategy, source_replica_id, *values),
         lambda keys, values: self._collectives.all_reduce(
-            self._replica_id_in_sync_group, reduce_op_lib.ReduceOp.SUM,
+            self.local_index, reduce_op_lib.ReduceOp.SUM,
             [v if is_source else tf.zeros_like(v) for v in values], keys),
         flat, grad=grad)
     return tf.nest.pack_sequence_as(value, ys)
@@ -115,7 +115,7 @@ class ReplicaContext(tfi.ThreadReplicaContext):
     ys = self._exchange(
         None,
         lambda keys, values: self._collectives.all_gather(
-            self._replica_id_in_sync_group, values, axis, keys),
+            self.local_index, values, axis, keys),
         flat, grad=None)
     return tf.nest.pack_sequence_as(value, ys)
 
@@ -139,13 +139,19 @@ class ReplicaContext(tfi.ThreadReplicaContext):
     return self._batch_shares[graph]
 
   @property
+  def local_index(self):
+    """This replica's index among this worker's replicas."""
+    return self._strategy.extended._get_local_replica_id(  # pylint: disable=protected-access
+        self._replica_id_in_sync_group)
+
+  @property
   def _collectives(self):
     return self._strategy.extended.collectives
 
   def collective_keys(self, count):
     """Instance keys for this replica's next `count` run-time collectives."""
     collectives_lib.check_not_in_replica_loop(self._home_graph)
-    return self._collectives.draw_keys(self._replica_id_in_sync_group, count,
+    return self._collectives.draw_keys(self.local_index, count,
                                        self._home_graph)
 
   def _exchange(self, merge_fn, collective_fn, xs, grad):
@@ -197,22 +203,27 @@ def merge_call_possible():
 
 
 def _reduce_extremum(strategy, op, *per_replica):
-  extended = strategy.extended
-  out = []
-  for value in per_replica:
-    parts = strategy.experimental_local_results(value)
-    with tf.device(extended.worker_devices[0]):
-      reduced = reduce_op_lib.reduce_along(op, tf.stack(parts), 0)
-    out.append(extended.broadcast_to(reduced, value))
-  return out
+  return [strategy.extended.reduce_extremum_to(op, v, destinations=v)
+          for v in per_replica]
 
 
 def _broadcast_from(strategy, source_replica_id, *per_replica):
-  return [
-      strategy.extended.broadcast_to(
-          strategy.experimental_local_results(v)[source_replica_id], v)
-      for v in per_replica
-  ]
+  """The source's value everywhere: a sum in which only the source counts.
+
+  The source may be on another worker, so this is an all-reduce, not a copy.
+  """
+  extended = strategy.extended
+  out = []
+  for value in per_replica:
+    masked = [
+        part if extended.first_replica_id + i == source_replica_id else
+        tf.zeros_like(part)
+        for i, part in enumerate(strategy.experimental_local_results(value))
+    ]
+    out.append(extended.reduce_to(tf.distribute.ReduceOp.SUM,
+                                  tfi.distribute_utils.regroup(masked, always_wrap=True),
+                                  destinations=value))
+  return out
 
 
 _lifted_functions = weakref.WeakKeyDictionary()

@@ -10,40 +10,60 @@
 ...   model.compile("sgd", "mse")
 >>> model.fit(x, y, batch_size=64)       # the global batch, split 4 ways
 
+On several machines the same script runs on each, with `TF_CONFIG` (or a
+cluster resolver) saying which worker it is; see docs/multi-worker.md.
+
 TF-Replicator (Buchlovsky et al., 2019, arXiv:1902.00465) rebuilt as a
 `tf.distribute.Strategy`.
 """
 
-import json
-import os
-
 import tensorflow as tf
 
+from replicator_strategy import _tf_internal as tfi
+from replicator_strategy import cluster as cluster_lib
+from replicator_strategy import collectives
 from replicator_strategy import devices as devices_lib
 from replicator_strategy import extended as extended_lib
 from replicator_strategy import reduce_op as reduce_op_lib
+from replicator_strategy import worker_runtime
 
 
 class ReplicatorStrategy(tf.distribute.Strategy):
-  """Synchronous data-parallel replication over the devices of one machine.
+  """Synchronous data-parallel replication over local devices and workers.
 
   Args:
-    devices: device strings to replicate over, one replica each. Default:
-      every local GPU, or every logical CPU device when there is no GPU.
+    devices: this worker's device strings to replicate over, one replica
+      each. Default: every local GPU, or every logical CPU device when there
+      is no GPU. Every worker must have as many.
     all_reduce: "auto" (default: picked for the topology, see
       `replicator_strategy.all_reduce`), "add_on_one_device", "nccl",
       "hierarchical_copy", "ring", or a `tf.distribute.CrossDeviceOps`.
+      Across workers: "auto" or "ring".
+    cluster_resolver: a `tf.distribute.cluster_resolver.ClusterResolver`
+      describing the workers. Default: `TF_CONFIG` when set, else this
+      machine alone.
+    timeout_seconds: across workers, how long to wait for a worker (to
+      start, to answer a heartbeat, to join a collective) before failing.
   """
 
-  def __init__(self, devices=None, all_reduce="auto"):
-    _refuse_multi_worker_tf_config()
+  def __init__(self, devices=None, all_reduce="auto", cluster_resolver=None,
+               timeout_seconds=collectives.TIMEOUT_SECONDS):
+    if not (isinstance(timeout_seconds, (int, float)) and timeout_seconds > 0):
+      raise ValueError(f"Expected `timeout_seconds` to be a positive number. "
+                       f"Received: timeout_seconds={timeout_seconds!r}")
+    cluster = (cluster_lib.from_resolver(cluster_resolver)
+               if cluster_resolver is not None else
+               cluster_lib.from_environment())
+    if cluster:
+      worker_runtime.start(cluster, timeout_seconds)
     if devices is None:
       if devices_lib.tpu_present():
         raise NotImplementedError(devices_lib.tpu_not_supported_message())
       devices = devices_lib.local_devices()
     else:
       devices = devices_lib.resolve_devices(devices)
-    super().__init__(extended_lib.ReplicatorExtended(self, devices, all_reduce))
+    super().__init__(extended_lib.ReplicatorExtended(
+        self, devices, all_reduce, cluster, timeout_seconds))
 
   def reduce(self, reduce_op, value, axis):
     """`tf.distribute.Strategy.reduce`, also with "min" and "max".
@@ -55,36 +75,25 @@ class ReplicatorStrategy(tf.distribute.Strategy):
       return super().reduce(op.to_tf(), value, axis)
 
     def reduce_one(v):
-      parts = self.experimental_local_results(v)
+      if not isinstance(v, tf.distribute.DistributedValues):
+        return v if axis is None else reduce_op_lib.reduce_along(op, v, axis)
       if axis is not None:
-        parts = [reduce_op_lib.reduce_along(op, p, axis) for p in parts]
-      with tf.device(self.extended.host_device):
-        return reduce_op_lib.reduce_along(op, tf.stack(parts), 0)
+        v = self.extended._local_results(v)  # pylint: disable=protected-access
+        v = tfi.distribute_utils.regroup(
+            [reduce_op_lib.reduce_along(op, p, axis) for p in v],
+            always_wrap=True)
+      reduced = self.extended.reduce_extremum_to(
+          op, v, destinations=self.extended.host_device)
+      return self.experimental_local_results(reduced)[0]
 
     return tf.nest.map_structure(reduce_one, value)
 
   def __repr__(self):
     n = self.num_replicas_in_sync
-    return (f"ReplicatorStrategy({n} replica{'s' if n > 1 else ''}: "
+    cluster = self.extended.cluster
+    workers = (f" over {cluster.num_workers} workers, this is worker "
+               f"{cluster.worker_index}" if cluster else "")
+    return (f"ReplicatorStrategy({n} replica{'s' if n > 1 else ''}{workers}: "
             f"{', '.join(self.extended.worker_devices)}; all-reduce "
             f"{self.extended.all_reduce_choice})")
 
-
-def _refuse_multi_worker_tf_config():
-  """Multi-worker runs are not supported yet: fail rather than train alone."""
-  raw = os.environ.get("TF_CONFIG")
-  if not raw:
-    return
-  try:
-    cluster = json.loads(raw).get("cluster", {})
-    tasks = sum(len(addresses) for addresses in cluster.values())
-  except (ValueError, AttributeError, TypeError) as e:
-    raise ValueError(
-        f"TF_CONFIG is not a valid cluster description ({e}). Received: "
-        f"TF_CONFIG={raw!r}. Unset it to run on this machine alone.") from e
-  if tasks > 1:
-    raise NotImplementedError(
-        f"TF_CONFIG describes a cluster of {tasks} tasks, but "
-        f"ReplicatorStrategy runs on one machine only so far; every worker "
-        f"would train alone. Unset TF_CONFIG, or use "
-        f"tf.distribute.MultiWorkerMirroredStrategy for now.")

@@ -56,7 +56,11 @@ def create(strategy, devices, next_creator, **kwargs):
     components = []
     for i, device in enumerate(devices):
       with tf.device(device):
-        if i > 0:
+        if i == 0:
+          # Every worker starts from the chief's value.
+          kwargs["initial_value"] = strategy.extended.initial_value_from_chief(
+              kwargs["initial_value"], kwargs.get("dtype"))
+        else:
           # Replicas start from the primary's value, so they are identical
           # even when the initializer is random.
           kwargs["initial_value"] = _copy_of(components[0])

@@ -58,19 +58,6 @@ class ConstructionTest(unittest.TestCase):
       with self.assertRaisesRegex(NotImplementedError, "TPU"):
         rs.ReplicatorStrategy(devices=["/tpu:0"])
 
-  def test_multi_worker_tf_config_is_refused_not_ignored(self):
-    cluster = ('{"cluster": {"worker": ["127.0.0.1:1", "127.0.0.1:2"]}, '
-               '"task": {"type": "worker", "index": 0}}')
-    with mock.patch.dict("os.environ", {"TF_CONFIG": cluster}):
-      with self.assertRaisesRegex(NotImplementedError, "cluster of 2 tasks"):
-        rs.ReplicatorStrategy()
-    with mock.patch.dict("os.environ", {"TF_CONFIG": "{not json"}):
-      with self.assertRaisesRegex(ValueError, "TF_CONFIG is not a valid"):
-        rs.ReplicatorStrategy()
-    alone = '{"cluster": {"worker": ["127.0.0.1:1"]}}'
-    with mock.patch.dict("os.environ", {"TF_CONFIG": alone}):
-      self.assertEqual(rs.ReplicatorStrategy().num_replicas_in_sync, 4)
-
   def test_split_cpu_after_initialisation_says_so(self):
     tf.constant(1.0)  # TF devices exist now.
     rs.split_cpu(4)  # Same split as conftest's: nothing to do.

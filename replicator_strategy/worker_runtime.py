@@ -1,0 +1,64 @@
+"""Starting TensorFlow's own multi-worker runtime: gRPC server and collectives.
+
+Nothing here is home-made transport: this is the bring-up TensorFlow's
+`MultiWorkerMirroredStrategy` performs (collective-ops configuration, the
+coordination service, `enable_collective_ops` with a `ServerDef`), with every
+wait bounded by one timeout so that a missing or dead worker fails the others
+instead of hanging them.
+
+>>> cluster = cluster_lib.from_environment()
+>>> start(cluster, timeout_seconds=120)   # once per process, before any op
+
+TensorFlow's gRPC runtime has no authentication: run it on a trusted network.
+"""
+
+import tensorflow as tf
+
+from replicator_strategy import _tf_internal as tfi
+
+_started = {}  # The one ServerDef this process was started with.
+
+
+def start(cluster, timeout_seconds):
+  """Starts this task's server; a second call for the same cluster is a no-op."""
+  server_def = tf.train.ServerDef(
+      cluster=cluster.spec.as_cluster_def(), job_name=cluster.task_type,
+      task_index=cluster.task_index, protocol=cluster.rpc_layer)
+  key = server_def.SerializeToString()
+  if _started:
+    if key not in _started:
+      raise RuntimeError(
+          "This process already joined a different cluster; TensorFlow's "
+          "runtime joins one cluster per process. Create every "
+          "ReplicatorStrategy of a process from the same TF_CONFIG or cluster "
+          "resolver.")
+    return
+  context = tfi.context.context()
+  chief = cluster.task_name_of(0)
+  timeout_ms = int(timeout_seconds * 1000)
+  try:
+    context.configure_collective_ops(
+        collective_leader=chief,
+        scoped_allocator_enabled_ops=("CollectiveReduce",),
+        device_filters=(cluster.task_name,))
+  except RuntimeError as e:
+    raise RuntimeError(
+        f"ReplicatorStrategy must join the cluster of {cluster.num_workers} "
+        f"workers before TensorFlow starts its runtime ({e}). Create the "
+        f"strategy at the start of the program, before any TensorFlow op, "
+        f"dataset, variable or model (split_cpu may come first).") from e
+  context.configure_coordination_service(
+      service_type="standalone",
+      service_leader=chief,
+      cluster_register_timeout_in_ms=timeout_ms,
+      heartbeat_timeout_in_ms=timeout_ms,
+      shutdown_barrier_timeout_in_ms=timeout_ms,
+      coordinated_jobs=[
+          tfi.coordination_config_pb2.CoordinatedJob(
+              name=job, num_tasks=cluster.spec.num_tasks(job))
+          for job in cluster.spec.jobs
+      ])
+  server_def.default_session_config.CopyFrom(context.config)
+  context.enable_collective_ops(server_def)
+  context.ensure_initialized()
+  _started[key] = cluster

@@ -1,0 +1,33 @@
+"""One worker of a multi-worker test: `python tests/multi_worker_main.py RUNS OUT_DIR`.
+
+Started by `replicator_strategy.launch` (which sets TF_CONFIG); runs the
+comma-separated `multi_worker_runs.RUNS` and writes their results to
+OUT_DIR/worker_<index>.json as {run: results}.
+"""
+
+import json
+import os
+import pathlib
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+
+import replicator_strategy as rs  # pylint: disable=g-import-not-at-top
+
+rs.split_cpu(2)
+STRATEGY = rs.ReplicatorStrategy(timeout_seconds=60)
+
+import multi_worker_runs  # pylint: disable=g-import-not-at-top
+
+
+def main(runs, out_dir):
+  results = {run: multi_worker_runs.RUNS[run](STRATEGY)
+             for run in runs.split(",")}
+  index = STRATEGY.extended.cluster.worker_index
+  path = pathlib.Path(out_dir) / f"worker_{index}.json"
+  path.write_text(json.dumps(results))
+
+
+if __name__ == "__main__":
+  main(*sys.argv[1:])

@@ -1,0 +1,127 @@
+"""Training runs that must give the same numbers on 2 workers x 2 CPUs and on 4 CPUs.
+
+Each function takes a strategy and returns plain JSON-able results, so a
+worker process (`multi_worker_main.py`) and the test process (one process,
+4 replicas) run the very same code.
+"""
+
+import numpy as np
+import tensorflow as tf
+import keras
+
+import models
+
+GLOBAL_BATCH = 16
+
+
+def data(rows=58, seed=1):
+  """Regression rows; 58 of them leave a final batch of 10 (split unevenly)."""
+  rng = np.random.default_rng(seed)
+  x = rng.normal(size=(rows, 8)).astype("float32")
+  y = rng.normal(size=(rows, 3)).astype("float32")
+  return x, y
+
+
+def _model(strategy, optimizer=None, **compile_kwargs):
+  with strategy.scope():
+    model = models.small_mlp()
+    model.set_weights(models.initial_weights())
+    if optimizer:
+      model.compile(optimizer=optimizer(), **compile_kwargs)
+  return model
+
+
+def _weights(model):
+  return [w.tolist() for w in model.get_weights()]
+
+
+def custom_loop(strategy):
+  """Three epochs of a GradientTape loop with Keras SGD; losses and weights."""
+  x, y = data()
+  model = _model(strategy)
+  with strategy.scope():
+    optimizer = keras.optimizers.SGD(0.1, momentum=0.5)
+    optimizer.build(model.trainable_variables)
+  dataset = strategy.experimental_distribute_dataset(
+      tf.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL_BATCH))
+
+  def replica_step(xb, yb):
+    ctx = tf.distribute.get_replica_context()
+    rows = ctx.all_reduce("sum", tf.cast(tf.shape(xb)[0], tf.float32))
+    with tf.GradientTape() as tape:
+      errors = tf.reduce_sum(tf.square(model(xb) - yb), axis=1)
+      loss = tf.reduce_sum(errors) / rows
+    grads = tape.gradient(loss, model.trainable_variables)
+    optimizer.apply_gradients(zip(grads, model.trainable_variables))
+    return ctx.all_reduce("sum", loss)
+
+  @tf.function
+  def step(batch):
+    return strategy.run(replica_step, batch)
+
+  losses = []
+  for _ in range(3):
+    for batch in dataset:
+      losses.append(float(strategy.experimental_local_results(step(batch))[0]))
+  return {"losses": losses, "weights": _weights(model)}
+
+
+def primitives(strategy):
+  """Every replica-context and cross-replica collective, on replica ids."""
+
+  def replica_fn():
+    ctx = tf.distribute.get_replica_context()
+    r = tf.cast(ctx.replica_id_in_sync_group, tf.float32)
+    return {
+        "sum": ctx.all_reduce("sum", r),
+        "mean": ctx.all_reduce("mean", r),
+        "min": ctx.all_reduce("min", r + 1.0),
+        "max": ctx.all_reduce("max", r),
+        "broadcast": ctx.broadcast(r * 10.0, source_replica_id=3),
+        "all_gather": ctx.all_gather(tf.reshape(r, [1]), axis=0),
+        "merge_call": ctx.merge_call(
+            lambda s, v: s.reduce("sum", v, axis=None), args=(r,)),
+        "in_cond": tf.cond(r >= 0.0, lambda: ctx.all_reduce("max", r),
+                           lambda: r),
+        "id": r,
+    }
+
+  results = {}
+  for mode, fn in (("eager", replica_fn), ("function", tf.function(replica_fn))):
+    out = strategy.run(fn)
+    if mode == "eager":
+      del out["in_cond"]  # tf.cond needs a trace to branch per replica.
+    results[mode] = {
+        k: [np.asarray(t).tolist()
+            for t in strategy.experimental_local_results(v)]
+        for k, v in out.items()
+    }
+    ids = out["id"]
+    results[mode]["reduce"] = {
+        op: float(strategy.reduce(op, ids, axis=None))
+        for op in ("sum", "mean", "min", "max")
+    }
+    results[mode]["gather"] = np.asarray(strategy.gather(
+        strategy.run(lambda r: tf.reshape(r, [1]), (ids,)), axis=0)).tolist()
+  with strategy.scope():
+    unseeded = tf.Variable(tf.random.uniform([4]))
+  results["unseeded_variable"] = np.asarray(unseeded).tolist()
+  return results
+
+
+def keras_fit(strategy):
+  """fit / evaluate / predict with an uneven final batch; every number."""
+  x, y = data()
+  xv, yv = data(rows=27, seed=2)
+  model = _model(strategy, lambda: keras.optimizers.Adam(0.01), loss="mse",
+                 metrics=["mae"])
+  history = model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=3, shuffle=False,
+                      validation_data=(xv, yv), verbose=0)
+  evaluation = model.evaluate(xv, yv, batch_size=8, verbose=0)
+  prediction = model.predict(xv, batch_size=8, verbose=0)
+  return {"history": history.history, "evaluate": evaluation,
+          "predict": prediction.tolist(), "weights": _weights(model)}
+
+
+RUNS = {"custom_loop": custom_loop, "primitives": primitives,
+        "keras_fit": keras_fit}
