@@ -12,6 +12,8 @@ instead of hanging them.
 TensorFlow's gRPC runtime has no authentication: run it on a trusted network.
 """
 
+import re
+
 import tensorflow as tf
 
 from replicator_strategy import _tf_internal as tfi
@@ -51,14 +53,35 @@ def start(cluster, timeout_seconds):
       service_type="standalone",
       service_leader=chief,
       cluster_register_timeout_in_ms=timeout_ms,
-      heartbeat_timeout_in_ms=timeout_ms,
+      heartbeat_timeout_in_ms=timeout_ms // 2,
       shutdown_barrier_timeout_in_ms=timeout_ms,
       coordinated_jobs=[
           tfi.coordination_config_pb2.CoordinatedJob(
               name=job, num_tasks=cluster.spec.num_tasks(job))
           for job in cluster.spec.jobs
       ])
+  # Every task must register within the timeout, or all of them fail.
+  context._coordination_service_config.cluster_register_with_barrier = True  # pylint: disable=protected-access
   server_def.default_session_config.CopyFrom(context.config)
-  context.enable_collective_ops(server_def)
-  context.ensure_initialized()
+  try:
+    context.enable_collective_ops(server_def)
+    context.ensure_initialized()
+  except tf.errors.OpError as e:
+    raise RuntimeError(
+        f"{cluster.task_name} could not start the cluster of "
+        f"{cluster.num_workers} workers ({', '.join(cluster.addresses)}) "
+        f"within timeout_seconds={timeout_seconds}. Missing: "
+        f"{_missing_tasks(e.message, cluster)}. Start every worker "
+        f"with the same cluster in TF_CONFIG, each with its own task, or "
+        f"raise timeout_seconds. TensorFlow said: {e.message}") from e
   _started[key] = cluster
+
+
+def _missing_tasks(message, cluster):
+  """The tasks TF's coordination service reports absent, else the chief."""
+  listed = re.search(r"task names:\s*((?:/job:\w+/replica:\d+/task:\d+\s*)+)",
+                     message)
+  if listed:
+    return ", ".join(listed.group(1).split())
+  return (f"the chief, {cluster.task_name_of(0)} at {cluster.addresses[0]}, "
+          f"did not answer")

@@ -1,4 +1,4 @@
-"""One worker of a multi-worker test: `python tests/multi_worker_main.py RUNS OUT_DIR`.
+"""One worker of a multi-worker test: `python tests/multi_worker_main.py RUNS OUT_DIR [TIMEOUT]`.
 
 Started by `replicator_strategy.launch` (which sets TF_CONFIG); runs the
 comma-separated `multi_worker_runs.RUNS` and writes their results to
@@ -16,12 +16,14 @@ os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 import replicator_strategy as rs  # pylint: disable=g-import-not-at-top
 
 rs.split_cpu(2)
-STRATEGY = rs.ReplicatorStrategy(timeout_seconds=60)
+STRATEGY = rs.ReplicatorStrategy(
+    timeout_seconds=float(sys.argv[3]) if len(sys.argv) > 3 else 60)
 
 import multi_worker_runs  # pylint: disable=g-import-not-at-top
 
 
-def main(runs, out_dir):
+def main(runs, out_dir, timeout=None):
+  del timeout  # Read above, before the strategy starts.
   results = {run: multi_worker_runs.RUNS[run](STRATEGY)
              for run in runs.split(",")}
   index = STRATEGY.extended.cluster.worker_index

@@ -5,6 +5,10 @@ worker process (`multi_worker_main.py`) and the test process (one process,
 4 replicas) run the very same code.
 """
 
+import functools
+import os
+import signal
+
 import numpy as np
 import tensorflow as tf
 import keras
@@ -123,5 +127,25 @@ def keras_fit(strategy):
           "predict": prediction.tolist(), "weights": _weights(model)}
 
 
+def peer_dies(strategy, freeze=False):
+  """Trains step after step; worker 1 dies (or freezes) after two steps."""
+  model = _model(strategy)
+  x, _ = data()
+
+  @tf.function
+  def step():
+    return strategy.run(lambda: tf.distribute.get_replica_context().all_reduce(
+        "sum", tf.reduce_sum(model(x))))
+
+  for i in range(1000):
+    step()
+    if i == 1 and strategy.extended.cluster.worker_index == 1:
+      if freeze:
+        os.kill(os.getpid(), signal.SIGSTOP)
+      os._exit(3)  # pylint: disable=protected-access
+  return {}
+
+
 RUNS = {"custom_loop": custom_loop, "primitives": primitives,
-        "keras_fit": keras_fit}
+        "keras_fit": keras_fit, "peer_dies": peer_dies,
+        "peer_freezes": functools.partial(peer_dies, freeze=True)}

@@ -7,10 +7,13 @@ same code (`multi_worker_runs`).
 """
 
 import json
+import os
 import pathlib
+import signal
 import subprocess
 import sys
 import tempfile
+import time
 import unittest
 
 import numpy as np
@@ -18,6 +21,7 @@ import pytest
 
 import multi_worker_runs
 import topology
+from replicator_strategy import launch
 
 TESTS = pathlib.Path(__file__).parent
 LAUNCH_TIMEOUT = 240
@@ -100,6 +104,73 @@ class TwoWorkersTest(unittest.TestCase):
     self.assertEqual(len(expected["predict"]), 27)
     for worker in self.workers:
       assert_close_nested(self, worker["keras_fit"], expected)
+
+
+FAULT_TIMEOUT = 10  # timeout_seconds the fault tests give the strategy.
+
+
+def start_workers(indices, runs, num_workers=2):
+  """Starts the workers at `indices` of a cluster; the others never start."""
+  addresses = [f"127.0.0.1:{p}" for p in launch.free_ports(num_workers)]
+  out = tempfile.mkdtemp()
+  return {
+      i: subprocess.Popen(
+          [sys.executable, str(TESTS / "multi_worker_main.py"), runs, out,
+           str(FAULT_TIMEOUT)],
+          env={**os.environ, "TF_CONFIG": launch.tf_config(addresses, i)},
+          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+          start_new_session=True)
+      for i in indices
+  }
+
+
+def outcome(process, limit=120):
+  """(exit status, seconds, output) of a worker, killed after `limit` s."""
+  start = time.monotonic()
+  try:
+    output, _ = process.communicate(timeout=limit)
+  except subprocess.TimeoutExpired:
+    os.killpg(process.pid, signal.SIGKILL)
+    output, _ = process.communicate()
+  return process.returncode, time.monotonic() - start, output
+
+
+def kill_all(workers):
+  for process in workers.values():
+    if process.poll() is None:
+      os.killpg(process.pid, signal.SIGKILL)
+    process.communicate()
+
+
+@pytest.mark.slow
+class FaultTest(unittest.TestCase):
+  """A worker that never starts, dies or freezes fails the others, named."""
+
+  def check_fails_naming(self, workers, survivor, missing_task):
+    self.addCleanup(kill_all, workers)
+    status, seconds, output = outcome(workers[survivor])
+    self.assertNotEqual(status, 0, output[-3000:])
+    self.assertNotEqual(status, -signal.SIGKILL, "hung: " + output[-3000:])
+    self.assertLess(seconds, 6 * FAULT_TIMEOUT)
+    self.assertIn(missing_task, output)
+
+  def test_a_worker_that_never_starts_fails_the_chief_naming_it(self):
+    workers = start_workers([0], "custom_loop")
+    self.check_fails_naming(workers, 0, "Missing: /job:worker/replica:0/task:1")
+
+  def test_a_chief_that_never_starts_fails_the_worker_naming_it(self):
+    workers = start_workers([1], "custom_loop")
+    self.check_fails_naming(
+        workers, 1, "Missing: the chief, /job:worker/replica:0/task:0")
+
+  def test_a_worker_that_dies_mid_training_fails_the_chief_naming_it(self):
+    workers = start_workers([0, 1], "peer_dies")
+    self.check_fails_naming(workers, 0, "/job:worker/replica:0/task:1")
+
+  def test_a_worker_that_freezes_mid_training_fails_the_chief_naming_it(self):
+    workers = start_workers([0, 1], "peer_freezes")
+    self.check_fails_naming(
+        workers, 0, "stopped sending heartbeats):\n/job:worker/replica:0/task:1")
 
 
 if __name__ == "__main__":
