@@ -6,6 +6,7 @@
 ...   model = build_model()  # any single-device Keras model
 """
 
+from replicator_strategy import keras_chief_writes
 from replicator_strategy import keras_integration
 from replicator_strategy.devices import local_devices
 from replicator_strategy.devices import split_cpu
@@ -25,3 +26,4 @@ __all__ = [
 __version__ = "0.1.0"
 
 keras_integration.install()
+keras_chief_writes.install()

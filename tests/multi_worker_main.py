@@ -24,8 +24,10 @@ import multi_worker_runs  # pylint: disable=g-import-not-at-top
 
 def main(runs, out_dir, timeout=None):
   del timeout  # Read above, before the strategy starts.
-  results = {run: multi_worker_runs.RUNS[run](STRATEGY)
-             for run in runs.split(",")}
+  results = {}
+  for run in runs.split(","):
+    extra = (out_dir,) if run in multi_worker_runs.TAKES_WORKDIR else ()
+    results[run] = multi_worker_runs.RUNS[run](STRATEGY, *extra)
   index = STRATEGY.extended.cluster.worker_index
   path = pathlib.Path(out_dir) / f"worker_{index}.json"
   path.write_text(json.dumps(results))

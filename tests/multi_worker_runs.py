@@ -7,6 +7,7 @@ worker process (`multi_worker_main.py`) and the test process (one process,
 
 import functools
 import os
+import pathlib
 import signal
 
 import numpy as np
@@ -14,6 +15,7 @@ import tensorflow as tf
 import keras
 
 import models
+from replicator_strategy import keras_chief_writes
 
 GLOBAL_BATCH = 16
 
@@ -146,6 +148,55 @@ def peer_dies(strategy, freeze=False):
   return {}
 
 
+def keras_files(strategy, workdir):
+  """fit with ModelCheckpoint, TensorBoard, BackupAndRestore; save, export."""
+  x, y = data()
+  workdir = pathlib.Path(workdir)
+  model = _model(strategy, lambda: keras.optimizers.SGD(0.05), loss="mse")
+  model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=2, verbose=0, callbacks=[
+      keras.callbacks.ModelCheckpoint(str(workdir / "ckpt-{epoch}.keras")),
+      keras.callbacks.TensorBoard(str(workdir / "logs")),
+      keras.callbacks.BackupAndRestore(str(workdir / "backup")),
+  ])
+  model.save(workdir / "final.keras")
+  model.save_weights(workdir / "final.weights.h5")
+  model.export(str(workdir / "exported"))
+  return {"scratch": list(keras_chief_writes._scratch_root)}  # pylint: disable=protected-access
+
+
+class _Interrupt(keras.callbacks.Callback):
+  """Stops the process at the end of epoch `at`, the first time only."""
+
+  def __init__(self, marker, at):
+    super().__init__()
+    self._marker = marker
+    self._armed = not marker.exists()  # Read before any worker trains.
+    self._at = at
+
+  def on_epoch_end(self, epoch, logs=None):
+    if self._armed and epoch == self._at:
+      self._marker.touch()
+      raise SystemExit(7)
+
+
+def keras_backup_and_restore(strategy, workdir=None):
+  """4 epochs with BackupAndRestore; with a workdir, cut after epoch 2 once."""
+  x, y = data()
+  model = _model(strategy, lambda: keras.optimizers.Adam(0.01), loss="mse")
+  callbacks = []
+  if workdir:
+    workdir = pathlib.Path(workdir)
+    callbacks = [keras.callbacks.BackupAndRestore(str(workdir / "backup")),
+                 _Interrupt(workdir / "interrupted", at=1)]
+  history = model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=4, verbose=0,
+                      shuffle=False, callbacks=callbacks)
+  return {"weights": _weights(model), "loss": history.history["loss"]}
+
+
 RUNS = {"custom_loop": custom_loop, "primitives": primitives,
         "keras_fit": keras_fit, "peer_dies": peer_dies,
-        "peer_freezes": functools.partial(peer_dies, freeze=True)}
+        "peer_freezes": functools.partial(peer_dies, freeze=True),
+        "keras_files": keras_files,
+        "keras_backup_and_restore": keras_backup_and_restore}
+# Runs that take the output directory as their working directory.
+TAKES_WORKDIR = ("keras_files", "keras_backup_and_restore")

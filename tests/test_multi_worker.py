@@ -27,21 +27,25 @@ TESTS = pathlib.Path(__file__).parent
 LAUNCH_TIMEOUT = 240
 
 
-def launch_workers(runs, num_workers=2):
-  """Runs `runs` on `num_workers` workers; returns each worker's results."""
-  with tempfile.TemporaryDirectory() as out:
-    done = subprocess.run(
-        [sys.executable, "-m", "replicator_strategy.launch", "--workers",
-         str(num_workers), "--timeout", str(LAUNCH_TIMEOUT), "--",
-         sys.executable, str(TESTS / "multi_worker_main.py"), ",".join(runs),
-         out],
-        capture_output=True, text=True, timeout=LAUNCH_TIMEOUT + 30,
-        check=False)
-    if done.returncode != 0:
-      raise AssertionError(f"workers failed ({done.returncode}):\n"
-                           f"{done.stdout[-6000:]}\n{done.stderr[-3000:]}")
-    return [json.loads((pathlib.Path(out) / f"worker_{i}.json").read_text())
-            for i in range(num_workers)]
+def launch_workers(runs, out, num_workers=2):
+  """Runs `runs` on `num_workers` workers writing to `out`; (status, output)."""
+  done = subprocess.run(
+      [sys.executable, "-m", "replicator_strategy.launch", "--workers",
+       str(num_workers), "--timeout", str(LAUNCH_TIMEOUT), "--",
+       sys.executable, str(TESTS / "multi_worker_main.py"), ",".join(runs),
+       str(out)],
+      capture_output=True, text=True, timeout=LAUNCH_TIMEOUT + 30,
+      check=False)
+  return done.returncode, done.stdout[-6000:] + done.stderr[-3000:]
+
+
+def results_of(runs, out, num_workers=2):
+  """Each worker's results of `runs`, which must succeed."""
+  status, output = launch_workers(runs, out, num_workers)
+  if status != 0:
+    raise AssertionError(f"workers failed ({status}):\n{output}")
+  return [json.loads((pathlib.Path(out) / f"worker_{i}.json").read_text())
+          for i in range(num_workers)]
 
 
 def assert_close_nested(test, actual, expected, rtol=1e-5, atol=1e-6):
@@ -64,7 +68,8 @@ class TwoWorkersTest(unittest.TestCase):
 
   @classmethod
   def setUpClass(cls):
-    cls.workers = launch_workers(["primitives", "custom_loop", "keras_fit"])
+    with tempfile.TemporaryDirectory() as out:
+      cls.workers = results_of(["primitives", "custom_loop", "keras_fit"], out)
 
   def test_workers_agree_on_everything_but_their_replica_ids(self):
     first, second = self.workers
@@ -104,6 +109,42 @@ class TwoWorkersTest(unittest.TestCase):
     self.assertEqual(len(expected["predict"]), 27)
     for worker in self.workers:
       assert_close_nested(self, worker["keras_fit"], expected)
+
+
+@pytest.mark.slow
+class FilesTest(unittest.TestCase):
+  """Checkpoints, SavedModels, logs: written once; a restart resumes."""
+
+  def test_only_the_chief_writes_and_the_others_clean_up(self):
+    with tempfile.TemporaryDirectory() as out:
+      workers = results_of(["keras_files"], out)
+      written = sorted(str(p.relative_to(out))
+                       for p in pathlib.Path(out).rglob("*") if p.is_file())
+    self.assertEqual(workers[0]["keras_files"]["scratch"], [])
+    self.assertEqual(len(workers[1]["keras_files"]["scratch"]), 1)
+    self.assertFalse(os.path.exists(workers[1]["keras_files"]["scratch"][0]))
+    events = [f for f in written if "tfevents" in f]
+    self.assertEqual(len(events), 1, written)  # One writer, not two.
+    self.assertTrue(events[0].startswith("logs/train/"))
+    for expected in ("ckpt-1.keras", "ckpt-2.keras", "final.keras",
+                     "final.weights.h5", "exported/saved_model.pb"):
+      self.assertIn(expected, written)
+    self.assertFalse(any(f.startswith("backup") for f in written), written)
+
+  def test_a_restarted_cluster_resumes_and_ends_as_if_uninterrupted(self):
+    run = ["keras_backup_and_restore"]
+    with tempfile.TemporaryDirectory() as out:
+      status, output = launch_workers(run, out)
+      self.assertNotEqual(status, 0, "the first run was not interrupted")
+      self.assertTrue((pathlib.Path(out) / "backup").is_dir(), output)
+      resumed = results_of(run, out)
+    expected = multi_worker_runs.keras_backup_and_restore(
+        topology.strategy_over(4))
+    for worker in resumed:
+      got = worker["keras_backup_and_restore"]
+      self.assertEqual(len(got["loss"]), 2)  # Epochs 3 and 4 only.
+      assert_close_nested(self, got["loss"], expected["loss"][2:])
+      assert_close_nested(self, got["weights"], expected["weights"])
 
 
 FAULT_TIMEOUT = 10  # timeout_seconds the fault tests give the strategy.

@@ -1,0 +1,140 @@
+"""Across workers, Keras writes files once: on the chief.
+
+Every worker runs the same script, so every worker calls `model.save`,
+`ModelCheckpoint`, `BackupAndRestore` and `TensorBoard`. Each worker must
+still do the saving (reading distributed variables may take part in
+collectives), but only the chief's files may land where the script says:
+the others write to a private scratch directory that is deleted right after
+(TensorBoard logs: at the end of training; everything: at exit).
+
+- `Model.save`, `Model.save_weights`, `Model.export` (so also ModelCheckpoint).
+- `BackupAndRestore` saves, and deletes its backup at the end, on the chief
+  only. Every worker restores from the chief's `backup_dir`, so it must be
+  on storage every worker reads (one machine, or a shared file system).
+- `TensorBoard` logs.
+
+Installed on import of `replicator_strategy`; inert unless the model's
+strategy is a ReplicatorStrategy over several workers, on a non-chief one.
+
+>>> model.save("model.keras")  # on worker 1: written to scratch, then deleted
+"""
+
+import atexit
+import functools
+import os
+import shutil
+import tempfile
+
+import keras
+
+from replicator_strategy import strategy as strategy_lib
+
+_scratch_root = []
+
+
+def install():
+  """Wraps the Keras writers named above, once."""
+  if getattr(keras.Model, "_replicator_chief_writes_installed", False):
+    return
+  for name in ("save", "save_weights", "export"):
+    setattr(keras.Model, name, _to_scratch_unless_chief(
+        getattr(keras.Model, name)))
+  backup = keras.callbacks.BackupAndRestore
+  backup._save_model = _backup_to_scratch_unless_chief(backup._save_model)  # pylint: disable=protected-access
+  backup.on_train_end = _keep_backup_unless_chief(backup.on_train_end)
+  board = keras.callbacks.TensorBoard
+  board.set_model = _log_to_scratch_unless_chief(board.set_model)
+  board.on_train_end = _drop_scratch_logs(board.on_train_end)
+  keras.Model._replicator_chief_writes_installed = True  # pylint: disable=protected-access
+
+
+def _non_chief(model):
+  strategy = getattr(model, "_distribute_strategy", None)
+  return (isinstance(strategy, strategy_lib.ReplicatorStrategy) and
+          not strategy.extended.is_chief)
+
+
+def scratch_dir():
+  """A new directory in this process's scratch root, removed at exit."""
+  if not _scratch_root:
+    _scratch_root.append(tempfile.mkdtemp(prefix="replicator-worker-"))
+    atexit.register(shutil.rmtree, _scratch_root[0], ignore_errors=True)
+  return tempfile.mkdtemp(dir=_scratch_root[0])
+
+
+def _to_scratch_unless_chief(write):
+
+  @functools.wraps(write)
+  def wrapper(self, filepath, *args, **kwargs):
+    if not _non_chief(self):
+      return write(self, filepath, *args, **kwargs)
+    scratch = scratch_dir()
+    try:
+      name = os.path.basename(os.fspath(filepath).rstrip("/")) or "export"
+      return write(self, os.path.join(scratch, name), *args, **kwargs)
+    finally:
+      shutil.rmtree(scratch, ignore_errors=True)
+
+  return wrapper
+
+
+_BACKUP_FILES = ("_weights_path", "_training_metadata_path",
+                 "_prev_weights_path", "_prev_training_metadata_path")
+
+
+def _backup_to_scratch_unless_chief(save_model):
+
+  @functools.wraps(save_model)
+  def wrapper(self, *args, **kwargs):
+    if not _non_chief(self.model):
+      return save_model(self, *args, **kwargs)
+    scratch = scratch_dir()
+    real = {name: getattr(self, name) for name in _BACKUP_FILES + ("backup_dir",)}
+    try:
+      for name in _BACKUP_FILES:
+        setattr(self, name, os.path.join(scratch, os.path.basename(real[name])))
+      self.backup_dir = scratch
+      return save_model(self, *args, **kwargs)
+    finally:
+      for name, path in real.items():
+        setattr(self, name, path)
+      shutil.rmtree(scratch, ignore_errors=True)
+
+  return wrapper
+
+
+def _keep_backup_unless_chief(on_train_end):
+
+  @functools.wraps(on_train_end)
+  def wrapper(self, logs=None):
+    if not _non_chief(self.model):
+      return on_train_end(self, logs)
+    return None  # The chief deletes the one backup.
+
+  return wrapper
+
+
+def _log_to_scratch_unless_chief(set_model):
+
+  @functools.wraps(set_model)
+  def wrapper(self, model):
+    if _non_chief(model) and not getattr(self, "_replicator_scratch", None):
+      self._replicator_scratch = self.log_dir  # pylint: disable=protected-access
+      self.log_dir = scratch_dir()
+    return set_model(self, model)
+
+  return wrapper
+
+
+def _drop_scratch_logs(on_train_end):
+
+  @functools.wraps(on_train_end)
+  def wrapper(self, logs=None):
+    result = on_train_end(self, logs)
+    real = getattr(self, "_replicator_scratch", None)
+    if real is not None:
+      shutil.rmtree(self.log_dir, ignore_errors=True)
+      self.log_dir, self._replicator_scratch = real, None  # pylint: disable=protected-access
+    return result
+
+  return wrapper
