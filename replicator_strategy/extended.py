@@ -54,6 +54,7 @@ class ReplicatorExtended(tfi.StrategyExtendedV1):
           self.host_device, cluster, timeout_seconds)
       # Ops without a device stay on this worker.
       self._default_device = cluster.task_name
+      self._check_same_replicas_per_worker()
     # Partial final batches: a replica may get fewer (or no) examples.
     self.experimental_enable_get_next_as_optional = True
     self._use_var_policy = False
@@ -61,6 +62,19 @@ class ReplicatorExtended(tfi.StrategyExtendedV1):
                  len(self._devices), ", ".join(self._devices),
                  f" (worker {cluster.worker_index} of {cluster.num_workers})"
                  if cluster else "", self.all_reduce_choice)
+
+  def _check_same_replicas_per_worker(self):
+    """Fails every worker, clearly, unless all have as many devices."""
+    with tf.device(self.host_device):
+      counts = self._worker_reduce_ops._gather(  # pylint: disable=protected-access
+          tf.constant([len(self._devices)]), self.host_device, axis=0)
+    counts = [int(c) for c in self._local_results(counts)[0]]
+    if len(set(counts)) > 1:
+      raise ValueError(
+          f"Every worker must replicate over as many devices; they have "
+          f"{', '.join(f'worker {i}: {n}' for i, n in enumerate(counts))}. "
+          f"Give each worker the same `devices` count (or the same number "
+          f"of GPUs / split_cpu devices).")
 
   # Replica execution.
 

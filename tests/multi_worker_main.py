@@ -15,7 +15,9 @@ os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 
 import replicator_strategy as rs  # pylint: disable=g-import-not-at-top
 
-rs.split_cpu(2)
+# MULTI_WORKER_DEVICES="2,3": worker i gets the i-th count (default 2 each).
+_COUNTS = os.environ.get("MULTI_WORKER_DEVICES", "2,2").split(",")
+rs.split_cpu(int(_COUNTS[json.loads(os.environ["TF_CONFIG"])["task"]["index"]]))
 STRATEGY = rs.ReplicatorStrategy(
     timeout_seconds=float(sys.argv[3]) if len(sys.argv) > 3 else 60)
 

@@ -5,7 +5,9 @@ worker process (`multi_worker_main.py`) and the test process (one process,
 4 replicas) run the very same code.
 """
 
+import contextlib
 import functools
+import logging
 import os
 import pathlib
 import signal
@@ -115,12 +117,12 @@ def primitives(strategy):
   return results
 
 
-def keras_fit(strategy):
+def keras_fit(strategy, steps_per_execution=1):
   """fit / evaluate / predict with an uneven final batch; every number."""
   x, y = data()
   xv, yv = data(rows=27, seed=2)
   model = _model(strategy, lambda: keras.optimizers.Adam(0.01), loss="mse",
-                 metrics=["mae"])
+                 metrics=["mae"], steps_per_execution=steps_per_execution)
   history = model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=3, shuffle=False,
                       validation_data=(xv, yv), verbose=0)
   evaluation = model.evaluate(xv, yv, batch_size=8, verbose=0)
@@ -193,10 +195,49 @@ def keras_backup_and_restore(strategy, workdir=None):
   return {"weights": _weights(model), "loss": history.history["loss"]}
 
 
+def input_pipelines(strategy):
+  """What each worker's input pipeline is told, and the no-sharding warning."""
+  contexts = []
+
+  def dataset_fn(context):
+    contexts.append([context.input_pipeline_id, context.num_input_pipelines,
+                     context.get_per_replica_batch_size(8)])
+    return tf.data.Dataset.range(8).shard(
+        context.num_input_pipelines, context.input_pipeline_id).batch(2)
+
+  dataset = strategy.distribute_datasets_from_function(dataset_fn)
+  rows = [np.concatenate([np.asarray(t) for t in
+                          strategy.experimental_local_results(b)]).tolist()
+          for b in dataset]
+  options = tf.data.Options()
+  options.experimental_distribute.auto_shard_policy = (
+      tf.data.experimental.AutoShardPolicy.OFF)
+  with _captured_warnings() as warnings:
+    strategy.experimental_distribute_dataset(
+        tf.data.Dataset.range(8).batch(4).with_options(options))
+  return {"contexts": contexts, "rows": rows, "warnings": warnings}
+
+
+@contextlib.contextmanager
+def _captured_warnings():
+  caught = []
+  handler = logging.Handler(level=logging.WARNING)
+  handler.emit = lambda record: caught.append(record.getMessage())
+  absl_logger = logging.getLogger("absl")
+  absl_logger.addHandler(handler)
+  try:
+    yield caught
+  finally:
+    absl_logger.removeHandler(handler)
+
+
 RUNS = {"custom_loop": custom_loop, "primitives": primitives,
         "keras_fit": keras_fit, "peer_dies": peer_dies,
         "peer_freezes": functools.partial(peer_dies, freeze=True),
         "keras_files": keras_files,
-        "keras_backup_and_restore": keras_backup_and_restore}
+        "keras_backup_and_restore": keras_backup_and_restore,
+        "keras_fit_steps_per_execution": functools.partial(
+            keras_fit, steps_per_execution=3),
+        "input_pipelines": input_pipelines}
 # Runs that take the output directory as their working directory.
 TAKES_WORKDIR = ("keras_files", "keras_backup_and_restore")

@@ -27,7 +27,7 @@ TESTS = pathlib.Path(__file__).parent
 LAUNCH_TIMEOUT = 240
 
 
-def launch_workers(runs, out, num_workers=2):
+def launch_workers(runs, out, num_workers=2, env=None):
   """Runs `runs` on `num_workers` workers writing to `out`; (status, output)."""
   done = subprocess.run(
       [sys.executable, "-m", "replicator_strategy.launch", "--workers",
@@ -35,7 +35,7 @@ def launch_workers(runs, out, num_workers=2):
        sys.executable, str(TESTS / "multi_worker_main.py"), ",".join(runs),
        str(out)],
       capture_output=True, text=True, timeout=LAUNCH_TIMEOUT + 30,
-      check=False)
+      check=False, env={**os.environ, **(env or {})})
   return done.returncode, done.stdout[-6000:] + done.stderr[-3000:]
 
 
@@ -69,7 +69,9 @@ class TwoWorkersTest(unittest.TestCase):
   @classmethod
   def setUpClass(cls):
     with tempfile.TemporaryDirectory() as out:
-      cls.workers = results_of(["primitives", "custom_loop", "keras_fit"], out)
+      cls.workers = results_of(
+          ["primitives", "custom_loop", "keras_fit",
+           "keras_fit_steps_per_execution", "input_pipelines"], out)
 
   def test_workers_agree_on_everything_but_their_replica_ids(self):
     first, second = self.workers
@@ -109,6 +111,23 @@ class TwoWorkersTest(unittest.TestCase):
     self.assertEqual(len(expected["predict"]), 27)
     for worker in self.workers:
       assert_close_nested(self, worker["keras_fit"], expected)
+      assert_close_nested(self, worker["keras_fit_steps_per_execution"],
+                          expected)
+
+  def test_each_worker_reads_its_own_shard(self):
+    first, second = (w["input_pipelines"] for w in self.workers)
+    # input_pipeline_id, num_input_pipelines, per-replica batch of 8.
+    self.assertEqual(first["contexts"], [[0, 2, 2]])
+    self.assertEqual(second["contexts"], [[1, 2, 2]])
+    self.assertEqual(first["rows"], [[0, 2, 4, 6]])
+    self.assertEqual(second["rows"], [[1, 3, 5, 7]])
+
+  def test_a_dataset_read_whole_by_every_worker_is_warned_about(self):
+    for worker in self.workers:
+      warnings = worker["input_pipelines"]["warnings"]
+      self.assertEqual(len(warnings), 1, warnings)
+      self.assertIn("AutoShardPolicy.OFF: each of the 2 workers reads all",
+                    warnings[0])
 
 
 @pytest.mark.slow
@@ -203,6 +222,14 @@ class FaultTest(unittest.TestCase):
     workers = start_workers([1], "custom_loop")
     self.check_fails_naming(
         workers, 1, "Missing: the chief, /job:worker/replica:0/task:0")
+
+  def test_workers_with_different_device_counts_are_refused(self):
+    with tempfile.TemporaryDirectory() as out:
+      status, output = launch_workers(["primitives"], out,
+                                      env={"MULTI_WORKER_DEVICES": "2,3"})
+    self.assertNotEqual(status, 0)
+    self.assertIn("Every worker must replicate over as many devices; they "
+                  "have worker 0: 2, worker 1: 3", output)
 
   def test_a_worker_that_dies_mid_training_fails_the_chief_naming_it(self):
     workers = start_workers([0, 1], "peer_dies")
