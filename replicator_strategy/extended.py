@@ -208,6 +208,7 @@ class ReplicatorExtended(tfi.StrategyExtendedV1):
     return ops._gather(  # pylint: disable=protected-access
         value, destinations=destinations, axis=axis, options=options)
 
+  @tfi.autograph.do_not_convert
   def reduce_extremum_to(self, op, value, destinations):
     """MIN or MAX of a per-replica `value` over every replica, on `destinations`.
 
