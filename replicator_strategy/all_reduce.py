@@ -47,8 +47,8 @@ def choose(devices, algorithm, num_workers=1,
           f"every replica. Use all_reduce='auto' or 'ring'.")
     reason = (f"collective ops over {num_workers} workers x {len(devices)} "
               f"device(s)")
-    return _collective(devices, len(devices) * num_workers,
-                       timeout_seconds), f"ring: {reason}"
+    return _keyed(devices, len(devices) * num_workers,
+                  timeout_seconds), f"ring: {reason}"
   if algorithm == "auto":
     algorithm, reason = _auto(devices)
   else:
@@ -58,7 +58,7 @@ def choose(devices, algorithm, num_workers=1,
 
 def across_workers(host_device, num_workers, timeout_seconds):
   """All-reduce of one value per worker, on each worker's `host_device`."""
-  return _collective([host_device], num_workers, timeout_seconds)
+  return _keyed([host_device], num_workers, timeout_seconds)
 
 
 def _auto(devices):
@@ -82,6 +82,13 @@ def _build(algorithm, devices):
   if algorithm == "hierarchical_copy":
     return tf.distribute.HierarchicalCopyAllReduce()
   return _collective(devices, len(devices), None)
+
+
+def _keyed(devices, group_size, timeout_seconds):
+  """Collective ops among `group_size` replicas that also work in loops."""
+  return collectives.KeyedCollectiveOps(
+      devices, group_size, timeout_seconds,
+      eager_ops=_collective(devices, group_size, timeout_seconds))
 
 
 def _collective(devices, group_size, timeout_seconds):

@@ -44,6 +44,10 @@ _MERGE_OPS = {
 }
 
 
+# Keys one all_gather takes per tensor: one for the sizes, one for the data.
+GATHER_KEYS = 2
+
+
 def new_group_key():
   return next(_group_keys)
 
@@ -114,14 +118,108 @@ class ReplicaCollectives:
     ]
 
   def all_gather(self, local_index, tensors, axis, keys):
-    """Each of `tensors` concatenated over all replicas along `axis`."""
+    """Each of `tensors` concatenated over all replicas along `axis`.
+
+    Sizes along `axis` may differ between replicas (a partial batch): the
+    sizes are gathered first and the parts padded to the largest. Takes
+    `GATHER_KEYS` keys per tensor.
+    """
     out = []
-    for tensor, key in zip(tensors, keys):
-      moved = tf.experimental.numpy.moveaxis(tensor, axis, 0)
-      gathered = self._launch(local_index, tfi.collective_ops.all_gather_v2,
-                              moved, key)
-      out.append(tf.experimental.numpy.moveaxis(gathered, 0, axis))
+    for i, tensor in enumerate(tensors):
+      size_key, key = keys[GATHER_KEYS * i:GATHER_KEYS * (i + 1)]
+      moved = tf.experimental.numpy.moveaxis(tf.convert_to_tensor(tensor),
+                                             axis, 0)
+      gather = tfi.collective_ops.all_gather_v2
+      size = tf.shape(moved)[:1]
+      sizes = self._launch(local_index, gather, size, size_key)
+      largest = tf.reduce_max(sizes)
+      padding = tf.concat([[[0, largest - size[0]]],
+                           tf.zeros([tf.rank(moved) - 1, 2], tf.int32)], 0)
+      gathered = self._launch(local_index, gather, tf.pad(moved, padding), key)
+      rows = tf.reshape(tf.sequence_mask(sizes, largest), [-1])
+      out.append(tf.experimental.numpy.moveaxis(
+          tf.boolean_mask(gathered, rows), 0, axis))
     return out
+
+
+class KeyedCollectiveOps(tf.distribute.CrossDeviceOps):
+  """TF's collective ops across workers, keyed by `ReplicaCollectives` in graphs.
+
+  TF's own `CollectiveAllReduce` draws instance keys at call time, which
+  fails inside a while loop's `tf.cond` (Keras's `steps_per_execution` loop
+  runs `strategy.run` exactly there). In a graph, this launches one
+  collective per local replica with counter-drawn keys instead (and copies
+  the result to other destinations); eagerly it hands over to `eager_ops`,
+  TF's `CollectiveAllReduce` over the same replicas.
+  """
+
+  def __init__(self, devices, group_size, timeout_seconds, eager_ops):
+    super().__init__()
+    self._devices = tuple(devices)
+    self._group_size = group_size
+    self._collectives = ReplicaCollectives(devices, group_size,
+                                           timeout_seconds)
+    self._eager_ops = eager_ops
+
+  @property
+  def _num_between_graph_workers(self):
+    return self._group_size // len(self._devices)
+
+  def _keyed(self, values):
+    return not tf.executing_eagerly() and all(
+        len(v.values) == len(self._devices) for v in values)
+
+  def _per_device(self, values, destinations, launch, keys_per_value):
+    """`launch(local_index, tensors, keys)` on every local replica's parts."""
+    graph = tf.compat.v1.get_default_graph()
+    results = []
+    for i in range(len(self._devices)):
+      keys = self._collectives.draw_keys(i, keys_per_value * len(values),
+                                         graph)
+      results.append(launch(i, [v.values[i] for v in values], keys))
+    return [_placed(parts, d) for parts, d in zip(zip(*results), destinations)]
+
+  def reduce_implementation(self, reduce_op, per_replica_value, destinations,
+                            options):
+    if not self._keyed([per_replica_value]):
+      return self._eager_ops.reduce_implementation(
+          reduce_op, per_replica_value, destinations, options)
+    return self.batch_reduce_implementation(
+        reduce_op, [(per_replica_value, destinations)], options)[0]
+
+  def batch_reduce_implementation(self, reduce_op, value_destination_pairs,
+                                  options):
+    values = [v for v, _ in value_destination_pairs]
+    if not self._keyed(values):
+      return self._eager_ops.batch_reduce_implementation(
+          reduce_op, value_destination_pairs, options)
+    op = reduce_op_lib.parse(reduce_op)
+    return self._per_device(
+        values, [d for _, d in value_destination_pairs],
+        lambda i, tensors, keys: self._collectives.all_reduce(
+            i, op, tensors, keys), 1)
+
+  def _gather_implementation(self, per_replica_value, destinations, axis,
+                             options):
+    if not self._keyed([per_replica_value]):
+      return self._eager_ops._gather_implementation(  # pylint: disable=protected-access
+          per_replica_value, destinations, axis, options)
+    return self._per_device(
+        [per_replica_value], [destinations],
+        lambda i, tensors, keys: self._collectives.all_gather(
+            i, tensors, axis, keys), GATHER_KEYS)[0]
+
+
+def _placed(parts, destinations):
+  """Identical `parts` (one per local replica) as a Mirrored on `destinations`."""
+  devices = tfi.cross_device_ops.get_devices_from(destinations)
+  by_device = {tfi.device_util.canonicalize(p.device): p for p in parts}
+  placed = []
+  for device in devices:
+    with tf.device(device):
+      placed.append(tf.identity(by_device.get(device, parts[0])))
+  return tfi.distribute_utils.regroup(placed, always_wrap=True,
+                                      wrap_class=tfi.values.Mirrored)
 
 
 class WorkerBroadcast:

@@ -116,7 +116,7 @@ class ReplicaContext(tfi.ThreadReplicaContext):
         None,
         lambda keys, values: self._collectives.all_gather(
             self.local_index, values, axis, keys),
-        flat, grad=None)
+        flat, grad=None, keys_per_tensor=collectives_lib.GATHER_KEYS)
     return tf.nest.pack_sequence_as(value, ys)
 
   def local_batch_share(self):
@@ -154,7 +154,7 @@ class ReplicaContext(tfi.ThreadReplicaContext):
     return self._collectives.draw_keys(self.local_index, count,
                                        self._home_graph)
 
-  def _exchange(self, merge_fn, collective_fn, xs, grad):
+  def _exchange(self, merge_fn, collective_fn, xs, grad, keys_per_tensor=1):
     """Differentiable exchange of the tensors `xs` between replicas.
 
     Through `merge_call` (`merge_fn(strategy, *per_replica_xs)`) where the
@@ -166,7 +166,7 @@ class ReplicaContext(tfi.ThreadReplicaContext):
     if not merging:
       # Drawn outside the custom gradient, which would otherwise take the
       # key counters for variables to differentiate.
-      keys = self.collective_keys(len(xs))
+      keys = self.collective_keys(keys_per_tensor * len(xs))
 
     @tf.custom_gradient
     def exchange(*xs):
