@@ -1,0 +1,493 @@
+"""ReplicatorStrategy vs MirroredStrategy vs no strategy, side by side in one run.
+
+    python benchmarks/compare_strategies.py                # the full run
+    python benchmarks/compare_strategies.py --quick        # tiny sizes, seconds
+    python benchmarks/compare_strategies.py --json out.json
+
+Every contender runs in the same process on the same logical devices (the CPU
+split into 4 unless GPUs exist), interleaved round by round so that machine
+noise hits all of them alike; the table shows medians and ratios.
+
+1. Keras `fit` steady-state step time: MLP 784-512-512-10 and a small conv net
+   with batch norm, global batch 256, on 1, 2 and 4 replicas.
+2. Custom-loop (GradientTape) step time, same models.
+3. Gradient all-reduce latency in replica context (1, 16, 64 MB; 200 tensors of
+   4 KB) on 2 and 4 replicas, against the floor: `add_n` of the same tensors on
+   one device.
+4. First-epoch time (tracing included) and peak memory, each contender in a
+   fresh process.
+5. Multi-worker: 2 workers x 2 devices against one process x 4 (fit step).
+
+Every contender starts from the same weights and data; the run also checks
+that their losses and all-reduce results agree ("agree" column).
+"""
+
+import argparse
+import functools
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+
+SIZES = {  # name: (full run, --quick)
+    "mlp_hidden": (512, 16),
+    "conv_filters": (16, 4),
+    "image": (28, 8),
+    "global_batch": (256, 32),
+    "fit_steps": (20, 3),
+    "rounds": (5, 2),
+    "allreduce_mb": ((1, 16, 64), (0.0625,)),
+    "allreduce_many": ((200, 4096), (10, 256)),  # tensors, bytes each
+    "allreduce_repeats": (15, 3),
+}
+
+
+def parse_args(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--quick", action="store_true",
+                      help="tiny sizes: checks that everything runs and agrees")
+  parser.add_argument("--json", help="also write the results here")
+  parser.add_argument("--devices", type=int, default=4,
+                      help="logical CPU devices when there is no GPU (default 4)")
+  parser.add_argument("--sections", default="fit,custom,allreduce,first,multi",
+                      help="comma-separated subset of fit,custom,allreduce,"
+                      "first,multi")
+  parser.add_argument("--child", help=argparse.SUPPRESS)
+  return parser.parse_args(argv)
+
+
+ARGS = parse_args()
+Q = 1 if ARGS.quick else 0
+SIZE = {k: v[Q] for k, v in SIZES.items()}
+
+# pylint: disable=g-import-not-at-top,wrong-import-position
+import numpy as np
+import tensorflow as tf
+import keras
+import replicator_strategy as rs
+# pylint: enable=g-import-not-at-top,wrong-import-position
+
+if not tf.config.list_physical_devices("GPU"):
+  rs.split_cpu(ARGS.devices)
+
+
+@functools.cache
+def devices():
+  """The local devices (listing them starts TF: a worker joins its cluster first)."""
+  return rs.local_devices()
+
+
+def replica_counts():
+  return [n for n in (1, 2, 4) if n <= len(devices())]
+
+
+# Contenders.
+
+def contenders(num_replicas):
+  """(name, strategy or None) for one replica count; no strategy is 1 device."""
+  chosen = list(devices()[:num_replicas])
+  return [("none", None),
+          ("mirrored", tf.distribute.MirroredStrategy(chosen)),
+          ("replicator", rs.ReplicatorStrategy(devices=chosen))]
+
+
+def scope(strategy):
+  return strategy.scope() if strategy else tf.device(devices()[0])
+
+
+# Models and data.
+
+def mlp():
+  h = SIZE["mlp_hidden"]
+  return keras.Sequential([
+      keras.Input((SIZE["image"] ** 2,)),
+      keras.layers.Dense(h, activation="relu"),
+      keras.layers.Dense(h, activation="relu"),
+      keras.layers.Dense(10)])
+
+
+def convnet():
+  f = SIZE["conv_filters"]
+  s = SIZE["image"]
+  return keras.Sequential([
+      keras.Input((s, s, 1)),
+      keras.layers.Conv2D(f, 3, padding="same", use_bias=False),
+      keras.layers.BatchNormalization(),
+      keras.layers.ReLU(),
+      keras.layers.Conv2D(2 * f, 3, strides=2, padding="same", use_bias=False),
+      keras.layers.BatchNormalization(),
+      keras.layers.ReLU(),
+      keras.layers.GlobalAveragePooling2D(),
+      keras.layers.Dense(10)])
+
+
+MODELS = {"mlp": mlp, "convnet": convnet}
+
+
+def data(model_name, batches):
+  rng = np.random.default_rng(0)
+  s = SIZE["image"]
+  shape = (s * s,) if model_name == "mlp" else (s, s, 1)
+  rows = SIZE["global_batch"] * batches
+  x = rng.normal(size=(rows,) + shape).astype("float32")
+  y = rng.integers(0, 10, size=rows).astype("int32")
+  return x, y
+
+
+def initial_weights(model_name):
+  keras.utils.set_random_seed(0)
+  return MODELS[model_name]().get_weights()
+
+
+def compiled(model_name, strategy, weights):
+  with scope(strategy):
+    model = MODELS[model_name]()
+    model.set_weights(weights)
+    model.compile(
+        optimizer=keras.optimizers.SGD(0.01, momentum=0.9),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+  return model
+
+
+# Timing helpers.
+
+class StepTimer(keras.callbacks.Callback):
+  """Wall time of each training step (the step function returns when done)."""
+
+  def __init__(self):
+    super().__init__()
+    self.times = []
+    self._start = None
+
+  def on_train_batch_begin(self, batch, logs=None):
+    self._start = time.perf_counter()
+
+  def on_train_batch_end(self, batch, logs=None):
+    self.times.append(time.perf_counter() - self._start)
+
+
+def median_ms(times):
+  return 1000 * statistics.median(times)
+
+
+def agree(values, rtol):
+  """Whether every value is within `rtol` of the first."""
+  ref = np.asarray(values[0], dtype="float64")
+  return all(np.allclose(np.asarray(v, dtype="float64"), ref, rtol=rtol,
+                         atol=rtol) for v in values[1:])
+
+
+# 1. Keras fit.
+
+def bench_fit():
+  rows = []
+  for model_name in MODELS:
+    weights = initial_weights(model_name)
+    x, y = data(model_name, SIZE["fit_steps"])
+    for n in replica_counts():
+      runs = {name: {"model": compiled(model_name, strategy, weights),
+                     "times": [], "losses": []}
+              for name, strategy in contenders(n)}
+      for round_index in range(SIZE["rounds"] + 1):
+        for run in runs.values():
+          timer = StepTimer()
+          history = run["model"].fit(
+              x, y, batch_size=SIZE["global_batch"], epochs=1, shuffle=False,
+              verbose=0, callbacks=[timer])
+          if round_index == 0:  # Warm-up: tracing; losses from equal weights.
+            run["losses"] = history.history["loss"]
+          else:  # A call's first step also makes the iterator: left out.
+            run["times"] += timer.times[1:]
+      rows.append({
+          "model": model_name, "replicas": n,
+          "ms": {name: median_ms(r["times"]) for name, r in runs.items()},
+          "agree": agree([r["losses"] for r in runs.values()], rtol=1e-4)})
+      print_progress("fit", rows[-1])
+  return rows
+
+
+# 2. Custom loop.
+
+def custom_step(model, optimizer, strategy):
+  loss_fn = keras.losses.SparseCategoricalCrossentropy(
+      from_logits=True, reduction="sum")
+  batch = SIZE["global_batch"]
+
+  def replica_step(x, y):
+    with tf.GradientTape() as tape:
+      loss = loss_fn(y, model(x, training=True)) / batch
+    grads = tape.gradient(loss, model.trainable_variables)
+    optimizer.apply_gradients(zip(grads, model.trainable_variables))
+    return loss
+
+  if strategy is None:
+    return tf.function(replica_step)
+
+  @tf.function
+  def step(x, y):
+    losses = strategy.run(replica_step, (x, y))
+    return strategy.reduce("sum", losses, axis=None)
+
+  return step
+
+
+def bench_custom():
+  rows = []
+  for model_name in MODELS:
+    weights = initial_weights(model_name)
+    x, y = data(model_name, SIZE["fit_steps"])
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(
+        SIZE["global_batch"]).cache()
+    for n in replica_counts():
+      runs = {}
+      for name, strategy in contenders(n):
+        with scope(strategy):
+          model = MODELS[model_name]()
+          model.set_weights(weights)
+          optimizer = keras.optimizers.SGD(0.01, momentum=0.9)
+          optimizer.build(model.trainable_variables)
+        batches = list(strategy.experimental_distribute_dataset(dataset)
+                       if strategy else dataset)
+        runs[name] = (custom_step(model, optimizer, strategy), batches, [], [])
+      for round_index in range(SIZE["rounds"] + 1):
+        for name, (step, batches, times, losses) in runs.items():
+          for x_batch, y_batch in batches:
+            start = time.perf_counter()
+            loss = float(step(x_batch, y_batch))
+            if round_index == 0:
+              losses.append(loss)
+            else:
+              times.append(time.perf_counter() - start)
+      rows.append({
+          "model": model_name, "replicas": n,
+          "ms": {name: median_ms(r[2]) for name, r in runs.items()},
+          "agree": agree([r[3] for r in runs.values()], rtol=1e-4)})
+      print_progress("custom", rows[-1])
+  return rows
+
+
+# 3. All-reduce latency.
+
+def bench_allreduce():
+  cases = [(f"{mb:g} MB", 1, int(mb * 2 ** 20)) for mb in SIZE["allreduce_mb"]]
+  count, each = SIZE["allreduce_many"]
+  cases.append((f"{count} x {each // 1024 or each} {'KB' if each >= 1024 else 'B'}",
+                count, each))
+  rows = []
+  for n in [r for r in replica_counts() if r > 1]:
+    for label, count, size in cases:
+      floats = size // 4
+      per_device = [[tf.fill([floats], float(d + 1) + i / 1000.0)
+                     for i in range(count)] for d in range(n)]
+      with tf.device(devices()[0]):
+        on_one = [[tf.identity(t) for t in ts] for ts in per_device]
+      floor = tf.function(
+          lambda: [tf.add_n([on_one[d][i] for d in range(n)])
+                   for i in range(count)])
+      runs = {"add_n floor": floor}
+      for name, strategy in contenders(n)[1:]:
+        inputs = strategy.experimental_distribute_values_from_function(
+            lambda ctx: [tf.identity(t) for t in
+                         per_device[ctx.replica_id_in_sync_group]])
+        runs[name] = _all_reduce_fn(strategy, inputs)
+      results = {name: fn() for name, fn in runs.items()}  # Traces; warm-up.
+      times = {name: [] for name in runs}
+      for _ in range(SIZE["allreduce_repeats"]):
+        for name, fn in runs.items():
+          start = time.perf_counter()
+          fn()
+          times[name].append(time.perf_counter() - start)
+      sums = [np.asarray(results["add_n floor"][0])]
+      for name in runs:
+        if name != "add_n floor":
+          sums.append(np.asarray(runs[name].first_result(results[name])))
+      rows.append({"tensors": label, "replicas": n,
+                   "ms": {k: median_ms(v) for k, v in times.items()},
+                   "agree": agree(sums, rtol=1e-6)})
+      print_progress("allreduce", rows[-1])
+  return rows
+
+
+def _all_reduce_fn(strategy, inputs):
+
+  @tf.function
+  def fn():
+    return strategy.run(
+        lambda ts: tf.distribute.get_replica_context().all_reduce("sum", ts),
+        (inputs,))
+
+  fn.first_result = lambda out: strategy.experimental_local_results(out[0])[-1]
+  return fn
+
+
+# 4. First epoch and peak memory, in fresh processes.
+
+def first_epoch_child(spec):
+  """Runs in a child: one fit epoch of the MLP; prints seconds and peak RSS."""
+  name, n = spec.split(":")
+  strategy = dict(contenders(int(n)))[name]
+  weights = initial_weights("mlp")
+  x, y = data("mlp", SIZE["fit_steps"])
+  start = time.perf_counter()
+  model = compiled("mlp", strategy, weights)
+  model.fit(x, y, batch_size=SIZE["global_batch"], epochs=1, verbose=0)
+  seconds = time.perf_counter() - start
+  peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+  print(json.dumps({"first_epoch_s": seconds, "peak_rss_mb": peak_mb}))
+
+
+def _child(spec, timeout=600):
+  command = [sys.executable, __file__, "--child", spec,
+             "--devices", str(ARGS.devices)] + (["--quick"] if ARGS.quick else [])
+  done = subprocess.run(command, capture_output=True, text=True,
+                        timeout=timeout, check=True)
+  return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def bench_first_epoch():
+  n = replica_counts()[-1]
+  results = {}
+  for name in ("none", "mirrored", "replicator"):
+    results[name] = _child(f"first:{name}:{n}")
+  row = {"replicas": n,
+         "first_epoch_s": {k: v["first_epoch_s"] for k, v in results.items()},
+         "peak_rss_mb": {k: v["peak_rss_mb"] for k, v in results.items()}}
+  print_progress("first", row)
+  return [row]
+
+
+# 5. Multi-worker.
+
+def fit_step_child():
+  """In a child (maybe a worker): median fit step of the MLP, in ms."""
+  strategy = rs.ReplicatorStrategy()
+  weights = initial_weights("mlp")
+  x, y = data("mlp", SIZE["fit_steps"])
+  model = compiled("mlp", strategy, weights)
+  times = []
+  for round_index in range(SIZE["rounds"] + 1):
+    timer = StepTimer()
+    history = model.fit(x, y, batch_size=SIZE["global_batch"], epochs=1,
+                        shuffle=False, verbose=0, callbacks=[timer])
+    if round_index:
+      times += timer.times[1:]
+    else:
+      first_loss = history.history["loss"][0]
+  print(json.dumps({"ms": median_ms(times), "first_loss": first_loss}))
+
+
+def bench_multi_worker():
+  single = _child("fit_step")
+  with tempfile.TemporaryDirectory() as out:
+    done = subprocess.run(
+        [sys.executable, "-m", "replicator_strategy.launch", "--workers", "2",
+         "--timeout", "500", "--", sys.executable, __file__, "--child",
+         "fit_step", "--devices", "2"] + (["--quick"] if ARGS.quick else []),
+        capture_output=True, text=True, timeout=560, check=True, cwd=out)
+  lines = [l.split("] ", 1)[1] for l in done.stdout.splitlines()
+           if l.startswith("[worker ") and l.split("] ", 1)[1].startswith("{")]
+  workers = [json.loads(l) for l in lines]
+  row = {"ms": {"1 process x 4": single["ms"],
+                "2 workers x 2": statistics.median(w["ms"] for w in workers)},
+         "agree": agree([single["first_loss"]] +
+                        [w["first_loss"] for w in workers], rtol=1e-4)}
+  print_progress("multi", row)
+  return [row]
+
+
+# Output.
+
+def print_progress(section, row):
+  print(f"  {section}: {json.dumps(row)}", file=sys.stderr, flush=True)
+
+
+def table(results):
+  lines = []
+  for section, title in (("fit", "Keras fit step, ms (median)"),
+                         ("custom", "Custom-loop step, ms (median)")):
+    if section not in results:
+      continue
+    lines += ["", title, f"{'model':8} {'replicas':>8} {'none':>8} "
+              f"{'mirrored':>9} {'replicator':>11} {'R/none':>7} "
+              f"{'R/mirrored':>10}  agree"]
+    for r in results[section]:
+      ms = r["ms"]
+      lines.append(
+          f"{r['model']:8} {r['replicas']:>8} {ms['none']:>8.2f} "
+          f"{ms['mirrored']:>9.2f} {ms['replicator']:>11.2f} "
+          f"{ms['replicator'] / ms['none']:>7.2f} "
+          f"{ms['replicator'] / ms['mirrored']:>10.2f}  {r['agree']}")
+  if "allreduce" in results:
+    lines += ["", "All-reduce in replica context, ms (median)",
+              f"{'tensors':14} {'replicas':>8} {'add_n floor':>11} "
+              f"{'mirrored':>9} {'replicator':>11} {'R/floor':>8} "
+              f"{'M/floor':>8}  agree"]
+    for r in results["allreduce"]:
+      ms = r["ms"]
+      floor = ms["add_n floor"]
+      lines.append(
+          f"{r['tensors']:14} {r['replicas']:>8} {floor:>11.2f} "
+          f"{ms['mirrored']:>9.2f} {ms['replicator']:>11.2f} "
+          f"{ms['replicator'] / floor:>8.2f} {ms['mirrored'] / floor:>8.2f}  "
+          f"{r['agree']}")
+  if "first" in results:
+    r = results["first"][0]
+    lines += ["", f"First epoch (tracing included) and peak memory, MLP, "
+              f"{r['replicas']} replicas, fresh process each",
+              f"{'':12} {'none':>8} {'mirrored':>9} {'replicator':>11}"]
+    for key, unit in (("first_epoch_s", "s"), ("peak_rss_mb", "MB")):
+      v = r[key]
+      lines.append(f"{key:12} {v['none']:>7.1f}{unit[0]} "
+                   f"{v['mirrored']:>8.1f}{unit[0]} {v['replicator']:>10.1f}"
+                   f"{unit[0]}")
+  if "multi" in results:
+    r = results["multi"][0]
+    ms = r["ms"]
+    lines += ["", "Multi-worker fit step (MLP), ms (median)",
+              f"1 process x 4: {ms['1 process x 4']:.2f}   2 workers x 2: "
+              f"{ms['2 workers x 2']:.2f}   ratio "
+              f"{ms['2 workers x 2'] / ms['1 process x 4']:.2f}   agree "
+              f"{r['agree']}"]
+  return "\n".join(lines)
+
+
+def machine():
+  return {"python": platform.python_version(), "tensorflow": tf.__version__,
+          "keras": keras.__version__, "cpus": os.cpu_count(),
+          "devices": list(devices()), "quick": ARGS.quick,
+          "platform": platform.platform()}
+
+
+SECTIONS = {"fit": bench_fit, "custom": bench_custom,
+            "allreduce": bench_allreduce, "first": bench_first_epoch,
+            "multi": bench_multi_worker}
+
+
+def main():
+  if ARGS.child:
+    if ARGS.child.startswith("first:"):
+      return first_epoch_child(ARGS.child[len("first:"):])
+    return fit_step_child()
+  start = time.perf_counter()
+  results = {}
+  for section in ARGS.sections.split(","):
+    results[section] = SECTIONS[section]()
+  results["machine"] = machine()
+  results["seconds"] = time.perf_counter() - start
+  print(table(results))
+  print(f"\n{json.dumps(results['machine'])}\ntotal {results['seconds']:.0f} s")
+  if ARGS.json:
+    with open(ARGS.json, "w") as f:
+      json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+  main()
