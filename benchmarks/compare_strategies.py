@@ -4,9 +4,11 @@
     python benchmarks/compare_strategies.py --quick        # tiny sizes, seconds
     python benchmarks/compare_strategies.py --json out.json
 
-Every contender runs in the same process on the same logical devices (the CPU
-split into 4 unless GPUs exist), interleaved round by round so that machine
-noise hits all of them alike; the table shows medians and ratios.
+For each replica count, every contender runs in the same process on the same
+logical devices (the CPU split into 4 unless GPUs exist), interleaved round by
+round so that machine noise hits all of them alike; the table shows medians and
+ratios. (Each replica count gets its own process: MirroredStrategy's collective
+keys clash between instances over different device counts.)
 
 1. Keras `fit` steady-state step time: MLP 784-512-512-10 and a small conv net
    with batch norm, global batch 256, on 1, 2 and 4 replicas.
@@ -91,8 +93,13 @@ def replica_counts():
 
 # Contenders.
 
+@functools.cache
 def contenders(num_replicas):
-  """(name, strategy or None) for one replica count; no strategy is 1 device."""
+  """(name, strategy or None) for one replica count; no strategy is 1 device.
+
+  Made once per process: several MirroredStrategy instances over the same
+  devices reuse collective keys and break each other.
+  """
   chosen = list(devices()[:num_replicas])
   return [("none", None),
           ("mirrored", tf.distribute.MirroredStrategy(chosen)),
@@ -130,6 +137,17 @@ def convnet():
 
 
 MODELS = {"mlp": mlp, "convnet": convnet}
+# Batch norm normalises each replica's share of the batch (under either
+# strategy), so only the strategies agree with each other there.
+PER_REPLICA_STATISTICS = ("convnet",)
+
+
+def losses_agree(model_name, losses):
+  """Contenders' losses agree (with no strategy only where it can)."""
+  names = ["replicator", "mirrored"]
+  if model_name not in PER_REPLICA_STATISTICS:
+    names.append("none")
+  return agree((losses[name] for name in names), rtol=1e-4)
 
 
 def data(model_name, batches):
@@ -180,6 +198,7 @@ def median_ms(times):
 
 def agree(values, rtol):
   """Whether every value is within `rtol` of the first."""
+  values = list(values)
   ref = np.asarray(values[0], dtype="float64")
   return all(np.allclose(np.asarray(v, dtype="float64"), ref, rtol=rtol,
                          atol=rtol) for v in values[1:])
@@ -187,30 +206,30 @@ def agree(values, rtol):
 
 # 1. Keras fit.
 
-def bench_fit():
+def bench_fit(n):
   rows = []
   for model_name in MODELS:
     weights = initial_weights(model_name)
     x, y = data(model_name, SIZE["fit_steps"])
-    for n in replica_counts():
-      runs = {name: {"model": compiled(model_name, strategy, weights),
-                     "times": [], "losses": []}
-              for name, strategy in contenders(n)}
-      for round_index in range(SIZE["rounds"] + 1):
-        for run in runs.values():
-          timer = StepTimer()
-          history = run["model"].fit(
-              x, y, batch_size=SIZE["global_batch"], epochs=1, shuffle=False,
-              verbose=0, callbacks=[timer])
-          if round_index == 0:  # Warm-up: tracing; losses from equal weights.
-            run["losses"] = history.history["loss"]
-          else:  # A call's first step also makes the iterator: left out.
-            run["times"] += timer.times[1:]
-      rows.append({
-          "model": model_name, "replicas": n,
-          "ms": {name: median_ms(r["times"]) for name, r in runs.items()},
-          "agree": agree([r["losses"] for r in runs.values()], rtol=1e-4)})
-      print_progress("fit", rows[-1])
+    runs = {name: {"model": compiled(model_name, strategy, weights),
+                   "times": [], "losses": []}
+            for name, strategy in contenders(n)}
+    for round_index in range(SIZE["rounds"] + 1):
+      for run in runs.values():
+        timer = StepTimer()
+        history = run["model"].fit(
+            x, y, batch_size=SIZE["global_batch"], epochs=1, shuffle=False,
+            verbose=0, callbacks=[timer])
+        if round_index == 0:  # Warm-up: tracing; losses from equal weights.
+          run["losses"] = history.history["loss"]
+        else:  # A call's first step also makes the iterator: left out.
+          run["times"] += timer.times[1:]
+    rows.append({
+        "model": model_name, "replicas": n,
+        "ms": {name: median_ms(r["times"]) for name, r in runs.items()},
+        "agree": losses_agree(
+            model_name, {k: r["losses"] for k, r in runs.items()})})
+    print_progress("fit", rows[-1])
   return rows
 
 
@@ -239,93 +258,96 @@ def custom_step(model, optimizer, strategy):
   return step
 
 
-def bench_custom():
+def bench_custom(n):
   rows = []
   for model_name in MODELS:
     weights = initial_weights(model_name)
     x, y = data(model_name, SIZE["fit_steps"])
     dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(
         SIZE["global_batch"]).cache()
-    for n in replica_counts():
-      runs = {}
-      for name, strategy in contenders(n):
-        with scope(strategy):
-          model = MODELS[model_name]()
-          model.set_weights(weights)
-          optimizer = keras.optimizers.SGD(0.01, momentum=0.9)
-          optimizer.build(model.trainable_variables)
-        batches = list(strategy.experimental_distribute_dataset(dataset)
-                       if strategy else dataset)
-        runs[name] = (custom_step(model, optimizer, strategy), batches, [], [])
-      for round_index in range(SIZE["rounds"] + 1):
-        for name, (step, batches, times, losses) in runs.items():
-          for x_batch, y_batch in batches:
-            start = time.perf_counter()
-            loss = float(step(x_batch, y_batch))
-            if round_index == 0:
-              losses.append(loss)
-            else:
-              times.append(time.perf_counter() - start)
-      rows.append({
-          "model": model_name, "replicas": n,
-          "ms": {name: median_ms(r[2]) for name, r in runs.items()},
-          "agree": agree([r[3] for r in runs.values()], rtol=1e-4)})
-      print_progress("custom", rows[-1])
+    runs = {}
+    for name, strategy in contenders(n):
+      with scope(strategy):
+        model = MODELS[model_name]()
+        model.set_weights(weights)
+        optimizer = keras.optimizers.SGD(0.01, momentum=0.9)
+        optimizer.build(model.trainable_variables)
+      runs[name] = {
+          "step": custom_step(model, optimizer, strategy),
+          "batches": list(strategy.experimental_distribute_dataset(dataset)
+                          if strategy else dataset),
+          "times": [], "losses": []}
+    for round_index in range(SIZE["rounds"] + 1):
+      for run in runs.values():
+        for x_batch, y_batch in run["batches"]:
+          start = time.perf_counter()
+          loss = float(run["step"](x_batch, y_batch))
+          if round_index == 0:
+            run["losses"].append(loss)
+          else:
+            run["times"].append(time.perf_counter() - start)
+    rows.append({
+        "model": model_name, "replicas": n,
+        "ms": {name: median_ms(r["times"]) for name, r in runs.items()},
+        "agree": losses_agree(
+            model_name, {k: r["losses"] for k, r in runs.items()})})
+    print_progress("custom", rows[-1])
   return rows
 
 
 # 3. All-reduce latency.
 
-def bench_allreduce():
+def bench_allreduce(n):
+  if n < 2:
+    return []
   cases = [(f"{mb:g} MB", 1, int(mb * 2 ** 20)) for mb in SIZE["allreduce_mb"]]
   count, each = SIZE["allreduce_many"]
-  cases.append((f"{count} x {each // 1024 or each} {'KB' if each >= 1024 else 'B'}",
-                count, each))
+  unit = f"{each // 1024} KB" if each >= 1024 else f"{each} B"
+  cases.append((f"{count} x {unit}", count, each))
   rows = []
-  for n in [r for r in replica_counts() if r > 1]:
-    for label, count, size in cases:
-      floats = size // 4
-      per_device = [[tf.fill([floats], float(d + 1) + i / 1000.0)
-                     for i in range(count)] for d in range(n)]
-      with tf.device(devices()[0]):
-        on_one = [[tf.identity(t) for t in ts] for ts in per_device]
-      floor = tf.function(
-          lambda: [tf.add_n([on_one[d][i] for d in range(n)])
-                   for i in range(count)])
-      runs = {"add_n floor": floor}
-      for name, strategy in contenders(n)[1:]:
-        inputs = strategy.experimental_distribute_values_from_function(
-            lambda ctx: [tf.identity(t) for t in
-                         per_device[ctx.replica_id_in_sync_group]])
-        runs[name] = _all_reduce_fn(strategy, inputs)
-      results = {name: fn() for name, fn in runs.items()}  # Traces; warm-up.
-      times = {name: [] for name in runs}
-      for _ in range(SIZE["allreduce_repeats"]):
-        for name, fn in runs.items():
-          start = time.perf_counter()
-          fn()
-          times[name].append(time.perf_counter() - start)
-      sums = [np.asarray(results["add_n floor"][0])]
-      for name in runs:
-        if name != "add_n floor":
-          sums.append(np.asarray(runs[name].first_result(results[name])))
-      rows.append({"tensors": label, "replicas": n,
-                   "ms": {k: median_ms(v) for k, v in times.items()},
-                   "agree": agree(sums, rtol=1e-6)})
-      print_progress("allreduce", rows[-1])
+  for label, count, size in cases:
+    per_device = [[tf.fill([size // 4], float(d + 1) + i / 1000.0)
+                   for i in range(count)] for d in range(n)]
+    with tf.device(devices()[0]):
+      on_one = [[tf.identity(t) for t in ts] for ts in per_device]
+    runs = {"add_n floor": _add_n_fn(on_one)}
+    for name, strategy in contenders(n)[1:]:
+      inputs = strategy.experimental_distribute_values_from_function(
+          lambda ctx, s=strategy: [tf.identity(t) for t in per_device[
+              ctx.replica_id_in_sync_group]])
+      runs[name] = _all_reduce_fn(strategy, inputs)
+    firsts = [np.asarray(fn()) for fn in runs.values()]  # Traces them too.
+    times = {name: [] for name in runs}
+    for _ in range(SIZE["allreduce_repeats"]):
+      for name, fn in runs.items():
+        start = time.perf_counter()
+        fn()
+        times[name].append(time.perf_counter() - start)
+    rows.append({"tensors": label, "replicas": n,
+                 "ms": {k: median_ms(v) for k, v in times.items()},
+                 "agree": agree(firsts, rtol=1e-6)})
+    print_progress("allreduce", rows[-1])
   return rows
 
 
+def _add_n_fn(on_one):
+  add = tf.function(lambda: [tf.add_n(list(ts)) for ts in zip(*on_one)])
+  return lambda: add()[0]
+
+
 def _all_reduce_fn(strategy, inputs):
+  run = tf.function(lambda: strategy.run(
+      lambda ts: tf.distribute.get_replica_context().all_reduce("sum", ts),
+      (inputs,)))
+  return lambda: strategy.experimental_local_results(run()[0])[-1]
 
-  @tf.function
-  def fn():
-    return strategy.run(
-        lambda ts: tf.distribute.get_replica_context().all_reduce("sum", ts),
-        (inputs,))
 
-  fn.first_result = lambda out: strategy.experimental_local_results(out[0])[-1]
-  return fn
+def replicas_child(n):
+  """In a child: every in-process section for one replica count, as JSON."""
+  n = int(n)
+  print(json.dumps({section: SECTIONS[section](n)
+                    for section in ("fit", "custom", "allreduce")
+                    if section in ARGS.sections.split(",")}))
 
 
 # 4. First epoch and peak memory, in fresh processes.
@@ -345,9 +367,10 @@ def first_epoch_child(spec):
 
 
 def _child(spec, timeout=600):
-  command = [sys.executable, __file__, "--child", spec,
-             "--devices", str(ARGS.devices)] + (["--quick"] if ARGS.quick else [])
-  done = subprocess.run(command, capture_output=True, text=True,
+  command = [sys.executable, __file__, "--child", spec, "--devices",
+             str(ARGS.devices), "--sections", ARGS.sections] + (
+                 ["--quick"] if ARGS.quick else [])
+  done = subprocess.run(command, stdout=subprocess.PIPE, text=True,
                         timeout=timeout, check=True)
   return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -356,7 +379,7 @@ def bench_first_epoch():
   n = replica_counts()[-1]
   results = {}
   for name in ("none", "mirrored", "replicator"):
-    results[name] = _child(f"first:{name}:{n}")
+    results[name] = _child(f"first:{name}:{n}")  # A fresh process each.
   row = {"replicas": n,
          "first_epoch_s": {k: v["first_epoch_s"] for k, v in results.items()},
          "peak_rss_mb": {k: v["peak_rss_mb"] for k, v in results.items()}}
@@ -366,7 +389,7 @@ def bench_first_epoch():
 
 # 5. Multi-worker.
 
-def fit_step_child():
+def fit_step_child(_):
   """In a child (maybe a worker): median fit step of the MLP, in ms."""
   strategy = rs.ReplicatorStrategy()
   weights = initial_weights("mlp")
@@ -391,7 +414,7 @@ def bench_multi_worker():
         [sys.executable, "-m", "replicator_strategy.launch", "--workers", "2",
          "--timeout", "500", "--", sys.executable, __file__, "--child",
          "fit_step", "--devices", "2"] + (["--quick"] if ARGS.quick else []),
-        capture_output=True, text=True, timeout=560, check=True, cwd=out)
+        stdout=subprocess.PIPE, text=True, timeout=560, check=True, cwd=out)
   lines = [l.split("] ", 1)[1] for l in done.stdout.splitlines()
            if l.startswith("[worker ") and l.split("] ", 1)[1].startswith("{")]
   workers = [json.loads(l) for l in lines]
@@ -473,12 +496,17 @@ SECTIONS = {"fit": bench_fit, "custom": bench_custom,
 
 def main():
   if ARGS.child:
-    if ARGS.child.startswith("first:"):
-      return first_epoch_child(ARGS.child[len("first:"):])
-    return fit_step_child()
+    kind, _, spec = ARGS.child.partition(":")
+    return {"first": first_epoch_child, "replicas": replicas_child,
+            "fit_step": fit_step_child}[kind](spec)
   start = time.perf_counter()
-  results = {}
-  for section in ARGS.sections.split(","):
+  sections = ARGS.sections.split(",")
+  results = {s: [] for s in sections}
+  for n in replica_counts():
+    if {"fit", "custom", "allreduce"} & set(sections):
+      for section, rows in _child(f"replicas:{n}").items():
+        results[section] += rows
+  for section in {"first", "multi"} & set(sections):
     results[section] = SECTIONS[section]()
   results["machine"] = machine()
   results["seconds"] = time.perf_counter() - start

@@ -16,6 +16,7 @@ import tensorflow as tf
 from replicator_strategy import _tf_internal as tfi
 from replicator_strategy import all_reduce as all_reduce_lib
 from replicator_strategy import collectives as collectives_lib
+from replicator_strategy import packing
 from replicator_strategy import reduce_op as reduce_op_lib
 from replicator_strategy import replica_context
 from replicator_strategy import variables
@@ -191,6 +192,15 @@ class ReplicatorExtended(tfi.StrategyExtendedV1):
     return tf.nest.map_structure(reduce_one, value)
 
   def _batch_reduce_to(self, reduce_op, value_destination_pairs, options):
+    values = [v for v, _ in value_destination_pairs]
+    if not self.cluster and all(
+        isinstance(v, tfi.values.PerReplica) and
+        self._ops_for(v, d) is self._cross_device_ops and
+        tfi.cross_device_ops._devices_match(v, d)  # pylint: disable=protected-access
+        for v, d in value_destination_pairs):
+      to_reduce, unpack = packing.pack(values)
+      return unpack(self._cross_device_ops.batch_reduce(
+          reduce_op, [(v, v) for v in to_reduce], options=options))
     if all(self._ops_for(v, d) is self._cross_device_ops
            for v, d in value_destination_pairs):
       return self._cross_device_ops.batch_reduce(
