@@ -4,7 +4,8 @@ Nothing here is home-made transport: this is the bring-up TensorFlow's
 `MultiWorkerMirroredStrategy` performs (collective-ops configuration, the
 coordination service, `enable_collective_ops` with a `ServerDef`), with every
 wait bounded by one timeout so that a missing or dead worker fails the others
-instead of hanging them.
+instead of hanging them: every task must register within it, and a task
+whose heartbeats stop for half of it is reported by name to the others.
 
 >>> cluster = cluster_lib.from_environment()
 >>> start(cluster, timeout_seconds=120)   # once per process, before any op
