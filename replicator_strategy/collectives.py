@@ -147,10 +147,16 @@ class KeyedCollectiveOps(tf.distribute.CrossDeviceOps):
 
   TF's own `CollectiveAllReduce` draws instance keys at call time, which
   fails inside a while loop's `tf.cond` (Keras's `steps_per_execution` loop
-  runs `strategy.run` exactly there). In a graph, this launches one
-  collective per local replica with counter-drawn keys instead (and copies
-  the result to other destinations); eagerly it hands over to `eager_ops`,
-  TF's `CollectiveAllReduce` over the same replicas.
+  runs `strategy.run` exactly there). In a graph, this launches collectives
+  with counter-drawn keys instead; eagerly it hands over to `eager_ops`, TF's
+  `CollectiveAllReduce` over the same replicas.
+
+  Reductions in a graph are hierarchical: this worker's replicas are reduced
+  on its first device, that one value per worker is all-reduced among the
+  workers, and the result is copied to the destinations. A ring over all
+  replicas would take 2 x (replicas - 1) steps, most of them crossing
+  between workers; this takes 2 x (workers - 1). Gathers launch one
+  collective per local replica.
   """
 
   def __init__(self, devices, group_size, timeout_seconds, eager_ops):
@@ -159,6 +165,8 @@ class KeyedCollectiveOps(tf.distribute.CrossDeviceOps):
     self._group_size = group_size
     self._collectives = ReplicaCollectives(devices, group_size,
                                            timeout_seconds)
+    self._across_workers = ReplicaCollectives(
+        self._devices[:1], self._num_between_graph_workers, timeout_seconds)
     self._eager_ops = eager_ops
 
   @property
@@ -194,10 +202,18 @@ class KeyedCollectiveOps(tf.distribute.CrossDeviceOps):
       return self._eager_ops.batch_reduce_implementation(
           reduce_op, value_destination_pairs, options)
     op = reduce_op_lib.parse(reduce_op)
-    return self._per_device(
-        values, [d for _, d in value_destination_pairs],
-        lambda i, tensors, keys: self._collectives.all_reduce(
-            i, op, tensors, keys), 1)
+    across = ReduceOp.SUM if op == ReduceOp.MEAN else op
+    keys = self._across_workers.draw_keys(
+        0, len(values), tf.compat.v1.get_default_graph())
+    with tf.device(self._devices[0]):
+      local = [_reduce_parts(across, v.values) for v in values]
+    reduced = self._across_workers.all_reduce(0, across, local, keys)
+    if op == ReduceOp.MEAN:
+      with tf.device(self._devices[0]):
+        # As TF's CollectiveAllReduce: integers divide into float64.
+        reduced = [r / self._group_size for r in reduced]
+    return [_placed([r], d)
+            for r, (_, d) in zip(reduced, value_destination_pairs)]
 
   def _gather_implementation(self, per_replica_value, destinations, axis,
                              options):
@@ -208,6 +224,14 @@ class KeyedCollectiveOps(tf.distribute.CrossDeviceOps):
         [per_replica_value], [destinations],
         lambda i, tensors, keys: self._collectives.all_gather(
             i, tensors, axis, keys), GATHER_KEYS)[0]
+
+
+def _reduce_parts(op, parts):
+  """The local replicas' `parts` reduced with SUM, MIN or MAX."""
+  parts = [tf.convert_to_tensor(p) for p in parts]
+  if op == ReduceOp.SUM:
+    return tf.add_n(parts)
+  return reduce_op_lib.reduce_along(op, tf.stack(parts), 0)
 
 
 def _placed(parts, destinations):

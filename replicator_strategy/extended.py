@@ -193,7 +193,7 @@ class ReplicatorExtended(tfi.StrategyExtendedV1):
 
   def _batch_reduce_to(self, reduce_op, value_destination_pairs, options):
     values = [v for v, _ in value_destination_pairs]
-    if not self.cluster and all(
+    if all(
         isinstance(v, tfi.values.PerReplica) and
         self._ops_for(v, d) is self._cross_device_ops and
         tfi.cross_device_ops._devices_match(v, d)  # pylint: disable=protected-access

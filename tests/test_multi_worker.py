@@ -93,6 +93,8 @@ class TwoWorkersTest(unittest.TestCase):
       self.assertEqual(got["mean"], [1.5, 1.5])
       self.assertEqual(got["min"], [1.0, 1.0])
       self.assertEqual(got["max"], [3.0, 3.0])
+      self.assertEqual(got["int_sum"], [22, 22])  # 1 + 4 + 7 + 10
+      self.assertEqual(got["int_mean"], [5.5, 5.5])  # As in one process.
       self.assertEqual(got["broadcast"], [30.0, 30.0])  # From worker 1.
       self.assertEqual(got["all_gather"], [[0.0, 1.0, 2.0, 3.0]] * 2)
       self.assertEqual(got["merge_call"], [6.0])
