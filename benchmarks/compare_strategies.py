@@ -16,9 +16,11 @@ keys clash between instances over different device counts.)
 3. Gradient all-reduce latency in replica context (1, 16, 64 MB; 200 tensors of
    4 KB) on 2 and 4 replicas, against the floor: `add_n` of the same tensors on
    one device.
-4. First-epoch time (tracing included) and peak memory, each contender in a
-   fresh process.
+4. First-epoch time (tracing included) and peak memory, each contender in
+   fresh processes (the median of three).
 5. Multi-worker: 2 workers x 2 devices against one process x 4 (fit step).
+6. Where the MLP custom-loop step's time goes, at the most replicas: forward,
+   then adding backward, the gradient all-reduce, and the optimizer update.
 
 Every contender starts from the same weights and data; the run also checks
 that their losses and all-reduce results agree ("agree" column).
@@ -49,6 +51,7 @@ SIZES = {  # name: (full run, --quick)
     "allreduce_mb": ((1, 16, 64), (0.0625,)),
     "allreduce_many": ((200, 4096), (10, 256)),  # tensors, bytes each
     "allreduce_repeats": (15, 3),
+    "first_epoch_runs": (3, 1),  # fresh processes per contender
 }
 
 
@@ -59,9 +62,10 @@ def parse_args(argv=None):
   parser.add_argument("--json", help="also write the results here")
   parser.add_argument("--devices", type=int, default=4,
                       help="logical CPU devices when there is no GPU (default 4)")
-  parser.add_argument("--sections", default="fit,custom,allreduce,first,multi",
+  parser.add_argument("--sections",
+                      default="fit,custom,allreduce,parts,first,multi",
                       help="comma-separated subset of fit,custom,allreduce,"
-                      "first,multi")
+                      "parts,first,multi")
   parser.add_argument("--child", help=argparse.SUPPRESS)
   return parser.parse_args(argv)
 
@@ -146,7 +150,7 @@ def losses_agree(model_name, losses):
   """Contenders' losses agree (with no strategy only where it can)."""
   names = ["replicator", "mirrored"]
   if model_name not in PER_REPLICA_STATISTICS:
-    names.append("none")
+    names += [name for name in losses if name.startswith("none")]
   return agree((losses[name] for name in names), rtol=1e-4)
 
 
@@ -235,17 +239,36 @@ def bench_fit(n):
 
 # 2. Custom loop.
 
-def custom_step(model, optimizer, strategy):
+# Each part adds one stage to the step before it; "update" is the whole step.
+STEP_PARTS = ("forward", "+ backward", "+ all-reduce", "+ update")
+
+
+def custom_step(model, optimizer, strategy, part="+ update", slices=1):
+  """A traced step running one of `STEP_PARTS`; returns the summed loss.
+
+  With `slices`, the model runs on that many slices of the batch in turn
+  (no strategy): the replicas' compute without any replication.
+  """
   loss_fn = keras.losses.SparseCategoricalCrossentropy(
       from_logits=True, reduction="sum")
   batch = SIZE["global_batch"]
 
   def replica_step(x, y):
     with tf.GradientTape() as tape:
-      loss = loss_fn(y, model(x, training=True)) / batch
+      loss = tf.add_n([loss_fn(y_slice, model(x_slice, training=True))
+                       for x_slice, y_slice in zip(tf.split(x, slices),
+                                                   tf.split(y, slices))])
+      loss /= batch
+    if part == "forward":
+      return loss
     grads = tape.gradient(loss, model.trainable_variables)
-    optimizer.apply_gradients(zip(grads, model.trainable_variables))
-    return loss
+    if part == "+ update":
+      optimizer.apply_gradients(zip(grads, model.trainable_variables))
+      return loss
+    if part == "+ all-reduce":
+      grads = tf.distribute.get_replica_context().all_reduce("sum", grads)
+    # Depends on every gradient, so none is pruned from the trace.
+    return loss + 0 * tf.add_n([tf.reduce_sum(g) for g in grads])
 
   if strategy is None:
     return tf.function(replica_step)
@@ -258,25 +281,34 @@ def custom_step(model, optimizer, strategy):
   return step
 
 
-def bench_custom(n):
+def bench_custom(n, model_names=tuple(MODELS), parts=("+ update",),
+                 sliced=False):
+  """Custom-loop step times; with several `parts`, one row per part.
+
+  `sliced` adds the contender "none, sliced": no strategy, the batch in `n`
+  slices one after another.
+  """
   rows = []
-  for model_name in MODELS:
+  for model_name in model_names:
     weights = initial_weights(model_name)
     x, y = data(model_name, SIZE["fit_steps"])
     dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(
         SIZE["global_batch"]).cache()
     runs = {}
-    for name, strategy in contenders(n):
+    for name, strategy, slices in (
+        [(name, strategy, 1) for name, strategy in contenders(n)] +
+        ([("none, sliced", None, n)] if sliced else [])):
       with scope(strategy):
         model = MODELS[model_name]()
         model.set_weights(weights)
         optimizer = keras.optimizers.SGD(0.01, momentum=0.9)
         optimizer.build(model.trainable_variables)
-      runs[name] = {
-          "step": custom_step(model, optimizer, strategy),
-          "batches": list(strategy.experimental_distribute_dataset(dataset)
-                          if strategy else dataset),
-          "times": [], "losses": []}
+      batches = list(strategy.experimental_distribute_dataset(dataset)
+                     if strategy else dataset)
+      for part in parts:
+        runs[name, part] = {
+            "step": custom_step(model, optimizer, strategy, part, slices),
+            "batches": batches, "times": [], "losses": []}
     for round_index in range(SIZE["rounds"] + 1):
       for run in runs.values():
         for x_batch, y_batch in run["batches"]:
@@ -286,13 +318,26 @@ def bench_custom(n):
             run["losses"].append(loss)
           else:
             run["times"].append(time.perf_counter() - start)
-    rows.append({
-        "model": model_name, "replicas": n,
-        "ms": {name: median_ms(r["times"]) for name, r in runs.items()},
-        "agree": losses_agree(
-            model_name, {k: r["losses"] for k, r in runs.items()})})
-    print_progress("custom", rows[-1])
+    for part in parts:
+      of_part = {name: r for (name, p), r in runs.items() if p == part}
+      rows.append({
+          "model": model_name, "replicas": n,
+          "ms": {name: median_ms(r["times"]) for name, r in of_part.items()},
+          # The update changes the weights between the parts' runs.
+          "agree": losses_agree(
+              model_name, {k: r["losses"] for k, r in of_part.items()})})
+      if len(parts) > 1:
+        rows[-1]["part"] = part
+      print_progress("custom", rows[-1])
   return rows
+
+
+# 6. Where an MLP step's time goes.
+
+def bench_parts(n):
+  if n != replica_counts()[-1]:
+    return []
+  return bench_custom(n, model_names=("mlp",), parts=STEP_PARTS, sliced=True)
 
 
 # 3. All-reduce latency.
@@ -346,7 +391,7 @@ def replicas_child(n):
   """In a child: every in-process section for one replica count, as JSON."""
   n = int(n)
   print(json.dumps({section: SECTIONS[section](n)
-                    for section in ("fit", "custom", "allreduce")
+                    for section in IN_PROCESS_SECTIONS
                     if section in ARGS.sections.split(",")}))
 
 
@@ -377,12 +422,14 @@ def _child(spec, timeout=600):
 
 def bench_first_epoch():
   n = replica_counts()[-1]
-  results = {}
-  for name in ("none", "mirrored", "replicator"):
-    results[name] = _child(f"first:{name}:{n}")  # A fresh process each.
-  row = {"replicas": n,
-         "first_epoch_s": {k: v["first_epoch_s"] for k, v in results.items()},
-         "peak_rss_mb": {k: v["peak_rss_mb"] for k, v in results.items()}}
+  runs = {name: [] for name in ("none", "mirrored", "replicator")}
+  for _ in range(SIZE["first_epoch_runs"]):
+    for name, results in runs.items():
+      results.append(_child(f"first:{name}:{n}"))  # A fresh process each.
+  row = {"replicas": n, "runs": SIZE["first_epoch_runs"]}
+  for key in ("first_epoch_s", "peak_rss_mb"):
+    row[key] = {name: statistics.median(r[key] for r in results)
+                for name, results in runs.items()}
   print_progress("first", row)
   return [row]
 
@@ -448,6 +495,21 @@ def table(results):
           f"{ms['mirrored']:>9.2f} {ms['replicator']:>11.2f} "
           f"{ms['replicator'] / ms['none']:>7.2f} "
           f"{ms['replicator'] / ms['mirrored']:>10.2f}  {r['agree']}")
+  if results.get("parts"):
+    lines += ["", f"MLP custom-loop step by part, {results['parts'][0]['replicas']}"
+              f" replicas, ms (median; each part adds a stage to the one above;"
+              f" sliced = no strategy, the batch in as many slices in turn)",
+              f"{'part':14} {'none':>8} {'sliced':>8} {'mirrored':>9} "
+              f"{'replicator':>11} {'R/none':>7} {'R/sliced':>8} "
+              f"{'R/mirrored':>10}  agree"]
+    for r in results["parts"]:
+      ms = r["ms"]
+      lines.append(
+          f"{r['part']:14} {ms['none']:>8.2f} {ms['none, sliced']:>8.2f} "
+          f"{ms['mirrored']:>9.2f} {ms['replicator']:>11.2f} "
+          f"{ms['replicator'] / ms['none']:>7.2f} "
+          f"{ms['replicator'] / ms['none, sliced']:>8.2f} "
+          f"{ms['replicator'] / ms['mirrored']:>10.2f}  {r['agree']}")
   if "allreduce" in results:
     lines += ["", "All-reduce in replica context, ms (median)",
               f"{'tensors':14} {'replicas':>8} {'add_n floor':>11} "
@@ -464,7 +526,8 @@ def table(results):
   if "first" in results:
     r = results["first"][0]
     lines += ["", f"First epoch (tracing included) and peak memory, MLP, "
-              f"{r['replicas']} replicas, fresh process each",
+              f"{r['replicas']} replicas, median of {r['runs']} fresh "
+              f"processes each",
               f"{'':12} {'none':>8} {'mirrored':>9} {'replicator':>11}"]
     for key, unit in (("first_epoch_s", "s"), ("peak_rss_mb", "MB")):
       v = r[key]
@@ -490,8 +553,10 @@ def machine():
 
 
 SECTIONS = {"fit": bench_fit, "custom": bench_custom,
-            "allreduce": bench_allreduce, "first": bench_first_epoch,
-            "multi": bench_multi_worker}
+            "allreduce": bench_allreduce, "parts": bench_parts,
+            "first": bench_first_epoch, "multi": bench_multi_worker}
+# Sections measured per replica count, in one child process each.
+IN_PROCESS_SECTIONS = ("fit", "custom", "allreduce", "parts")
 
 
 def main():
@@ -503,7 +568,7 @@ def main():
   sections = ARGS.sections.split(",")
   results = {s: [] for s in sections}
   for n in replica_counts():
-    if {"fit", "custom", "allreduce"} & set(sections):
+    if set(IN_PROCESS_SECTIONS) & set(sections):
       for section, rows in _child(f"replicas:{n}").items():
         results[section] += rows
   for section in {"first", "multi"} & set(sections):

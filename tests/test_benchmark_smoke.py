@@ -42,6 +42,14 @@ class BenchmarkSmokeTest(unittest.TestCase):
                        ["add_n floor", "mirrored", "replicator"])
       self.assertTrue(row["agree"], row)
     self.assertEqual({r["replicas"] for r in results["allreduce"]}, {2, 4})
+    self.assertEqual(
+        [(r["part"], r["replicas"]) for r in results["parts"]],
+        [(part, 4) for part in
+         ("forward", "+ backward", "+ all-reduce", "+ update")])
+    for row in results["parts"]:
+      self.assertEqual(sorted(row["ms"]),
+                       ["mirrored", "none", "none, sliced", "replicator"])
+      self.assertTrue(row["agree"], row)
     first = results["first"][0]
     for key in ("first_epoch_s", "peak_rss_mb"):
       self.assertEqual(sorted(first[key]), ["mirrored", "none", "replicator"])
