@@ -45,8 +45,8 @@ def choose(devices, algorithm, num_workers=1,
           f"all_reduce={algorithm!r} works within one machine only; across "
           f"{num_workers} workers only TensorFlow's collective ops reach "
           f"every replica. Use all_reduce='auto' or 'ring'.")
-    reason = (f"collective ops over {num_workers} workers x {len(devices)} "
-              f"device(s)")
+    reason = (f"{len(devices)} device(s) add on one, then collective ops "
+              f"among {num_workers} workers")
     return _keyed(devices, len(devices) * num_workers,
                   timeout_seconds), f"ring: {reason}"
   if algorithm == "auto":
