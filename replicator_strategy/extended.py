@@ -192,6 +192,9 @@ class ReplicatorExtended(tfi.StrategyExtendedV1):
     return tf.nest.map_structure(reduce_one, value)
 
   def _batch_reduce_to(self, reduce_op, value_destination_pairs, options):
+    if len(self._devices) == 1:
+      value_destination_pairs = [_as_one_replica(v, d)
+                                 for v, d in value_destination_pairs]
     values = [v for v, _ in value_destination_pairs]
     if all(
         isinstance(v, tfi.values.PerReplica) and
@@ -225,12 +228,14 @@ class ReplicatorExtended(tfi.StrategyExtendedV1):
     Gathers each replica's value (one collective across workers) and reduces
     the stack, so it works wherever `gather` does.
     """
-    if not isinstance(value, tfi.values.DistributedValues):
+    if isinstance(value, tfi.values.DistributedValues):
+      parts = _utils.regroup([tf.expand_dims(v, 0) for v in value.values],
+                             always_wrap=True)
+    elif self.cluster:
+      parts = tf.expand_dims(value, 0)  # This worker's value.
+    else:
       return value
-    stacked = self._gather_to(
-        _utils.regroup([tf.expand_dims(v, 0) for v in value.values],
-                       always_wrap=True),
-        destinations, axis=0)
+    stacked = self._gather_to(parts, destinations, axis=0)
     return _utils.regroup([
         reduce_op_lib.reduce_along(op, part, 0)
         for part in self._local_results(stacked)])
@@ -335,6 +340,21 @@ class ReplicatorExtended(tfi.StrategyExtendedV1):
   @property
   def _global_batch_size(self):
     return True
+
+
+def _as_one_replica(value, destinations):
+  """A value of this worker's one replica as a PerReplica, with a destination.
+
+  With one local replica, merge_call hands its values over unwrapped, and a
+  replica-context all-reduce names as destination the device the value had
+  when it was made: none ("") where no device scope was set.
+  """
+  if tf.is_tensor(value) and not isinstance(value,
+                                            tfi.values.DistributedValues):
+    value = tfi.distribute_utils.regroup([value], always_wrap=True)
+  if not tfi.cross_device_ops.check_destinations(destinations):
+    destinations = value
+  return value, destinations
 
 
 def _warn_if_not_sharded(dataset, num_workers):

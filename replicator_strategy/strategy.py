@@ -75,13 +75,13 @@ class ReplicatorStrategy(tf.distribute.Strategy):
       return super().reduce(op.to_tf(), value, axis)
 
     def reduce_one(v):
-      if not isinstance(v, tf.distribute.DistributedValues):
-        return v if axis is None else reduce_op_lib.reduce_along(op, v, axis)
       if axis is not None:
-        v = self.extended._local_results(v)  # pylint: disable=protected-access
-        v = tfi.distribute_utils.regroup(
-            [reduce_op_lib.reduce_along(op, p, axis) for p in v],
-            always_wrap=True)
+        parts = [reduce_op_lib.reduce_along(op, p, axis)
+                 for p in self.experimental_local_results(v)]
+        v = (tfi.distribute_utils.regroup(parts, always_wrap=True)
+             if isinstance(v, tf.distribute.DistributedValues) else parts[0])
+      # A plain tensor is every replica's value on one worker; across
+      # workers, this worker's one replica's.
       reduced = self.extended.reduce_extremum_to(
           op, v, destinations=self.extended.host_device)
       return self.experimental_local_results(reduced)[0]

@@ -87,7 +87,8 @@ def primitives(strategy):
         "max": ctx.all_reduce("max", r),
         "int_sum": ctx.all_reduce("sum", tf.cast(r, tf.int32) * 3 + 1),
         "int_mean": ctx.all_reduce("mean", tf.cast(r, tf.int32) * 3 + 1),
-        "broadcast": ctx.broadcast(r * 10.0, source_replica_id=3),
+        "broadcast": ctx.broadcast(
+            r * 10.0, source_replica_id=strategy.num_replicas_in_sync - 1),
         "all_gather": ctx.all_gather(tf.reshape(r, [1]), axis=0),
         "merge_call": ctx.merge_call(
             lambda s, v: s.reduce("sum", v, axis=None), args=(r,)),

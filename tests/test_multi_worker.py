@@ -39,9 +39,9 @@ def launch_workers(runs, out, num_workers=2, env=None):
   return done.returncode, done.stdout[-6000:] + done.stderr[-3000:]
 
 
-def results_of(runs, out, num_workers=2):
+def results_of(runs, out, num_workers=2, env=None):
   """Each worker's results of `runs`, which must succeed."""
-  status, output = launch_workers(runs, out, num_workers)
+  status, output = launch_workers(runs, out, num_workers, env)
   if status != 0:
     raise AssertionError(f"workers failed ({status}):\n{output}")
   return [json.loads((pathlib.Path(out) / f"worker_{i}.json").read_text())
@@ -136,6 +136,39 @@ class TwoWorkersTest(unittest.TestCase):
       self.assertEqual(len(warnings), 1, warnings)
       self.assertIn("AutoShardPolicy.OFF: each of the 2 workers reads all",
                     warnings[0])
+
+
+@pytest.mark.slow
+class OneDevicePerWorkerTest(unittest.TestCase):
+  """The usual cluster of one-GPU machines: nothing to add within a worker."""
+
+  @classmethod
+  def setUpClass(cls):
+    with tempfile.TemporaryDirectory() as out:
+      cls.workers = results_of(["primitives", "custom_loop", "keras_fit"], out,
+                               env={"MULTI_WORKER_DEVICES": "1,1"})
+
+  def test_training_equals_one_process_with_two_replicas(self):
+    for run in ("custom_loop", "keras_fit"):
+      expected = multi_worker_runs.RUNS[run](topology.strategy_over(2))
+      for worker in self.workers:
+        assert_close_nested(self, worker[run], expected)
+
+  def test_collectives_span_both_workers(self):
+    for index, worker in enumerate(self.workers):
+      for mode in ("eager", "function"):
+        got = worker["primitives"][mode]
+        self.assertEqual(got["id"], [float(index)])
+        expected = {"sum": 1.0, "mean": 0.5, "min": 1.0, "max": 1.0,
+                    "int_sum": 5, "int_mean": 2.5, "broadcast": 10.0,
+                    "merge_call": 1.0}
+        self.assertEqual({k: got[k] for k in expected},
+                         {k: [v] for k, v in expected.items()})
+        self.assertEqual(got["all_gather"], [[0.0, 1.0]])
+        self.assertEqual(got["reduce"],
+                         {"sum": 1.0, "mean": 0.5, "min": 0.0, "max": 1.0})
+        self.assertEqual(got["gather"], [0.0, 1.0])
+      self.assertEqual(worker["primitives"]["function"]["in_cond"], [1.0])
 
 
 @pytest.mark.slow
