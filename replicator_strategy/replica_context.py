@@ -57,6 +57,11 @@ class ReplicaContext(tfi.ThreadReplicaContext):
     the replicas holding the extremum, split evenly among ties.
     """
     op = reduce_op_lib.parse(reduce_op)
+    # Python numbers become each replica's own tensor. A tensor made outside
+    # strategy.run stays one object: SUM and MEAN take it, as MirroredStrategy
+    # and Keras's tests do, for a value already all-reduced.
+    value = tf.nest.map_structure(
+        lambda v: v if tf.is_tensor(v) else tf.convert_to_tensor(v), value)
     if self.can_merge and not op.is_extremum:
       return super().all_reduce(op.to_tf(), value, options)
     flat = [tf.convert_to_tensor(v) for v in tf.nest.flatten(value)]
@@ -89,7 +94,8 @@ class ReplicaContext(tfi.ThreadReplicaContext):
           f"{num_replicas}). Received: source_replica_id="
           f"{source_replica_id!r}")
     is_source = self._replica_id_in_sync_group == source_replica_id
-    flat = [tf.convert_to_tensor(v) for v in tf.nest.flatten(value)]
+    value = _own_tensors(value)
+    flat = tf.nest.flatten(value)
 
     def grad(xs, ys, dys):
       summed = self.all_reduce("sum", dys)
@@ -109,9 +115,10 @@ class ReplicaContext(tfi.ThreadReplicaContext):
 
     Inside control flow every replica's value must have the same shape.
     """
+    value = _own_tensors(value)
     if self.can_merge:
       return super().all_gather(value, axis, options)
-    flat = [tf.convert_to_tensor(v) for v in tf.nest.flatten(value)]
+    flat = tf.nest.flatten(value)
     ys = self._exchange(
         None,
         lambda keys, values: self._collectives.all_gather(
@@ -194,6 +201,17 @@ class ReplicaContext(tfi.ThreadReplicaContext):
     masks = [tf.cast(tf.equal(x, y), dy.dtype) for x, y, dy in zip(xs, ys, dys)]
     ties = self.all_reduce("sum", masks)
     return [g * m / t for g, m, t in zip(summed, masks, ties)]
+
+
+def _own_tensors(value):
+  """`value` as tensors of this replica's own.
+
+  A tensor made outside `strategy.run` reaches every replica as one object,
+  which merge_call would take for a single value instead of one per replica
+  (a broadcast from another replica would come back as zeros, a gather with
+  one part). A copy per replica keeps each replica's part its own.
+  """
+  return tf.nest.map_structure(tf.identity, value)
 
 
 def merge_call_possible():

@@ -111,6 +111,36 @@ class AllReduceTest(unittest.TestCase):
     self.assertEqual(run_per_replica(strategy, fn, traced=True), [1.0] * 4)
 
 
+class SharedValueTest(unittest.TestCase):
+  """A tensor made outside strategy.run: one value, already on every replica.
+
+  SUM and MEAN return it as it is (as MirroredStrategy does, and Keras's
+  optimizer tests expect); broadcast and gather see it in every replica.
+  """
+
+  @parameterized.expand(_CASES)
+  def test_collectives_take_it_as_every_replicas_value(self, _, n, traced):
+    strategy = topology.strategy_over(n)
+    shared = tf.constant([2.0])
+
+    def fn():
+      ctx = tf.distribute.get_replica_context()
+      return {"sum": ctx.all_reduce("sum", shared),
+              "mean": ctx.all_reduce("mean", shared),
+              "max": ctx.all_reduce("max", shared),
+              "python_sum": ctx.all_reduce("sum", 3.0),
+              "broadcast": ctx.broadcast(shared, source_replica_id=n - 1),
+              "all_gather": ctx.all_gather(shared, axis=0)}
+
+    for result in run_per_replica(strategy, fn, traced):
+      np.testing.assert_allclose(result["sum"], [2.0])
+      np.testing.assert_allclose(result["mean"], [2.0])
+      np.testing.assert_allclose(result["max"], [2.0])
+      np.testing.assert_allclose(result["python_sum"], 3.0 * n)
+      np.testing.assert_allclose(result["broadcast"], [2.0])
+      np.testing.assert_allclose(result["all_gather"], [2.0] * n)
+
+
 class BroadcastTest(unittest.TestCase):
 
   @parameterized.expand(_CASES)
