@@ -80,8 +80,8 @@ class ReplicatorStrategy(tf.distribute.Strategy):
                  for p in self.experimental_local_results(v)]
         v = (tfi.distribute_utils.regroup(parts, always_wrap=True)
              if isinstance(v, tf.distribute.DistributedValues) else parts[0])
-      # A plain tensor is every replica's value on one worker; across
-      # workers, this worker's one replica's.
+      # A plain tensor is every replica's value in one process; across
+      # workers, this worker's value.
       reduced = self.extended.reduce_extremum_to(
           op, v, destinations=self.extended.host_device)
       return self.experimental_local_results(reduced)[0]
