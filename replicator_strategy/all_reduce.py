@@ -81,24 +81,27 @@ def _build(algorithm, devices):
     return tf.distribute.NcclAllReduce()
   if algorithm == "hierarchical_copy":
     return tf.distribute.HierarchicalCopyAllReduce()
-  return _collective(devices, len(devices), None)
+  return _collective(devices, len(devices))
 
 
 def _keyed(devices, group_size, timeout_seconds):
   """Collective ops among `group_size` replicas that also work in loops."""
   return collectives.KeyedCollectiveOps(
       devices, group_size, timeout_seconds,
-      eager_ops=_collective(devices, group_size, timeout_seconds))
+      eager_ops=_collective(devices, group_size))
 
 
-def _collective(devices, group_size, timeout_seconds):
-  """TF's collective all-reduce among `group_size` replicas, ours on `devices`."""
+def _collective(devices, group_size):
+  """TF's collective all-reduce among `group_size` replicas, ours on `devices`.
+
+  Untimed: a timed launch holds a thread for the whole timeout, however soon
+  it finishes (see `collective_watchdog`).
+  """
   return tfi.cross_device_ops.CollectiveAllReduce(
       devices=devices,
       group_size=group_size,
       options=tfi.collective_util.Options(
-          implementation=tfi.collective_util.CommunicationImplementation.RING,
-          timeout_seconds=timeout_seconds),
+          implementation=tfi.collective_util.CommunicationImplementation.RING),
       collective_keys=tfi.cross_device_utils.CollectiveKeys(
           group_key_start=collectives.new_group_key()))
 

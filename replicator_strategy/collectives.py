@@ -7,15 +7,21 @@ gradient accumulation and loss scaling call for all-reduces and updates
 exactly there. In such places each replica launches TF collective ops that
 meet at run time instead.
 
-Every launch needs an instance key that its peers agree on and that no other
-launch, in this step or any other, reuses. Each device has a counter
-variable that every launch increments: TF's automatic control dependencies
-order the increments in program order, and replicas run the same program, so
-the n-th launch of every replica draws the same key. (TF's own call-time keys
-can't be captured inside control flow, and keys fixed at trace time clash
-between loop iterations.)
+Launches meet by instance key. Each replica numbers its launches in program
+order (`collective_watchdog.Progress`), so the n-th launch of every replica
+agrees; (TF's own call-time keys can't be captured inside control flow, and
+keys fixed at trace time clash between loop iterations.) TF keeps a record
+per instance key for the life of the process and fixes its shape at first
+use, so a collective of a static shape takes its key from a cycle of
+`KEYS_PER_SIGNATURE` reserved for its signature (op, dtype, shape): memory
+stays bounded however long the run. Only a collective whose shape is unknown
+when traced (a gather of a partial batch) takes a fresh key each launch,
+about half a KiB of TF's memory each. Each kind of collective (sum, mean,
+min, max, gather) has its own group, so replicas that call different kinds
+at the same point wait instead of mixing; the watchdog then says so.
 
 >>> # inside a tf.cond branch, in one replica's trace of strategy.run:
+>>> keys = strategy.extended.collectives.draw_keys(local_index, 1, home_graph)
 >>> strategy.extended.collectives.all_reduce(local_index, ReduceOp.SUM, [g], keys)
 """
 
@@ -24,6 +30,7 @@ import itertools
 import tensorflow as tf
 
 from replicator_strategy import _tf_internal as tfi
+from replicator_strategy import collective_watchdog
 from replicator_strategy import reduce_op as reduce_op_lib
 
 ReduceOp = reduce_op_lib.ReduceOp
@@ -31,6 +38,12 @@ ReduceOp = reduce_op_lib.ReduceOp
 # A replica that never arrives (a branch taken on some replicas only, a
 # worker that died) fails the step after this long instead of hanging it.
 TIMEOUT_SECONDS = 120
+
+# Instance keys each static signature cycles through: more than the launches
+# of one signature that can be in flight on a device at once.
+KEYS_PER_SIGNATURE = 1024
+# Keys from here up are fresh keys for shapes unknown at trace time.
+_FRESH_KEYS = 2**30
 
 # Collective group keys are process-global: every group takes its own key
 # range so that several strategies never collide.
@@ -42,6 +55,9 @@ _MERGE_OPS = {
     ReduceOp.MIN: ("Min", "Id"),
     ReduceOp.MAX: ("Max", "Id"),
 }
+_GATHER = "gather"
+# Each kind of collective meets in its own group (an offset from the base).
+_GROUP_OFFSETS = {kind: i for i, kind in enumerate((*_MERGE_OPS, _GATHER))}
 
 
 # Keys one all_gather takes per tensor: one for the sizes, one for the data.
@@ -55,52 +71,43 @@ def new_group_key():
 class ReplicaCollectives:
   """Run-time collectives among `group_size` replicas, this worker's on `devices`.
 
-  Methods take the replica's index among this worker's `devices`.
+  Methods take the replica's index among this worker's `devices`. Waits are
+  bounded by `timeout_seconds` through `collective_watchdog`.
   """
 
-  def __init__(self, devices, group_size, timeout_seconds=TIMEOUT_SECONDS):
+  def __init__(self, devices, group_size, timeout_seconds=TIMEOUT_SECONDS,
+               what=None):
     self._devices = tuple(devices)
     self._group_size = group_size
-    self._timeout = timeout_seconds
     self._group_key = new_group_key()
-    with tf.init_scope():
-      # Created directly, bypassing variable creator scopes: these belong to
-      # no model and must never become distributed variables themselves.
-      self._key_counters = []
-      for device in self._devices:
-        with tf.device(device):
-          self._key_counters.append(
-              tfi.resource_variable_ops.ResourceVariable(
-                  0, dtype=tf.int32, trainable=False,
-                  name="replicator_collective_key"))
+    self._progress = collective_watchdog.Progress(
+        self._devices, timeout_seconds,
+        what or f"collectives among {group_size} replicas")
 
   def draw_keys(self, local_index, count, home_graph):
-    """`count` fresh instance keys, in this replica's program order.
+    """`count` launches for this replica's next collectives, in program order."""
+    return self._progress.draw(local_index, count, home_graph)
 
-    The counter is captured in `home_graph`, where strategy.run is traced:
-    control-flow branches that capture an eager handle themselves can't be
-    differentiated.
-    """
-    with home_graph.as_default():
-      handle = home_graph.capture(self._key_counters[local_index].handle)
-    keys = []
+  def _launch(self, local_index, kind, collective, tensor, launch):
+    tensor = tf.convert_to_tensor(tensor)
+    signature = _signature(kind, tensor)
     with tf.device(self._devices[local_index]):
-      for _ in range(count):
-        increment = tf.raw_ops.AssignAddVariableOp(resource=handle, value=1)
-        with tf.control_dependencies([increment]):
-          keys.append(tf.raw_ops.ReadVariableOp(resource=handle,
-                                                dtype=tf.int32))
-    return keys
-
-  def _launch(self, local_index, collective, tensor, key):
-    with tf.device(self._devices[local_index]):
+      if tensor.shape.is_fully_defined():
+        code = collective_watchdog.signature_code(signature)
+        key = (code * KEYS_PER_SIGNATURE + 1 +
+               tf.math.floormod(launch.number, KEYS_PER_SIGNATURE))
+      else:
+        key = _FRESH_KEYS + tf.math.floormod(launch.number, _FRESH_KEYS)
       # TF's collective kernels need a resource input on their device. It is
       # made in place: a gradient graph must not capture eager handles.
       token = tf.raw_ops.VarHandleOp(
           dtype=tf.float32, shape=[],
           shared_name=f"replicator_token_{self._group_key}_{local_index}")
-      result = collective(tensor, self._group_size, self._group_key, key,
-                          ordering_token=token, timeout=self._timeout)
+      result = collective_watchdog.Progress.run(
+          launch, signature,
+          lambda: collective(tensor, self._group_size,
+                             self._group_key + _GROUP_OFFSETS[kind], key,
+                             ordering_token=token))
     # Collective ops have no registered gradient; differentiable callers
     # wrap them in a custom gradient (ReplicaContext).
     return tf.stop_gradient(result)
@@ -110,10 +117,10 @@ class ReplicaCollectives:
     merge_op, final_op = _MERGE_OPS[op]
     return [
         self._launch(
-            local_index,
+            local_index, op,
             lambda *a, **k: tfi.collective_ops.all_reduce_v2(
                 *a, merge_op=merge_op, final_op=final_op, **k),
-            tf.convert_to_tensor(t), key)
+            t, key)
         for t, key in zip(tensors, keys)
     ]
 
@@ -131,15 +138,23 @@ class ReplicaCollectives:
                                              axis, 0)
       gather = tfi.collective_ops.all_gather_v2
       size = tf.shape(moved)[:1]
-      sizes = self._launch(local_index, gather, size, size_key)
+      sizes = self._launch(local_index, _GATHER, gather, size, size_key)
       largest = tf.reduce_max(sizes)
       padding = tf.concat([[[0, largest - size[0]]],
                            tf.zeros([tf.rank(moved) - 1, 2], tf.int32)], 0)
-      gathered = self._launch(local_index, gather, tf.pad(moved, padding), key)
+      gathered = self._launch(local_index, _GATHER, gather,
+                              tf.pad(moved, padding), key)
       rows = tf.reshape(tf.sequence_mask(sizes, largest), [-1])
       out.append(tf.experimental.numpy.moveaxis(
           tf.boolean_mask(gathered, rows), 0, axis))
     return out
+
+
+def _signature(kind, tensor):
+  """What a launch is, as the watchdog reports it: "all_reduce SUM float32[10]"."""
+  name = "all_gather" if kind == _GATHER else f"all_reduce {kind.value}"
+  shape = tensor.shape.as_list() if tensor.shape.rank is not None else "[?]"
+  return f"{name} {tensor.dtype.name}{shape}"
 
 
 class KeyedCollectiveOps(tf.distribute.CrossDeviceOps):
@@ -149,7 +164,8 @@ class KeyedCollectiveOps(tf.distribute.CrossDeviceOps):
   fails inside a while loop's `tf.cond` (Keras's `steps_per_execution` loop
   runs `strategy.run` exactly there). In a graph, this launches collectives
   with counter-drawn keys instead; eagerly it hands over to `eager_ops`, TF's
-  `CollectiveAllReduce` over the same replicas.
+  `CollectiveAllReduce` over the same replicas, untimed (a timed launch holds
+  a thread for the whole timeout), its wait bounded by the watchdog.
 
   Reductions in a graph are hierarchical: this worker's replicas are reduced
   on its first device, that one value per worker is all-reduced among the
@@ -166,8 +182,19 @@ class KeyedCollectiveOps(tf.distribute.CrossDeviceOps):
     self._collectives = ReplicaCollectives(devices, group_size,
                                            timeout_seconds)
     self._across_workers = ReplicaCollectives(
-        self._devices[:1], self._num_between_graph_workers, timeout_seconds)
+        self._devices[:1], self._num_between_graph_workers, timeout_seconds,
+        what=f"collectives among {self._num_between_graph_workers} workers")
     self._eager_ops = eager_ops
+    self._timeout = timeout_seconds
+
+  def _handed_over(self, what, call):
+    """`call()` on `eager_ops`, its eager wait bounded by the watchdog."""
+    if not tf.executing_eagerly():
+      return call()
+    with collective_watchdog.waiting(
+        f"an eager {what} across {self._num_between_graph_workers} workers",
+        self._timeout):
+      return call()
 
   @property
   def _num_between_graph_workers(self):
@@ -190,8 +217,9 @@ class KeyedCollectiveOps(tf.distribute.CrossDeviceOps):
   def reduce_implementation(self, reduce_op, per_replica_value, destinations,
                             options):
     if not self._keyed([per_replica_value]):
-      return self._eager_ops.reduce_implementation(
-          reduce_op, per_replica_value, destinations, options)
+      return self._handed_over(
+          "reduce", lambda: self._eager_ops.reduce_implementation(
+              reduce_op, per_replica_value, destinations, options))
     return self.batch_reduce_implementation(
         reduce_op, [(per_replica_value, destinations)], options)[0]
 
@@ -199,8 +227,9 @@ class KeyedCollectiveOps(tf.distribute.CrossDeviceOps):
                                   options):
     values = [v for v, _ in value_destination_pairs]
     if not self._keyed(values):
-      return self._eager_ops.batch_reduce_implementation(
-          reduce_op, value_destination_pairs, options)
+      return self._handed_over(
+          "reduce", lambda: self._eager_ops.batch_reduce_implementation(
+              reduce_op, value_destination_pairs, options))
     op = reduce_op_lib.parse(reduce_op)
     across = ReduceOp.SUM if op == ReduceOp.MEAN else op
     keys = self._across_workers.draw_keys(
@@ -218,8 +247,9 @@ class KeyedCollectiveOps(tf.distribute.CrossDeviceOps):
   def _gather_implementation(self, per_replica_value, destinations, axis,
                              options):
     if not self._keyed([per_replica_value]):
-      return self._eager_ops._gather_implementation(  # pylint: disable=protected-access
-          per_replica_value, destinations, axis, options)
+      return self._handed_over(
+          "gather", lambda: self._eager_ops._gather_implementation(  # pylint: disable=protected-access
+              per_replica_value, destinations, axis, options))
     return self._per_device(
         [per_replica_value], [destinations],
         lambda i, tensors, keys: self._collectives.all_gather(

@@ -1,0 +1,290 @@
+"""One thread per process that bounds every wait in a run-time collective.
+
+TensorFlow's collective ops take a `timeout`, but each timed launch parks an
+OS thread that sleeps out the whole timeout, however soon the collective
+finishes (`Env::SchedClosureAfter`): at 4 collectives a step and 120 s, a fast
+loop holds thousands of threads and the process dies of it. So
+ReplicatorStrategy launches its per-step collectives untimed and this
+watchdog does the timing:
+
+- In graphs, each replica's launches advance counters on its device
+  (`Progress`): how many it launched, how many completed, and the signature
+  (op, dtype, shape) of the last one.
+- The watchdog thread reads them four times a second. Collectives pending
+  with no counter moving for `timeout_seconds` abort every collective of the
+  process (TF's `abort_collective_ops`) with a message saying which replica
+  waits in what. Local replicas waiting at the same launch in different
+  collectives (a sum on one, a max on another) abort within about a second:
+  their programs differ, and no amount of waiting mends that.
+- Eager calls are timed with `waiting()`.
+
+As after TF's own timeout, collectives fail in this process once aborted; it
+must restart.
+
+>>> progress = Progress(("/cpu:0", "/cpu:1"), timeout_seconds=120,
+...                     what="collectives among 2 replicas")
+>>> progress.read()
+[(0, 0, 'none'), (0, 0, 'none')]
+"""
+
+import atexit
+import contextlib
+import dataclasses
+import itertools
+import threading
+import time
+import weakref
+
+import tensorflow as tf
+
+from replicator_strategy import _tf_internal as tfi
+
+POLL_SECONDS = 0.25
+# Consecutive polls that must show the same mismatch: a replica between
+# drawing its launch number and naming its collective is not one.
+_MISMATCH_POLLS = 4
+
+_signature_lock = threading.Lock()
+_signatures = []
+_signature_codes = {}
+
+
+def signature_code(description):
+  """A small int naming `description` (e.g. "all_reduce SUM float32[10]")."""
+  with _signature_lock:
+    code = _signature_codes.get(description)
+    if code is None:
+      code = _signature_codes[description] = len(_signatures)
+      _signatures.append(description)
+    return code
+
+
+def _describe(code):
+  return _signatures[code] if 0 <= code < len(_signatures) else "none"
+
+
+@dataclasses.dataclass(frozen=True)
+class Launch:
+  """One drawn launch of a replica: its number on the device, and handles to mark it."""
+  number: tf.Tensor
+  completed: tf.Tensor
+  last: tf.Tensor
+
+
+class Progress:
+  """Counters the graph collectives of one group of replicas advance, a set per device."""
+
+  def __init__(self, devices, timeout_seconds, what):
+    self.devices = tuple(devices)
+    self.timeout_seconds = timeout_seconds
+    self.what = what
+    with tf.init_scope():
+      # Made directly, bypassing variable creator scopes: these belong to no
+      # model and must never become distributed variables themselves.
+      self._variables = [
+          tuple(_counter(device, name, initial)
+                for name, initial in (("launched", 0), ("completed", 0),
+                                      ("last", -1)))
+          for device in self.devices
+      ]
+    _WATCHDOG.watch(self)
+
+  def draw(self, local_index, count, home_graph):
+    """`count` `Launch`es for this replica, numbered in its program order.
+
+    The counters are captured in `home_graph`, where strategy.run is traced:
+    control-flow branches that capture an eager handle themselves can't be
+    differentiated. TF's automatic control dependencies order the increments
+    in program order, and replicas run the same program, so the n-th launch
+    of every replica draws the same number.
+    """
+    with home_graph.as_default():
+      launched, completed, last = (home_graph.capture(v.handle)
+                                   for v in self._variables[local_index])
+    launches = []
+    with tf.device(self.devices[local_index]):
+      for _ in range(count):
+        increment = tf.raw_ops.AssignAddVariableOp(resource=launched, value=1)
+        with tf.control_dependencies([increment]):
+          number = tf.raw_ops.ReadVariableOp(resource=launched,
+                                             dtype=tf.int32)
+        launches.append(Launch(number, completed, last))
+    return launches
+
+  @staticmethod
+  def run(launch, description, collective):
+    """`collective()`'s result, with the launch marked as `description` and completed."""
+    mark = tf.raw_ops.AssignVariableOp(
+        resource=launch.last, value=tf.constant(signature_code(description)))
+    with tf.control_dependencies([mark]):
+      result = collective()
+    with tf.control_dependencies([result]):
+      done = tf.raw_ops.AssignAddVariableOp(resource=launch.completed, value=1)
+    with tf.control_dependencies([done]):
+      return tf.identity(result)
+
+  def read(self):
+    """Per device: (launched, completed, description of the last launched)."""
+    out = []
+    for launched, completed, last in self._variables:
+      out.append((int(launched.numpy()), int(completed.numpy()),
+                  _describe(int(last.numpy()))))
+    return out
+
+
+def _counter(device, name, initial):
+  with tf.device(device):
+    return tfi.resource_variable_ops.ResourceVariable(
+        initial, dtype=tf.int32, trainable=False,
+        name=f"replicator_collectives_{name}")
+
+
+def waiting(description, timeout_seconds):
+  """Context manager: aborts collectives if the block lasts over `timeout_seconds`.
+
+  >>> with waiting("eager all_reduce across 2 workers", 120):
+  ...   pass
+  """
+  return _WATCHDOG.waiting(description, timeout_seconds)
+
+
+def stall_message(what, timeout_seconds, states, devices):
+  """Why collectives were aborted after `timeout_seconds` with no progress."""
+  lines = []
+  for index, (device, (launched, completed, last)) in enumerate(
+      zip(devices, states)):
+    if launched > completed:
+      lines.append(f"  replica {index} ({device}) waits in collective "
+                   f"#{completed + 1}: {last}")
+    else:
+      lines.append(f"  replica {index} ({device}) completed its {completed} "
+                   f"collectives and waits in none")
+  return (
+      f"ReplicatorStrategy: {what} made no progress for {timeout_seconds} s "
+      f"(timeout_seconds), so every collective of this process was aborted. "
+      f"On this worker:\n" + "\n".join(lines) + "\n"
+      f"A replica that waits while another waits in none took a different "
+      f"path: a tf.cond or loop whose condition differs between replicas, or "
+      f"a worker that ran out of data first (give every worker the same "
+      f"number of steps and the same global batch size). Across workers, "
+      f"another worker may have stopped, or may be slower than "
+      f"timeout_seconds allows: raise timeout_seconds if so.")
+
+
+def mismatch_message(what, states, devices):
+  """Why collectives were aborted: local replicas called different ones."""
+  lines = [f"  replica {index} ({device}): {last}"
+           for index, (device, (_, _, last)) in enumerate(zip(devices, states))]
+  return (
+      f"ReplicatorStrategy: replicas called different collectives at the same "
+      f"point ({what}, collective #{states[0][0]} of each):\n" +
+      "\n".join(lines) + "\n"
+      f"Every replica must call the same collectives (op, dtype and shape) in "
+      f"the same order; a tf.cond whose branches call different collectives "
+      f"must take the same branch on every replica.")
+
+
+def _mismatched(states):
+  launched = {s[0] for s in states}
+  pending = all(s[0] > s[1] for s in states)
+  return (len(states) > 1 and pending and len(launched) == 1 and
+          len({s[2] for s in states}) > 1)
+
+
+class _Watchdog:
+  """The thread; starts with the first `Progress` or `waiting`."""
+
+  def __init__(self):
+    self._lock = threading.Lock()
+    self._sources = weakref.WeakKeyDictionary()  # Progress -> _Seen
+    self._waits = {}
+    self._wait_ids = itertools.count()
+    self._thread = None
+    self._stop = threading.Event()
+    self.aborted = None
+
+  def watch(self, progress):
+    with self._lock:
+      self._sources[progress] = _Seen()
+      self._start()
+
+  @contextlib.contextmanager
+  def waiting(self, description, timeout_seconds):
+    wait_id = next(self._wait_ids)
+    with self._lock:
+      self._waits[wait_id] = (time.monotonic() + timeout_seconds,
+                              description, timeout_seconds)
+      self._start()
+    try:
+      yield
+    finally:
+      with self._lock:
+        del self._waits[wait_id]
+
+  def _start(self):
+    if self._thread is None:
+      self._thread = threading.Thread(
+          target=self._run, name="replicator-collective-watchdog",
+          daemon=True)
+      self._thread.start()
+      atexit.register(self.stop)
+
+  def stop(self):
+    """Ends the thread (at exit, before TF's runtime goes)."""
+    self._stop.set()
+    if self._thread is not None:
+      self._thread.join()
+
+  def _run(self):
+    while not self._stop.wait(POLL_SECONDS) and self.aborted is None:
+      reason = self._check(time.monotonic())
+      if reason:
+        self.aborted = reason
+        tfi.context.context().abort_collective_ops(
+            tf.errors.DEADLINE_EXCEEDED, reason)
+
+  def _check(self, now):
+    with self._lock:
+      sources = list(self._sources.items())
+      waits = list(self._waits.values())
+    for deadline, description, timeout_seconds in waits:
+      if now > deadline:
+        return (f"ReplicatorStrategy: {description} did not finish within "
+                f"{timeout_seconds} s (timeout_seconds), so every collective "
+                f"of this process was aborted. Another worker may have "
+                f"stopped, or may be slower than timeout_seconds allows.")
+    for progress, seen in sources:
+      try:
+        states = progress.read()
+      except Exception:  # pylint: disable=broad-except
+        continue  # Its variables are being deleted; nothing is pending there.
+      reason = seen.update(progress, states, now)
+      if reason:
+        return reason
+    return None
+
+
+class _Seen:
+  """What the watchdog last read from one `Progress`, and since when."""
+
+  def __init__(self):
+    self.states = None
+    self.since = 0.0
+    self.mismatch_polls = 0
+
+  def update(self, progress, states, now):
+    if states != self.states:
+      self.states, self.since, self.mismatch_polls = states, now, 0
+    if not any(launched > completed for launched, completed, _ in states):
+      return None
+    if _mismatched(states):
+      self.mismatch_polls += 1
+      if self.mismatch_polls >= _MISMATCH_POLLS:
+        return mismatch_message(progress.what, states, progress.devices)
+    if now - self.since > progress.timeout_seconds:
+      return stall_message(progress.what, progress.timeout_seconds, states,
+                           progress.devices)
+    return None
+
+
+_WATCHDOG = _Watchdog()
