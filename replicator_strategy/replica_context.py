@@ -20,6 +20,8 @@ On top of `tf.distribute.ReplicaContext` this adds MIN/MAX all-reduce and
 Design after TF-Replicator (Buchlovsky et al., 2019, arXiv:1902.00465).
 """
 
+import enum
+import inspect
 import weakref
 
 import tensorflow as tf
@@ -48,6 +50,18 @@ class ReplicaContext(tfi.ThreadReplicaContext):
     """
     return (tf.executing_eagerly() or
             tf.compat.v1.get_default_graph() is self._home_graph)
+
+  def _merge_call(self, fn, args, kwargs):
+    # TF runs the first replica's merge function and drops the others': a
+    # replica that asked for a different one (a max where the others sum)
+    # would silently get their result. Each replica's call says what it is.
+    signature = _merge_signature(fn)
+
+    def checked(strategy, signatures, *a, **k):
+      _check_same_merge(signatures)
+      return fn(strategy, *a, **k)
+
+    return super()._merge_call(checked, (signature,) + tuple(args), kwargs)  # pylint: disable=protected-access
 
   def all_reduce(self, reduce_op, value, options=None):
     """All-reduces a nested structure with "sum", "mean", "min" or "max".
@@ -212,6 +226,34 @@ def _own_tensors(value):
   one part). A copy per replica keeps each replica's part its own.
   """
   return tf.nest.map_structure(tf.identity, value)
+
+
+def _merge_signature(fn):
+  """What a merge_call asks for, comparable between replicas."""
+  fn = inspect.unwrap(getattr(fn, "func", fn))  # Partials, autograph.
+  fn = getattr(fn, "__func__", fn)  # A bound method.
+  modes = []
+  for cell in getattr(fn, "__closure__", None) or ():
+    try:
+      if isinstance(cell.cell_contents, enum.Enum):
+        modes.append(str(cell.cell_contents))
+    except ValueError:
+      pass  # An empty cell.
+  name = ".".join(part for part in getattr(fn, "__qualname__", "").split(".")
+                  if part not in ("<locals>", "<lambda>")) or repr(fn)
+  return f"{name} ({', '.join(modes)})" if modes else name
+
+
+def _check_same_merge(signatures):
+  if not isinstance(signatures, tf.distribute.DistributedValues):
+    return  # The same object from every replica, or one replica.
+  parts = signatures.values
+  if len(set(parts)) > 1:
+    raise ValueError(
+        "Replicas called different cross-replica operations at the same "
+        "point: " + "; ".join(f"replica {i}: {p}" for i, p in enumerate(parts))
+        + ". Every replica must call the same all_reduce / merge_call (same "
+        "op) in the same order.")
 
 
 def merge_call_possible():

@@ -1,0 +1,96 @@
+"""The collective watchdog: long runs stay flat, stalls and mismatches fail clearly.
+
+Each case runs in its own process (tests/watchdog_main.py): an abort ends
+every collective of the process that sees it.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import unittest
+
+import pytest
+import tensorflow as tf
+
+import topology
+
+MAIN = os.path.join(os.path.dirname(__file__), "watchdog_main.py")
+
+
+def run_main(*args, timeout=300):
+  done = subprocess.run([sys.executable, MAIN, *map(str, args)],
+                        capture_output=True, text=True, timeout=timeout,
+                        check=False)
+  assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+  return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+class LongRunTest(unittest.TestCase):
+  """20,000 steps with a collective inside tf.cond on each: no growth."""
+
+  def assert_flat(self, samples):
+    first, last = samples[0], samples[-1]
+    self.assertEqual(len(samples), 10)
+    # Before: +4 threads a step (8,016 after 2,000 steps), then an abort.
+    self.assertLessEqual(last["threads"], first["threads"] + 2, samples)
+    # Before: ~0.9 MiB more every 1,000 steps (TF's per-key records).
+    self.assertLess(last["rss_mib"] - first["rss_mib"], 4.0, samples)
+
+  def test_custom_loop_with_a_collective_in_cond(self):
+    self.assert_flat(run_main("long_custom_loop", 20000, 2000)["samples"])
+
+  def test_fit_with_gradient_accumulation(self):
+    self.assert_flat(run_main("long_fit", 20000, 2000)["samples"])
+
+
+class StallAndMismatchTest(unittest.TestCase):
+
+  def test_a_replica_left_waiting_fails_after_the_timeout_naming_it(self):
+    got = run_main("stall")
+    self.assertEqual(got["error"], "DeadlineExceededError")
+    self.assertGreater(got["seconds"], 2.0)
+    self.assertLess(got["seconds"], 15.0)
+    self.assertIn("made no progress for 2 s (timeout_seconds)", got["message"])
+    self.assertIn("device:CPU:0) waits in collective #1: all_reduce SUM "
+                  "float32[]", got["message"])
+    self.assertIn("device:CPU:1) completed its 0 collectives and waits in none",
+                  got["message"])
+
+  def test_replicas_calling_different_collectives_fail_at_once(self):
+    for case, ops in [("op_mismatch", ("all_reduce SUM float32[]",
+                                       "all_reduce MAX float32[]")),
+                      ("shape_mismatch", ("all_reduce SUM float32[2]",
+                                          "all_reduce SUM float32[3]"))]:
+      with self.subTest(case):
+        got = run_main(case)
+        self.assertEqual(got["error"], "DeadlineExceededError")
+        # The timeout is 60 s: the mismatch is seen without waiting it out.
+        self.assertLess(got["seconds"], 15.0)
+        self.assertIn("replicas called different collectives at the same "
+                      "point", got["message"])
+        self.assertIn(f"CPU:0): {ops[0]}", got["message"])
+        self.assertIn(f"CPU:1): {ops[1]}", got["message"])
+
+
+class MergePathMismatchTest(unittest.TestCase):
+  """Where replicas meet in merge_call, a mismatch fails while tracing."""
+
+  def test_sum_on_one_replica_max_on_another(self):
+    strategy = topology.strategy_over(2)
+
+    def fn():
+      ctx = tf.distribute.get_replica_context()
+      op = "sum" if tf.get_static_value(ctx.replica_id_in_sync_group) == 0 else "max"
+      return ctx.all_reduce(op, 1.0)
+
+    with self.assertRaisesRegex(
+        ValueError, r"Replicas called different cross-replica operations at "
+        r"the same point: replica 0: .*ReduceOp.SUM.*; replica 1: "
+        r".*ReduceOp.MAX"):
+      strategy.run(fn)
+
+
+if __name__ == "__main__":
+  unittest.main()
