@@ -44,6 +44,9 @@ POLL_SECONDS = 0.25
 # drawing its launch number and naming its collective is not one.
 _MISMATCH_POLLS = 4
 
+# How long a stalled worker waits for the others' reports before aborting.
+_EXCHANGE_SECONDS = 5
+
 _signature_lock = threading.Lock()
 _signatures = []
 _signature_codes = {}
@@ -57,6 +60,17 @@ def signature_code(description):
       code = _signature_codes[description] = len(_signatures)
       _signatures.append(description)
     return code
+
+
+_workers = {}  # "index" and "count" once this process is a worker of a cluster.
+
+
+def share_stalls_across_workers(worker_index, num_workers):
+  """In a cluster: a stall report also says what the other workers wait in.
+
+  Reports travel through TF's coordination service, which every worker runs.
+  """
+  _workers.update(index=worker_index, count=num_workers)
 
 
 def _describe(code):
@@ -148,8 +162,30 @@ def waiting(description, timeout_seconds):
   return _WATCHDOG.waiting(description, timeout_seconds)
 
 
-def stall_message(what, timeout_seconds, states, devices):
-  """Why collectives were aborted after `timeout_seconds` with no progress."""
+_ADVICE = (
+    "A replica that waits while another waits in none, or in another "
+    "collective, took a different path: a tf.cond or loop whose condition "
+    "differs between replicas, or a worker that ran more steps than another "
+    "(give every worker the same number of steps: the same dataset length and "
+    "global batch size). A worker may also have stopped, or be slower than "
+    "timeout_seconds allows: raise timeout_seconds if so.")
+
+
+def stall_message(headline, report):
+  """Why collectives were aborted: `report` says what this worker waits in.
+
+  In a cluster, the other workers' reports are added as they come (each
+  stalled worker sends its own), for `_EXCHANGE_SECONDS` at most.
+  """
+  lines = [headline, "On this worker:" if _workers else "Replicas:", report]
+  for worker, peer_report in _reports_from_other_workers(report):
+    lines += [f"On worker {worker}:",
+              peer_report or "  no report: it stopped, or is not waiting in "
+              "a collective"]
+  return "\n".join(lines + [_ADVICE])
+
+
+def _replica_lines(devices, states):
   lines = []
   for index, (device, (launched, completed, last)) in enumerate(
       zip(devices, states)):
@@ -159,16 +195,31 @@ def stall_message(what, timeout_seconds, states, devices):
     else:
       lines.append(f"  replica {index} ({device}) completed its {completed} "
                    f"collectives and waits in none")
-  return (
-      f"ReplicatorStrategy: {what} made no progress for {timeout_seconds} s "
-      f"(timeout_seconds), so every collective of this process was aborted. "
-      f"On this worker:\n" + "\n".join(lines) + "\n"
-      f"A replica that waits while another waits in none took a different "
-      f"path: a tf.cond or loop whose condition differs between replicas, or "
-      f"a worker that ran out of data first (give every worker the same "
-      f"number of steps and the same global batch size). Across workers, "
-      f"another worker may have stopped, or may be slower than "
-      f"timeout_seconds allows: raise timeout_seconds if so.")
+  return "\n".join(lines)
+
+
+def _reports_from_other_workers(report):
+  """[(worker, its report or None)]: what the other stalled workers wait in."""
+  if not _workers:
+    return []
+  context = tfi.context.context()
+  prefix = "replicator_stall/"
+  try:
+    context.set_config_key_value(prefix + str(_workers["index"]), report)
+  except Exception:  # pylint: disable=broad-except
+    return []  # The coordination service is gone: a peer died.
+  deadline = time.monotonic() + _EXCHANGE_SECONDS
+  reports = []
+  for worker in range(_workers["count"]):
+    if worker == _workers["index"]:
+      continue
+    try:
+      reports.append((worker, context.get_config_key_value(
+          prefix + str(worker),
+          max(1, int((deadline - time.monotonic()) * 1000)))))
+    except Exception:  # pylint: disable=broad-except
+      reports.append((worker, None))
+  return reports
 
 
 def mismatch_message(what, states, devices):
@@ -249,10 +300,10 @@ class _Watchdog:
       waits = list(self._waits.values())
     for deadline, description, timeout_seconds in waits:
       if now > deadline:
-        return (f"ReplicatorStrategy: {description} did not finish within "
-                f"{timeout_seconds} s (timeout_seconds), so every collective "
-                f"of this process was aborted. Another worker may have "
-                f"stopped, or may be slower than timeout_seconds allows.")
+        return stall_message(
+            f"ReplicatorStrategy: {description} did not finish within "
+            f"{timeout_seconds} s (timeout_seconds), so every collective of "
+            f"this process was aborted.", f"  waits in {description}")
     for progress, seen in sources:
       try:
         states = progress.read()
@@ -282,8 +333,11 @@ class _Seen:
       if self.mismatch_polls >= _MISMATCH_POLLS:
         return mismatch_message(progress.what, states, progress.devices)
     if now - self.since > progress.timeout_seconds:
-      return stall_message(progress.what, progress.timeout_seconds, states,
-                           progress.devices)
+      return stall_message(
+          f"ReplicatorStrategy: {progress.what} made no progress for "
+          f"{progress.timeout_seconds} s (timeout_seconds), so every "
+          f"collective of this process was aborted.",
+          _replica_lines(progress.devices, states))
     return None
 
 

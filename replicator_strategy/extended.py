@@ -15,6 +15,7 @@ import tensorflow as tf
 
 from replicator_strategy import _tf_internal as tfi
 from replicator_strategy import all_reduce as all_reduce_lib
+from replicator_strategy import collective_watchdog
 from replicator_strategy import collectives as collectives_lib
 from replicator_strategy import packing
 from replicator_strategy import reduce_op as reduce_op_lib
@@ -48,6 +49,8 @@ class ReplicatorExtended(tfi.StrategyExtendedV1):
     self.collectives = collectives_lib.ReplicaCollectives(
         self._devices, self._num_replicas_in_sync, timeout_seconds)
     if cluster:
+      collective_watchdog.share_stalls_across_workers(cluster.worker_index,
+                                                      cluster.num_workers)
       # A plain tensor in cross-replica context is this worker's value.
       self._worker_reduce_ops = all_reduce_lib.across_workers(
           self.host_device, self.num_workers, timeout_seconds)

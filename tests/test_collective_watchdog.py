@@ -74,6 +74,36 @@ class StallAndMismatchTest(unittest.TestCase):
         self.assertIn(f"CPU:1): {ops[1]}", got["message"])
 
 
+@pytest.mark.slow
+class AcrossWorkersTest(unittest.TestCase):
+
+  def test_workers_with_different_step_counts_say_where_each_waits(self):
+    done = subprocess.run(
+        [sys.executable, "-m", "replicator_strategy.launch", "--workers", "2",
+         "--timeout", "120", "--", sys.executable, MAIN, "uneven_steps"],
+        capture_output=True, text=True, timeout=180, check=False)
+    results = {}
+    for line in done.stdout.splitlines():
+      prefix, _, rest = line.partition("] ")
+      if rest.startswith("{"):
+        results[prefix] = json.loads(rest)
+    self.assertEqual(sorted(results), ["[worker 0", "[worker 1"], done.stdout)
+    for worker, got in results.items():
+      with self.subTest(worker):
+        self.assertEqual(got["error"], "DeadlineExceededError")
+        self.assertLess(got["seconds"], 30.0)  # timeout_seconds=5.
+    # Worker 0 ran out of data and waits in an eager reduce at the end of the
+    # epoch; worker 1 waits for it in its next step's all-reduce. Each says
+    # both.
+    here = results["[worker 0"]["message"]
+    self.assertIn("On this worker:\n  waits in an eager reduce across 2 "
+                  "workers\nOn worker 1:\n  replica 0 (/job:worker/replica:0/"
+                  "task:1/device:CPU:0) waits in collective #", here)
+    self.assertIn("the same dataset length and global batch size", here)
+    self.assertIn("On worker 0:\n  waits in an eager reduce across 2 workers",
+                  results["[worker 1"]["message"])
+
+
 class MergePathMismatchTest(unittest.TestCase):
   """Where replicas meet in merge_call, a mismatch fails while tracing."""
 

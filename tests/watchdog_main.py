@@ -1,6 +1,8 @@
 """Runs one collective-watchdog case in a fresh process (an abort ends its collectives).
 
     python tests/watchdog_main.py CASE
+    python -m replicator_strategy.launch --workers 2 -- \
+        python tests/watchdog_main.py uneven_steps
 
 Prints one JSON line: {"error": ..., "message": ..., "seconds": ...} for a
 case that fails as it should, {"samples": [...]} for the long runs.
@@ -48,10 +50,25 @@ CASES = {
 def run_case(name):
   timeout, fn = CASES[name]
   strategy = rs.ReplicatorStrategy(timeout_seconds=timeout)
-  step = tf.function(lambda: strategy.run(fn))
+  return outcome(tf.function(lambda: strategy.run(fn)))
+
+
+def uneven_steps():
+  """Keras fit where worker 1 has two more batches than worker 0."""
+  strategy = rs.ReplicatorStrategy(timeout_seconds=5)
+  with strategy.scope():
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    model.compile("sgd", "mse")
+  rows = 64 + 32 * strategy.extended.cluster.worker_index
+  x = np.ones((rows, 4), "float32")
+  data = tf.data.Dataset.from_tensor_slices((x, x[:, :1])).batch(16)
+  return outcome(lambda: model.fit(data, epochs=2, verbose=0))
+
+
+def outcome(fn):
   start = time.monotonic()
   try:
-    step()
+    fn()
   except tf.errors.OpError as e:
     return {"error": type(e).__name__, "message": e.message,
             "seconds": time.monotonic() - start}
@@ -104,7 +121,9 @@ def long_fit(steps, every):
 
 if __name__ == "__main__":
   case = sys.argv[1]
-  if case.startswith("long_"):
+  if case == "uneven_steps":
+    result = uneven_steps()
+  elif case.startswith("long_"):
     result = {"samples": globals()[case](int(sys.argv[2]), int(sys.argv[3]))}
   else:
     result = run_case(case)
