@@ -17,6 +17,9 @@ TF-Replicator (Buchlovsky et al., 2019, arXiv:1902.00465) rebuilt as a
 `tf.distribute.Strategy`.
 """
 
+import math
+import numbers
+
 import tensorflow as tf
 
 from replicator_strategy import _tf_internal as tfi
@@ -26,6 +29,12 @@ from replicator_strategy import devices as devices_lib
 from replicator_strategy import extended as extended_lib
 from replicator_strategy import reduce_op as reduce_op_lib
 from replicator_strategy import worker_runtime
+
+# TF turns the timeout into int64 microseconds (collective ops, through a
+# float32) and int64 nanoseconds of a clock (heartbeats), which overflow past
+# about 1e10 seconds. A billion seconds, about 31 years, stays clear of that
+# and already means "never time out".
+MAX_TIMEOUT_SECONDS = 10**9
 
 
 class ReplicatorStrategy(tf.distribute.Strategy):
@@ -43,14 +52,14 @@ class ReplicatorStrategy(tf.distribute.Strategy):
       describing the workers. Default: `TF_CONFIG` when set, else this
       machine alone.
     timeout_seconds: across workers, how long to wait for a worker (to
-      start, to answer a heartbeat, to join a collective) before failing.
+      start, to answer a heartbeat, to join a collective) before failing;
+      within one worker, for a replica to join a collective inside control
+      flow. A finite number of seconds, at most 1e9 (about 31 years).
   """
 
   def __init__(self, devices=None, all_reduce="auto", cluster_resolver=None,
                timeout_seconds=collectives.TIMEOUT_SECONDS):
-    if not (isinstance(timeout_seconds, (int, float)) and timeout_seconds > 0):
-      raise ValueError(f"Expected `timeout_seconds` to be a positive number. "
-                       f"Received: timeout_seconds={timeout_seconds!r}")
+    _check_timeout(timeout_seconds)
     cluster = (cluster_lib.from_resolver(cluster_resolver)
                if cluster_resolver is not None else
                cluster_lib.from_environment())
@@ -97,3 +106,15 @@ class ReplicatorStrategy(tf.distribute.Strategy):
             f"{', '.join(self.extended.worker_devices)}; all-reduce "
             f"{self.extended.all_reduce_choice})")
 
+
+def _check_timeout(timeout_seconds):
+  # bool is an int to Python, but True seconds is surely a mistake.
+  is_number = (isinstance(timeout_seconds, numbers.Real) and
+               not isinstance(timeout_seconds, bool))
+  if not (is_number and math.isfinite(timeout_seconds) and
+          0 < timeout_seconds <= MAX_TIMEOUT_SECONDS):
+    raise ValueError(
+        f"Expected `timeout_seconds` to be a finite number of seconds in "
+        f"(0, {MAX_TIMEOUT_SECONDS}]. Received: timeout_seconds="
+        f"{timeout_seconds!r}. For a timeout that never fires in practice, "
+        f"pass timeout_seconds={MAX_TIMEOUT_SECONDS} (about 31 years).")

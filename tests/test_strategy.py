@@ -1,5 +1,6 @@
 """Construction, placement and the cross-replica API, on 1, 2 and 4 replicas."""
 
+import re
 import unittest
 from unittest import mock
 
@@ -66,6 +67,32 @@ class ConstructionTest(unittest.TestCase):
       rs.split_cpu(3)
     with self.assertRaisesRegex(ValueError, "positive int.*0"):
       rs.split_cpu(0)
+
+  @parameterized.expand([
+      ("infinite", float("inf")), ("nan", float("nan")), ("bool", True),
+      ("beyond_the_bound", rs.strategy.MAX_TIMEOUT_SECONDS * 10),
+      ("zero", 0), ("string", "60"), ("none", None),
+  ])
+  def test_timeout_must_be_finite_positive_and_bounded(self, _, bad):
+    with self.assertRaisesRegex(
+        ValueError, r"finite number of seconds in \(0, 1000000000\]. "
+        r"Received: timeout_seconds=" + re.escape(repr(bad))):
+      rs.ReplicatorStrategy(timeout_seconds=bad)
+
+  def test_largest_timeout_works_in_a_collective_under_control_flow(self):
+    # Inside tf.cond the replicas meet in a collective op that carries the
+    # timeout: the bound must fit it.
+    strategy = topology.strategy_over(
+        2, timeout_seconds=rs.strategy.MAX_TIMEOUT_SECONDS)
+
+    def fn():
+      ctx = tf.distribute.get_replica_context()
+      x = tf.cast(ctx.replica_id_in_sync_group + 1, tf.float32)
+      return tf.cond(x > 0.0, lambda: ctx.all_reduce("sum", x), lambda: x)
+
+    results = strategy.experimental_local_results(
+        tf.function(lambda: strategy.run(fn))())
+    self.assertEqual([float(r) for r in results], [3.0, 3.0])
 
   def test_bad_all_reduce_names_the_choices(self):
     with self.assertRaisesRegex(ValueError, "'auto'.*Received: all_reduce='fast'"):
