@@ -47,7 +47,8 @@ class ReplicatorStrategy(tf.distribute.Strategy):
     all_reduce: "auto" (default: picked for the topology, see
       `replicator_strategy.all_reduce`), "add_on_one_device", "nccl",
       "hierarchical_copy", "ring", or a `tf.distribute.CrossDeviceOps`.
-      Across workers: "auto" or "ring".
+      "nccl" needs GPUs and a TensorFlow built with NCCL, "hierarchical_copy"
+      an even number of devices. Across workers: "auto" or "ring".
     cluster_resolver: a `tf.distribute.cluster_resolver.ClusterResolver`
       describing the workers. Default: `TF_CONFIG` when set, else this
       machine alone.

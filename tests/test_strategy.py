@@ -112,16 +112,50 @@ class ConstructionTest(unittest.TestCase):
     self.assertEqual(len(logs.output), 1)
     self.assertRegex(logs.output[0], "2 replica.*CPU:0.*CPU:1.*add_on_one_device")
 
-  @parameterized.expand(["add_on_one_device", "ring", "hierarchical_copy"])
-  def test_every_cpu_capable_algorithm_sums(self, algorithm):
-    strategy = topology.strategy_over(4, all_reduce=algorithm)
+  @parameterized.expand([
+      (f"{algorithm}_{n}_replicas", algorithm, n)
+      for algorithm in ("add_on_one_device", "ring", "hierarchical_copy")
+      for n in (2, 3, 4) if (algorithm, n) != ("hierarchical_copy", 3)])
+  def test_every_cpu_capable_algorithm_sums(self, _, algorithm, n):
+    strategy = topology.strategy_over(n, all_reduce=algorithm)
     fn = lambda: tf.distribute.get_replica_context().all_reduce(
         "sum", tf.fill([3], tf.cast(
             tf.distribute.get_replica_context().replica_id_in_sync_group,
             tf.float32)))
     for r in strategy.experimental_local_results(tf.function(
         lambda: strategy.run(fn))()):
-      np.testing.assert_array_equal(r, [6.0] * 3)
+      np.testing.assert_array_equal(r, [n * (n - 1) / 2] * 3)
+
+  def test_nccl_on_cpu_devices_is_refused_at_construction(self):
+    # It used to fail at the first all-reduce: no NCCL kernel for CPUs.
+    with self.assertRaisesRegex(
+        ValueError, "'nccl' all-reduces between GPUs, but `devices` include "
+        ".*CPU:0.*Use all_reduce='auto'"):
+      topology.strategy_over(2, all_reduce="nccl")
+
+  def test_nccl_without_nccl_kernels_is_refused_at_construction(self):
+    gpus = [tf.config.LogicalDevice(CPU.replace("CPU", "GPU") % i, "GPU")
+            for i in range(2)]
+    listing = lambda device_type=None: (
+        gpus if device_type in (None, "GPU") else [])
+    with mock.patch.object(tf.config, "list_logical_devices", listing), \
+         mock.patch.object(tf.config, "list_physical_devices", listing):
+      if tf.sysconfig.get_build_info().get("is_cuda_build"):
+        self.skipTest("this TensorFlow has NCCL kernels")
+      with self.assertRaisesRegex(ValueError, "has no NCCL kernels"):
+        rs.ReplicatorStrategy(devices=["/gpu:0", "/gpu:1"], all_reduce="nccl")
+      # "auto" picks what works without NCCL.
+      self.assertEqual(
+          rs.ReplicatorStrategy(devices=["/gpu:0", "/gpu:1"]).extended
+          .all_reduce_choice, "hierarchical_copy: separate GPUs without NCCL")
+
+  def test_hierarchical_copy_on_an_odd_device_count_is_refused(self):
+    # TF's implementation sums two halves of n // 2 devices: with 3 it
+    # silently left the third replica out of every sum.
+    with self.assertRaisesRegex(
+        ValueError, "odd number of devices.*Received: "
+        "all_reduce='hierarchical_copy' with 3 devices"):
+      topology.strategy_over(3, all_reduce="hierarchical_copy")
 
   @parameterized.expand(["auto", "ring"])
   def test_instances_work_side_by_side(self, algorithm):
