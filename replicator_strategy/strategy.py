@@ -41,8 +41,8 @@ class ReplicatorStrategy(tf.distribute.Strategy):
   """Synchronous data-parallel replication over local devices and workers.
 
   Args:
-    devices: this worker's device strings to replicate over, one replica
-      each. Default: every local GPU, or every logical CPU device when there
+    devices: this worker's devices to replicate over, one replica each: a
+      list of device strings such as "/gpu:0", or of `tf.DeviceSpec`s. Default: every local GPU, or every logical CPU device when there
       is no GPU. Every worker must have as many.
     all_reduce: "auto" (default: picked for the topology, see
       `replicator_strategy.all_reduce`), "add_on_one_device", "nccl",

@@ -33,13 +33,36 @@ class ConstructionTest(unittest.TestCase):
       ("duplicate", ["/cpu:1", "/device:CPU:1"], "'/device:CPU:1'.*more than once"),
       ("empty", [], "at least one device"),
       ("garbage", ["not a device"], "'not a device'"),
-      ("plain_string", "/cpu:0", "list of device strings"),
+      ("plain_string", "/cpu:0",
+       r"list of device strings.*devices='/cpu:0'. A single device goes in a "
+       r"list too"),
+      ("ints", [0, 1], r"Device 0 in `devices` is a number.*'/gpu:0' or "
+       r"'/cpu:0'"),
+      ("none_entry", ["/cpu:0", None],
+       r"device string such as '/gpu:0' or a tf.DeviceSpec. Received: "
+       r"devices\[1\]=None of type NoneType"),
+      ("bytes_entry", [b"/cpu:0"], r"Received: devices\[0\]=b'/cpu:0' of type "
+       r"bytes"),
+      ("empty_string", [""], "Device '' in `devices` names no single device: "
+       "it has no device type"),
+      ("wildcard", ["/cpu:*"], r"'/cpu:\*' in `devices` names no single "
+       "device: it has no device index"),
+      ("no_index", ["/cpu:0", "/cpu"], "'/cpu' in `devices` names no single "
+       "device"),
   ])
   def test_bad_device_lists_name_the_entry_and_what_exists(self, _, devices,
                                                          pattern):
     with self.assertRaisesRegex(ValueError, pattern) as raised:
       rs.ReplicatorStrategy(devices=devices)
     self.assertIn("Devices that exist: " + CPU % 0, str(raised.exception))
+
+  def test_device_specs_name_devices_as_strings_do(self):
+    specs = [tf.DeviceSpec(device_type="CPU", device_index=2),
+             tf.DeviceSpec.from_string("/job:localhost/device:CPU:0")]
+    strategy = rs.ReplicatorStrategy(devices=specs)
+    self.assertEqual(strategy.extended.worker_devices, (CPU % 2, CPU % 0))
+    with self.assertRaisesRegex(ValueError, "names no single device"):
+      rs.ReplicatorStrategy(devices=[tf.DeviceSpec(device_type="CPU")])
 
   def test_mixed_device_types_are_rejected(self):
     fake = [tf.config.LogicalDevice(CPU % 0, "CPU"),
