@@ -49,6 +49,7 @@ from tensorflow.python.framework import kernels
 from tensorflow.python.ops import collective_ops
 from tensorflow.python.ops import control_flow_v2_func_graphs
 from tensorflow.python.ops import resource_variable_ops
+from tensorflow.python.util import nest
 from tensorflow.python.autograph.core import ag_ctx
 from tensorflow.python.autograph.impl import api as autograph
 # pylint: enable=g-import-not-at-top,unused-import

@@ -57,6 +57,7 @@ class ReplicaContext(tfi.ThreadReplicaContext):
     the replicas holding the extremum, split evenly among ties.
     """
     op = reduce_op_lib.parse(reduce_op)
+    reject_none(value, "value", "ReplicaContext.all_reduce")
     # Python numbers become each replica's own tensor. A tensor made outside
     # strategy.run stays one object: SUM and MEAN take it, as MirroredStrategy
     # and Keras's tests do, for a value already all-reduced.
@@ -94,6 +95,7 @@ class ReplicaContext(tfi.ThreadReplicaContext):
           f"{num_replicas}). Received: source_replica_id="
           f"{source_replica_id!r}")
     is_source = self._replica_id_in_sync_group == source_replica_id
+    reject_none(value, "value", "ReplicaContext.broadcast")
     value = _own_tensors(value)
     flat = tf.nest.flatten(value)
 
@@ -115,6 +117,7 @@ class ReplicaContext(tfi.ThreadReplicaContext):
 
     Inside control flow every replica's value must have the same shape.
     """
+    reject_none(value, "value", "ReplicaContext.all_gather")
     value = _own_tensors(value)
     if self.can_merge:
       return super().all_gather(value, axis, options)
@@ -212,6 +215,20 @@ def _own_tensors(value):
   one part). A copy per replica keeps each replica's part its own.
   """
   return tf.nest.map_structure(tf.identity, value)
+
+
+def reject_none(value, argument, api):
+  """Names the path of the first None in the structure `value`.
+
+  TF's own error, "None values not supported.", does not say where it is.
+  """
+  for path, leaf in tfi.nest.flatten_with_tuple_paths(value):
+    if leaf is None:
+      where = argument + "".join(f"[{key!r}]" for key in path)
+      raise ValueError(
+          f"Expected every element of `{argument}` given to {api} to be a "
+          f"tensor or a number. Received: {where}=None. Leave it out of "
+          f"`{argument}`, or put a tensor in its place.")
 
 
 def merge_call_possible():

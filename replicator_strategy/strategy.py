@@ -28,6 +28,7 @@ from replicator_strategy import collectives
 from replicator_strategy import devices as devices_lib
 from replicator_strategy import extended as extended_lib
 from replicator_strategy import reduce_op as reduce_op_lib
+from replicator_strategy import replica_context
 from replicator_strategy import worker_runtime
 
 # TF turns the timeout into int64 microseconds (collective ops, through a
@@ -81,6 +82,7 @@ class ReplicatorStrategy(tf.distribute.Strategy):
     >>> strategy.reduce("max", per_replica_values, axis=None)
     """
     op = reduce_op_lib.parse(reduce_op)
+    replica_context.reject_none(value, "value", "strategy.reduce")
     if not op.is_extremum:
       return super().reduce(op.to_tf(), value, axis)
 

@@ -71,6 +71,28 @@ class AllReduceTest(unittest.TestCase):
     with self.assertRaisesRegex(ValueError, "'sum', 'mean', 'min', 'max'.*'prod'"):
       strategy.run(fn)
 
+  @parameterized.expand([
+      (f"{api}_{mode}", api, traced)
+      for api in ("all_reduce", "broadcast", "all_gather")
+      for mode, traced in _MODES])
+  def test_a_none_element_is_named_by_its_path(self, _, api, traced):
+    strategy = topology.strategy_over(2)
+    collective = {
+        "all_reduce": lambda ctx, v: ctx.all_reduce("max", v),
+        "broadcast": lambda ctx, v: ctx.broadcast(v),
+        "all_gather": lambda ctx, v: ctx.all_gather(v, axis=0),
+    }[api]
+
+    def fn():
+      x = tf.reshape(replica_value(), [1])
+      return collective(tf.distribute.get_replica_context(),
+                        {"loss": x, "aux": [x, None]})
+
+    with self.assertRaisesRegex(
+        ValueError, f"`value` given to ReplicaContext.{api} .*Received: "
+        r"value\['aux'\]\[1\]=None"):
+      run_per_replica(strategy, fn, traced)
+
   @parameterized.expand(_CASES)
   def test_gradients(self, _, n, traced):
     strategy = topology.strategy_over(n)

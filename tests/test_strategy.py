@@ -226,6 +226,15 @@ class CrossReplicaTest(unittest.TestCase):
     np.testing.assert_allclose(strategy.reduce("min", values, axis=None)["a"],
                                [1.0, 2.0])
 
+  @parameterized.expand(["sum", "mean", "max"])
+  def test_reduce_names_a_none_element_by_its_path(self, op):
+    strategy = topology.strategy_over(2)
+    results = strategy.run(lambda: {"loss": tf.constant(1.0), "extra": (None,)})
+    with self.assertRaisesRegex(
+        ValueError, r"`value` given to strategy.reduce .*Received: "
+        r"value\['extra'\]\[0\]=None"):
+      strategy.reduce(op, results, axis=None)
+
   @parameterized.expand(topology.NAMED_REPLICA_COUNTS)
   def test_gather_and_local_results(self, _, n):
     strategy = topology.strategy_over(n)
