@@ -49,6 +49,30 @@ class ReplicaContext(tfi.ThreadReplicaContext):
     return (tf.executing_eagerly() or
             tf.compat.v1.get_default_graph() is self._home_graph)
 
+  def merge_call(self, merge_fn, args=(), kwargs=None):
+    """`tf.distribute.ReplicaContext.merge_call`, from replica context only.
+
+    `merge_fn` runs in cross-replica context: there, as in every TF strategy,
+    `tf.distribute.get_replica_context()` is None, and a replica context
+    captured before is refused with a RuntimeError.
+    """
+    self._require_replica_context("merge_call")
+    return super().merge_call(merge_fn, args, kwargs)
+
+  def _require_replica_context(self, api):
+    # A merge function (merge_call's merge_fn) runs once for all replicas, in
+    # cross-replica context; a context captured there would fail inside TF
+    # with "Need to be inside `call_for_each_replica()`" or a PerReplica error.
+    if tf.distribute.in_cross_replica_context():
+      raise RuntimeError(
+          f"ReplicaContext.{api} was called in cross-replica context, most "
+          f"likely inside a merge function (the merge_fn given to "
+          f"merge_call), which runs once for all replicas. Its arguments "
+          f"already hold every replica's value: combine them with the "
+          f"strategy that merge_fn receives (strategy.reduce, "
+          f"strategy.extended.reduce_to, strategy.gather), or call {api} "
+          f"in the replica function, before or after merge_call.")
+
   def all_reduce(self, reduce_op, value, options=None):
     """All-reduces a nested structure with "sum", "mean", "min" or "max".
 
@@ -56,6 +80,7 @@ class ReplicaContext(tfi.ThreadReplicaContext):
     Gradients: SUM/MEAN as in TF; MIN/MAX send the summed upstream gradient to
     the replicas holding the extremum, split evenly among ties.
     """
+    self._require_replica_context("all_reduce")
     op = reduce_op_lib.parse(reduce_op)
     reject_none(value, "value", "ReplicaContext.all_reduce")
     # Python numbers become each replica's own tensor. A tensor made outside
@@ -87,6 +112,7 @@ class ReplicaContext(tfi.ThreadReplicaContext):
     The gradient of the result flows back, summed over replicas, to the
     source replica's input; the other replicas' inputs get zero.
     """
+    self._require_replica_context("broadcast")
     num_replicas = self.num_replicas_in_sync
     if not (isinstance(source_replica_id, int) and
             0 <= source_replica_id < num_replicas):
@@ -117,6 +143,7 @@ class ReplicaContext(tfi.ThreadReplicaContext):
 
     Inside control flow every replica's value must have the same shape.
     """
+    self._require_replica_context("all_gather")
     reject_none(value, "value", "ReplicaContext.all_gather")
     value = _own_tensors(value)
     if self.can_merge:
