@@ -263,6 +263,27 @@ class CrossReplicaTest(unittest.TestCase):
       seen.extend(np.concatenate([p.numpy() for p in parts]).tolist())
     self.assertEqual(seen, list(range(23)))
 
+  def test_an_unbatched_dataset_is_refused_with_the_fix(self):
+    strategy = topology.strategy_over(2)
+    features = tf.data.Dataset.from_tensor_slices(
+        {"x": tf.ones([8, 3]), "label": tf.range(8)})
+    with self.assertRaisesRegex(
+        ValueError, r"among 2 replicas, but this dataset has scalars with no "
+        r"such dimension \(element\['label'\]\): it looks unbatched.*"
+        r"dataset.batch\(global_batch_size\)"):
+      strategy.experimental_distribute_dataset(features)
+    batched = strategy.experimental_distribute_dataset(features.batch(4))
+    first = strategy.experimental_local_results(next(iter(batched))["label"])
+    self.assertEqual([p.numpy().tolist() for p in first], [[0, 1], [2, 3]])
+
+  def test_one_replica_takes_an_unbatched_dataset_as_no_strategy_does(self):
+    # Nothing is split, so elements pass as they are, batched or not.
+    strategy = topology.strategy_over(1)
+    dataset = tf.data.Dataset.range(3)
+    got = [int(strategy.experimental_local_results(e)[0])
+           for e in strategy.experimental_distribute_dataset(dataset)]
+    self.assertEqual(got, [int(e) for e in dataset])
+
   @parameterized.expand(topology.NAMED_REPLICA_COUNTS)
   def test_distributed_dataset_in_a_traced_loop(self, _, n):
     strategy = topology.strategy_over(n)
