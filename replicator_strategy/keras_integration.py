@@ -111,6 +111,8 @@ def _build_from_whole_batch(maybe_symbolic_build):
       if not isinstance(value, tf.distribute.DistributedValues):
         return value
       parts = strategy.experimental_local_results(value)
+      if isinstance(parts[0], tf.SparseTensor):
+        return tf.sparse.concat(0, list(parts), expand_nonconcat_dims=True)
       return tf.concat(parts, axis=0) if parts[0].shape.rank else parts[0]
 
     return maybe_symbolic_build(self, data_batch=tf.nest.map_structure(

@@ -86,11 +86,13 @@ def build(model_name, strategy):
   return model
 
 
-def train_and_measure(model_name, strategy, fit_input):
+def train_and_measure(model_name, strategy, fit_input, encode=lambda x: x):
+  """Trains, evaluates and predicts; `encode` turns every x into its input."""
   model = build(model_name, strategy)
   x, y = make_data(model_name, TRAIN_ROWS, seed=0)
-  history = fit_input(model, x, y).history
+  history = fit_input(model, encode(x), y).history
   xe, ye = make_data(model_name, EVAL_ROWS, seed=1)
+  xe = encode(xe)
   return {
       "history": history,
       "evaluate": model.evaluate(xe, ye, batch_size=GLOBAL_BATCH, verbose=0),
@@ -206,7 +208,20 @@ INPUTS = {
 }
 
 
+def sparse(x):
+  """`x` as a tf.SparseTensor holding its larger half of the values."""
+  return tf.sparse.from_dense(np.where(np.abs(x) > 0.7, x, 0.0))
+
+
 class InputParityTest(unittest.TestCase):
+
+  @parameterized.expand(topology.NAMED_REPLICA_COUNTS)
+  def test_sparse_x(self, _, n):
+    want = train_and_measure("mlp", tf.distribute.get_strategy(), fit_numpy,
+                             encode=sparse)
+    got = train_and_measure("mlp", topology.strategy_over(n), fit_numpy,
+                            encode=sparse)
+    assert_same_results(self, got, want)
 
   # Not the generator on one replica: Keras's pre-build takes the first batch
   # of a generator and, with a one-device strategy (MirroredStrategy too),
