@@ -60,3 +60,9 @@ ThreadReplicaContext = mirrored_run._MirroredReplicaContext  # pylint: disable=p
 WHILE_LOOP_GRAPHS = (control_flow_v2_func_graphs.WhileBodyFuncGraph,
                      control_flow_v2_func_graphs.WhileCondFuncGraph)
 
+
+def one_replica_spec(spec):
+  """One replica's part of a distributed iterator's element spec."""
+  if isinstance(spec, values.PerReplicaSpec):
+    return spec._value_specs[0]  # pylint: disable=protected-access
+  return spec

@@ -39,6 +39,7 @@ from keras.src.backend.tensorflow import trainer as keras_tf_trainer
 from keras.src.losses import loss as keras_loss  # Where Keras scales losses.
 import tensorflow as tf
 
+from replicator_strategy import _tf_internal as tfi
 from replicator_strategy import replica_context
 from replicator_strategy import strategy as strategy_lib
 
@@ -102,10 +103,16 @@ def _build_from_whole_batch(maybe_symbolic_build):
       return maybe_symbolic_build(self, iterator=iterator,
                                   data_batch=data_batch)
     for _, _, batches in iterator:  # Takes one batch, as Keras does.
-      first = next(batches)
+      first = next(batches, None)
       break
     else:
       return maybe_symbolic_build(self, data_batch=data_batch)
+    if first is None:
+      # Zero rows. Keras still traces the step function, which would create
+      # the optimizer's variables inside the replicas: build from the
+      # batches' spec instead, as from a batch.
+      return maybe_symbolic_build(self, data_batch=tf.nest.map_structure(
+          tfi.one_replica_spec, batches.element_spec))
 
     def whole(value):
       if not isinstance(value, tf.distribute.DistributedValues):

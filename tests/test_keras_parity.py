@@ -197,6 +197,13 @@ def fit_steps_per_execution(model, x, y):
   return fit_numpy(model, x, y)
 
 
+def fit_after_zero_rows(model, x, y):
+  empty_x, empty_y = x[:0], y[:0]
+  model.fit(empty_x, empty_y, batch_size=GLOBAL_BATCH, verbose=0)
+  model.evaluate(empty_x, empty_y, batch_size=GLOBAL_BATCH, verbose=0)
+  return fit_numpy(model, x, y)
+
+
 INPUTS = {
     "dataset": fit_dataset,
     "infinite_dataset": fit_infinite_dataset,
@@ -205,6 +212,7 @@ INPUTS = {
     "validation_data": fit_with_validation,
     "validation_split": fit_validation_split,
     "steps_per_execution": fit_steps_per_execution,
+    "after_zero_rows": fit_after_zero_rows,
 }
 
 
@@ -235,6 +243,37 @@ class InputParityTest(unittest.TestCase):
     got = train_and_measure("mlp", topology.strategy_over(n),
                             INPUTS[input_name])
     assert_same_results(self, got, want)
+
+  @parameterized.expand(topology.NAMED_REPLICA_COUNTS)
+  def test_zero_rows_do_what_they_do_without_a_strategy(self, _, n):
+
+    def outcome(call):
+      try:
+        result = call()
+      except Exception as e:  # pylint: disable=broad-except
+        return "raises", type(e)
+      return "returns", tf.nest.map_structure(np.shape, result)
+
+    def outcomes(strategy):
+      model = build("mlp", strategy)
+      x, y = make_data("mlp", 0, seed=0)
+      dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL_BATCH)
+      return [
+          outcome(lambda: model.fit(x, y, batch_size=GLOBAL_BATCH,
+                                    verbose=0).history),
+          outcome(lambda: model.evaluate(x, y, batch_size=GLOBAL_BATCH,
+                                         verbose=0)),
+          outcome(lambda: model.predict(x, batch_size=GLOBAL_BATCH,
+                                        verbose=0)),
+          outcome(lambda: model.fit(dataset, verbose=0).history),
+          outcome(lambda: model.evaluate(dataset, verbose=0)),
+      ]
+
+    want = outcomes(tf.distribute.get_strategy())
+    # Without a strategy, fit and evaluate do nothing and return empty logs.
+    self.assertEqual(want[0], ("returns", {}))
+    self.assertEqual(want[1], ("returns", []))
+    self.assertEqual(outcomes(topology.strategy_over(n)), want)
 
   @parameterized.expand(topology.NAMED_REPLICA_COUNTS)
   def test_distributed_dataset_from_the_strategy(self, _, n):
