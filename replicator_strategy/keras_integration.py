@@ -13,8 +13,9 @@
   replica has as many rows; a final partial batch then trains differently
   from one device. Here it is scaled by the replica's share of the rows.
 - Before the first step Keras builds the model from the first batch, averaged
-  over the replicas, which fails when the batch splits unevenly. Here it
-  builds from the whole first batch.
+  over the replicas, which fails when the batch splits unevenly, or on a
+  sparse batch, or on zero rows. Here it builds from the whole first batch,
+  or from the batches' spec when there is none.
 - Gradient clipping (`clipnorm`, `global_clipnorm`, `clipvalue`) clips each
   replica's share of the gradient before the all-reduce, which is not the
   clipped global gradient. Here clipping optimizers all-reduce first.
