@@ -197,13 +197,6 @@ def fit_steps_per_execution(model, x, y):
   return fit_numpy(model, x, y)
 
 
-def fit_after_zero_rows(model, x, y):
-  empty_x, empty_y = x[:0], y[:0]
-  model.fit(empty_x, empty_y, batch_size=GLOBAL_BATCH, verbose=0)
-  model.evaluate(empty_x, empty_y, batch_size=GLOBAL_BATCH, verbose=0)
-  return fit_numpy(model, x, y)
-
-
 INPUTS = {
     "dataset": fit_dataset,
     "infinite_dataset": fit_infinite_dataset,
@@ -212,7 +205,6 @@ INPUTS = {
     "validation_data": fit_with_validation,
     "validation_split": fit_validation_split,
     "steps_per_execution": fit_steps_per_execution,
-    "after_zero_rows": fit_after_zero_rows,
 }
 
 
