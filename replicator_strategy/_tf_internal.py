@@ -45,9 +45,11 @@ from tensorflow.python.distribute import values
 from tensorflow.python.eager import context
 from tensorflow.python.eager import def_function
 from tensorflow.python.eager import record
+from tensorflow.python.framework import kernels
 from tensorflow.python.ops import collective_ops
 from tensorflow.python.ops import control_flow_v2_func_graphs
 from tensorflow.python.ops import resource_variable_ops
+from tensorflow.python.util import nest
 from tensorflow.python.autograph.core import ag_ctx
 from tensorflow.python.autograph.impl import api as autograph
 # pylint: enable=g-import-not-at-top,unused-import
@@ -58,3 +60,9 @@ ThreadReplicaContext = mirrored_run._MirroredReplicaContext  # pylint: disable=p
 WHILE_LOOP_GRAPHS = (control_flow_v2_func_graphs.WhileBodyFuncGraph,
                      control_flow_v2_func_graphs.WhileCondFuncGraph)
 
+
+def one_replica_spec(spec):
+  """One replica's part of a distributed iterator's element spec."""
+  if isinstance(spec, values.PerReplicaSpec):
+    return spec._value_specs[0]  # pylint: disable=protected-access
+  return spec

@@ -53,6 +53,10 @@ def choose(devices, algorithm, num_workers=1,
     algorithm, reason = _auto(devices)
   else:
     reason = "requested"
+    if algorithm == "nccl":
+      _check_nccl_can_serve(devices)
+    if algorithm == "hierarchical_copy":
+      _check_hierarchical_copy_can_serve(devices)
   return _build(algorithm, devices), f"{algorithm}: {reason}"
 
 
@@ -66,12 +70,61 @@ def _auto(devices):
     return "add_on_one_device", "a single device has nothing to exchange"
   if all(_device_type(d) == "CPU" for d in devices):
     return "add_on_one_device", "devices share host memory"
-  physical_gpus = len(tf.config.list_physical_devices("GPU"))
-  if len(devices) > physical_gpus:
+  if _logical_gpus_share_one(devices):
     return "add_on_one_device", "logical GPUs share a physical GPU's memory"
-  if tf.sysconfig.get_build_info().get("is_cuda_build", False):
+  if _nccl_built():
     return "nccl", "separate GPUs and TensorFlow built with NCCL"
+  if _halves_leave_one_out(devices):
+    return "add_on_one_device", "an odd number of GPUs without NCCL"
   return "hierarchical_copy", "separate GPUs without NCCL"
+
+
+def _check_nccl_can_serve(devices):
+  """Refuses now what NCCL would refuse at the first all-reduce."""
+  not_gpu = [d for d in devices if _device_type(d) != "GPU"]
+  if not_gpu:
+    raise ValueError(
+        f"all_reduce='nccl' all-reduces between GPUs, but `devices` include "
+        f"{not_gpu[0]}. Received: all_reduce='nccl' with devices "
+        f"{list(devices)}. Use all_reduce='auto' (it adds the replicas' "
+        f"values on one device, the fastest way within host memory) or "
+        f"'ring'.")
+  if not _nccl_built():
+    raise ValueError(
+        "all_reduce='nccl' needs TensorFlow built with NCCL (a CUDA or ROCm "
+        "build); this TensorFlow has no NCCL kernels. Use all_reduce='auto', "
+        "which picks the best algorithm without NCCL, or install a GPU build "
+        "of TensorFlow.")
+  if _logical_gpus_share_one(devices):
+    raise ValueError(
+        f"all_reduce='nccl' needs one physical GPU per device, and the "
+        f"{len(devices)} logical GPUs in `devices` share fewer physical GPUs "
+        f"(NCCL refuses a GPU listed twice). Use all_reduce='auto' or "
+        f"'add_on_one_device'.")
+
+
+def _check_hierarchical_copy_can_serve(devices):
+  if _halves_leave_one_out(devices):
+    raise ValueError(
+        f"all_reduce='hierarchical_copy' sums two equal halves of the "
+        f"devices (it was made for 8-GPU machines); with an odd number of "
+        f"devices TensorFlow's implementation leaves the last one out of the "
+        f"sum. Received: all_reduce='hierarchical_copy' with "
+        f"{len(devices)} devices. Use all_reduce='auto', "
+        f"'add_on_one_device' or 'ring', or an even number of devices.")
+
+
+def _halves_leave_one_out(devices):
+  return len(devices) > 1 and len(devices) % 2 == 1
+
+
+def _logical_gpus_share_one(devices):
+  return len(devices) > len(tf.config.list_physical_devices("GPU"))
+
+
+def _nccl_built():
+  # TensorFlow registers NCCL kernels only in builds that include NCCL.
+  return bool(tfi.kernels.get_registered_kernels_for_op("NcclAllReduce").kernel)
 
 
 def _build(algorithm, devices):

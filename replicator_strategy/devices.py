@@ -6,6 +6,8 @@
 ('/job:localhost/replica:0/task:0/device:CPU:0', ..., '/job:localhost/replica:0/task:0/device:CPU:3')
 """
 
+import numbers
+
 import tensorflow as tf
 
 from replicator_strategy import _tf_internal as tfi
@@ -70,34 +72,32 @@ def tpu_present():
 
 
 def resolve_devices(devices):
-  """Validates user device strings and returns their canonical full names.
+  """Validates user devices and returns their canonical full names.
 
-  Raises ValueError naming the bad entry and listing the devices that exist,
-  and NotImplementedError for TPU devices.
+  Each entry is a device string such as "/gpu:0" or a `tf.DeviceSpec`, naming
+  one device of this worker. Raises ValueError naming the bad entry and
+  listing the devices that exist, and NotImplementedError for TPU devices.
   """
   existing = {
       tfi.device_util.canonicalize(d.name): d.device_type
       for d in _this_tasks(tf.config.list_logical_devices())
   }
   listing = ", ".join(sorted(existing)) or "none"
-  if isinstance(devices, str) or not hasattr(devices, "__iter__"):
+  if isinstance(devices, (str, tf.DeviceSpec)) or not hasattr(
+      devices, "__iter__"):
     raise ValueError(
         f"Expected `devices` to be a list of device strings such as "
-        f"['/gpu:0', '/gpu:1']. Received: devices={devices!r}. "
-        f"Devices that exist: {listing}")
+        f"['/gpu:0', '/gpu:1']. Received: devices={devices!r}. A single "
+        f"device goes in a list too: devices=['/gpu:0']. Devices that "
+        f"exist: {listing}")
   devices = list(devices)
   if not devices:
     raise ValueError(
         f"Expected `devices` to name at least one device. Received: "
         f"devices=[]. Devices that exist: {listing}")
   resolved = []
-  for entry in devices:
-    try:
-      name = tfi.device_util.canonicalize(entry)
-    except (ValueError, TypeError) as e:
-      raise ValueError(
-          f"Device {entry!r} in `devices` is not a valid device string "
-          f"({e}). Devices that exist: {listing}") from e
+  for i, entry in enumerate(devices):
+    name = tfi.device_util.canonicalize(_one_device(i, entry, listing))
     if name not in existing:
       raise ValueError(
           f"Device {entry!r} in `devices` does not exist on this machine. "
@@ -121,6 +121,43 @@ def resolve_devices(devices):
         f"replica on a CPU would hold back every GPU replica each step; list "
         f"only GPUs or only CPUs. Devices that exist: {listing}")
   return tuple(resolved)
+
+
+def _one_device(i, entry, listing):
+  """The device string of one `devices` entry, which must name one device.
+
+  TF's own parsing fills in what a string leaves out ("", "/cpu:*" and
+  "/cpu" all become CPU:0), which would quietly drop replicas the user meant
+  to have, so an entry without a device type and index is refused here.
+  """
+  if isinstance(entry, numbers.Integral) and not isinstance(entry, bool):
+    raise ValueError(
+        f"Device {entry!r} in `devices` is a number, which could mean a GPU "
+        f"or a CPU. Write it as a device string, such as '/gpu:{entry}' or "
+        f"'/cpu:{entry}'. Devices that exist: {listing}")
+  if isinstance(entry, tf.DeviceSpec):
+    text = entry.to_string()
+  elif isinstance(entry, str):
+    text = entry
+  else:
+    raise ValueError(
+        f"Expected each entry of `devices` to be a device string such as "
+        f"'/gpu:0' or a tf.DeviceSpec. Received: devices[{i}]={entry!r} "
+        f"of type {type(entry).__name__}. Devices that exist: {listing}")
+  try:
+    spec = tf.DeviceSpec.from_string(text)
+  except ValueError as e:
+    raise ValueError(
+        f"Device {entry!r} in `devices` is not a valid device string "
+        f"({e}). Devices that exist: {listing}") from e
+  if spec.device_type is None or spec.device_index is None:
+    missing = "type" if spec.device_type is None else "index"
+    raise ValueError(
+        f"Device {entry!r} in `devices` names no single device: it has no "
+        f"device {missing}. Name each device with its type and index, such "
+        f"as '/gpu:0' or '/cpu:1', and list several to replicate over "
+        f"several. Devices that exist: {listing}")
+  return text
 
 
 def tpu_not_supported_message():

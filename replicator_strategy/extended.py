@@ -271,6 +271,8 @@ class ReplicatorExtended(tfi.StrategyExtendedV1):
 
   def _experimental_distribute_dataset(self, dataset, options):
     _reject_per_replica_mode(options, "experimental_distribute_dataset")
+    if self._num_replicas_in_sync > 1:
+      _reject_unbatched(dataset, self._num_replicas_in_sync)
     if self.cluster:
       _warn_if_not_sharded(dataset, self.num_workers)
     return tfi.input_util.get_distributed_dataset(
@@ -369,6 +371,22 @@ def _warn_if_not_sharded(dataset, num_workers):
         "it, so every example is seen %d times per epoch. Shard it yourself "
         "(dataset.shard) or use AutoShardPolicy.DATA or FILE.", num_workers,
         num_workers)
+
+
+def _reject_unbatched(dataset, num_replicas):
+  """Refuses scalar elements, which TF's rebatching fails on with an IndexError."""
+  scalars = [
+      "element" + "".join(f"[{key!r}]" for key in path)
+      for path, spec in tfi.nest.flatten_with_tuple_paths(dataset.element_spec)
+      if getattr(spec, "shape", None) is not None and spec.shape.rank == 0]
+  if scalars:
+    raise ValueError(
+        f"experimental_distribute_dataset splits each element of the dataset "
+        f"along its first dimension, the batch, among {num_replicas} "
+        f"replicas, but this dataset has scalars with no such dimension "
+        f"({', '.join(scalars)}): it looks unbatched. Received: element_spec="
+        f"{dataset.element_spec}. Batch it with the global batch size "
+        f"first: dataset.batch(global_batch_size).")
 
 
 def _reject_per_replica_mode(options, api):

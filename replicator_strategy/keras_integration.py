@@ -13,8 +13,9 @@
   replica has as many rows; a final partial batch then trains differently
   from one device. Here it is scaled by the replica's share of the rows.
 - Before the first step Keras builds the model from the first batch, averaged
-  over the replicas, which fails when the batch splits unevenly. Here it
-  builds from the whole first batch.
+  over the replicas, which fails when the batch splits unevenly, or on a
+  sparse batch, or on zero rows. Here it builds from the whole first batch,
+  or from the batches' spec when there is none.
 - Gradient clipping (`clipnorm`, `global_clipnorm`, `clipvalue`) clips each
   replica's share of the gradient before the all-reduce, which is not the
   clipped global gradient. Here clipping optimizers all-reduce first.
@@ -39,6 +40,7 @@ from keras.src.backend.tensorflow import trainer as keras_tf_trainer
 from keras.src.losses import loss as keras_loss  # Where Keras scales losses.
 import tensorflow as tf
 
+from replicator_strategy import _tf_internal as tfi
 from replicator_strategy import replica_context
 from replicator_strategy import strategy as strategy_lib
 
@@ -102,15 +104,23 @@ def _build_from_whole_batch(maybe_symbolic_build):
       return maybe_symbolic_build(self, iterator=iterator,
                                   data_batch=data_batch)
     for _, _, batches in iterator:  # Takes one batch, as Keras does.
-      first = next(batches)
+      first = next(batches, None)
       break
     else:
       return maybe_symbolic_build(self, data_batch=data_batch)
+    if first is None:
+      # Zero rows. Keras still traces the step function, which would create
+      # the optimizer's variables inside the replicas: build from the
+      # batches' spec instead, as from a batch.
+      return maybe_symbolic_build(self, data_batch=tf.nest.map_structure(
+          tfi.one_replica_spec, batches.element_spec))
 
     def whole(value):
       if not isinstance(value, tf.distribute.DistributedValues):
         return value
       parts = strategy.experimental_local_results(value)
+      if isinstance(parts[0], tf.SparseTensor):
+        return tf.sparse.concat(0, list(parts), expand_nonconcat_dims=True)
       return tf.concat(parts, axis=0) if parts[0].shape.rank else parts[0]
 
     return maybe_symbolic_build(self, data_batch=tf.nest.map_structure(

@@ -63,6 +63,30 @@ class ReplicaContext(tfi.ThreadReplicaContext):
 
     return super()._merge_call(checked, (signature,) + tuple(args), kwargs)  # pylint: disable=protected-access
 
+  def merge_call(self, merge_fn, args=(), kwargs=None):
+    """`tf.distribute.ReplicaContext.merge_call`, from replica context only.
+
+    `merge_fn` runs in cross-replica context: there, as in every TF strategy,
+    `tf.distribute.get_replica_context()` is None, and a replica context
+    captured before is refused with a RuntimeError.
+    """
+    self._require_replica_context("merge_call")
+    return super().merge_call(merge_fn, args, kwargs)
+
+  def _require_replica_context(self, api):
+    # A merge function (merge_call's merge_fn) runs once for all replicas, in
+    # cross-replica context; a context captured there would fail inside TF
+    # with "Need to be inside `call_for_each_replica()`" or a PerReplica error.
+    if tf.distribute.in_cross_replica_context():
+      raise RuntimeError(
+          f"ReplicaContext.{api} was called in cross-replica context, most "
+          f"likely inside a merge function (the merge_fn given to "
+          f"merge_call), which runs once for all replicas. Its arguments "
+          f"already hold every replica's value: combine them with the "
+          f"strategy that merge_fn receives (strategy.reduce, "
+          f"strategy.extended.reduce_to, strategy.gather), or call {api} "
+          f"in the replica function, before or after merge_call.")
+
   def all_reduce(self, reduce_op, value, options=None):
     """All-reduces a nested structure with "sum", "mean", "min" or "max".
 
@@ -70,7 +94,9 @@ class ReplicaContext(tfi.ThreadReplicaContext):
     Gradients: SUM/MEAN as in TF; MIN/MAX send the summed upstream gradient to
     the replicas holding the extremum, split evenly among ties.
     """
+    self._require_replica_context("all_reduce")
     op = reduce_op_lib.parse(reduce_op)
+    reject_none(value, "value", "ReplicaContext.all_reduce")
     # Python numbers become each replica's own tensor. A tensor made outside
     # strategy.run stays one object: SUM and MEAN take it, as MirroredStrategy
     # and Keras's tests do, for a value already all-reduced.
@@ -100,6 +126,7 @@ class ReplicaContext(tfi.ThreadReplicaContext):
     The gradient of the result flows back, summed over replicas, to the
     source replica's input; the other replicas' inputs get zero.
     """
+    self._require_replica_context("broadcast")
     num_replicas = self.num_replicas_in_sync
     if not (isinstance(source_replica_id, int) and
             0 <= source_replica_id < num_replicas):
@@ -108,6 +135,7 @@ class ReplicaContext(tfi.ThreadReplicaContext):
           f"{num_replicas}). Received: source_replica_id="
           f"{source_replica_id!r}")
     is_source = self._replica_id_in_sync_group == source_replica_id
+    reject_none(value, "value", "ReplicaContext.broadcast")
     value = _own_tensors(value)
     flat = tf.nest.flatten(value)
 
@@ -129,6 +157,8 @@ class ReplicaContext(tfi.ThreadReplicaContext):
 
     Inside control flow every replica's value must have the same shape.
     """
+    self._require_replica_context("all_gather")
+    reject_none(value, "value", "ReplicaContext.all_gather")
     value = _own_tensors(value)
     if self.can_merge:
       return super().all_gather(value, axis, options)
@@ -254,6 +284,20 @@ def _check_same_merge(signatures):
         "point: " + "; ".join(f"replica {i}: {p}" for i, p in enumerate(parts))
         + ". Every replica must call the same all_reduce / merge_call (same "
         "op) in the same order.")
+
+
+def reject_none(value, argument, api):
+  """Names the path of the first None in the structure `value`.
+
+  TF's own error, "None values not supported.", does not say where it is.
+  """
+  for path, leaf in tfi.nest.flatten_with_tuple_paths(value):
+    if leaf is None:
+      where = argument + "".join(f"[{key!r}]" for key in path)
+      raise ValueError(
+          f"Expected every element of `{argument}` given to {api} to be a "
+          f"tensor or a number. Received: {where}=None. Leave it out of "
+          f"`{argument}`, or put a tensor in its place.")
 
 
 def merge_call_possible():

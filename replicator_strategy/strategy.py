@@ -17,6 +17,9 @@ TF-Replicator (Buchlovsky et al., 2019, arXiv:1902.00465) rebuilt as a
 `tf.distribute.Strategy`.
 """
 
+import math
+import numbers
+
 import tensorflow as tf
 
 from replicator_strategy import _tf_internal as tfi
@@ -25,32 +28,40 @@ from replicator_strategy import collectives
 from replicator_strategy import devices as devices_lib
 from replicator_strategy import extended as extended_lib
 from replicator_strategy import reduce_op as reduce_op_lib
+from replicator_strategy import replica_context
 from replicator_strategy import worker_runtime
+
+# TF turns the timeout into int64 microseconds (collective ops, through a
+# float32) and int64 nanoseconds of a clock (heartbeats), which overflow past
+# about 1e10 seconds. A billion seconds, about 31 years, stays clear of that
+# and already means "never time out".
+MAX_TIMEOUT_SECONDS = 10**9
 
 
 class ReplicatorStrategy(tf.distribute.Strategy):
   """Synchronous data-parallel replication over local devices and workers.
 
   Args:
-    devices: this worker's device strings to replicate over, one replica
-      each. Default: every local GPU, or every logical CPU device when there
+    devices: this worker's devices to replicate over, one replica each: a
+      list of device strings such as "/gpu:0", or of `tf.DeviceSpec`s. Default: every local GPU, or every logical CPU device when there
       is no GPU. Every worker must have as many.
     all_reduce: "auto" (default: picked for the topology, see
       `replicator_strategy.all_reduce`), "add_on_one_device", "nccl",
       "hierarchical_copy", "ring", or a `tf.distribute.CrossDeviceOps`.
-      Across workers: "auto" or "ring".
+      "nccl" needs GPUs and a TensorFlow built with NCCL, "hierarchical_copy"
+      an even number of devices. Across workers: "auto" or "ring".
     cluster_resolver: a `tf.distribute.cluster_resolver.ClusterResolver`
       describing the workers. Default: `TF_CONFIG` when set, else this
       machine alone.
     timeout_seconds: across workers, how long to wait for a worker (to
-      start, to answer a heartbeat, to join a collective) before failing.
+      start, to answer a heartbeat, to join a collective) before failing;
+      within one worker, for a replica to join a collective inside control
+      flow. A finite number of seconds, at most 1e9 (about 31 years).
   """
 
   def __init__(self, devices=None, all_reduce="auto", cluster_resolver=None,
                timeout_seconds=collectives.TIMEOUT_SECONDS):
-    if not (isinstance(timeout_seconds, (int, float)) and timeout_seconds > 0):
-      raise ValueError(f"Expected `timeout_seconds` to be a positive number. "
-                       f"Received: timeout_seconds={timeout_seconds!r}")
+    _check_timeout(timeout_seconds)
     cluster = (cluster_lib.from_resolver(cluster_resolver)
                if cluster_resolver is not None else
                cluster_lib.from_environment())
@@ -71,6 +82,7 @@ class ReplicatorStrategy(tf.distribute.Strategy):
     >>> strategy.reduce("max", per_replica_values, axis=None)
     """
     op = reduce_op_lib.parse(reduce_op)
+    replica_context.reject_none(value, "value", "strategy.reduce")
     if not op.is_extremum:
       return super().reduce(op.to_tf(), value, axis)
 
@@ -97,3 +109,15 @@ class ReplicatorStrategy(tf.distribute.Strategy):
             f"{', '.join(self.extended.worker_devices)}; all-reduce "
             f"{self.extended.all_reduce_choice})")
 
+
+def _check_timeout(timeout_seconds):
+  # bool is an int to Python, but True seconds is surely a mistake.
+  is_number = (isinstance(timeout_seconds, numbers.Real) and
+               not isinstance(timeout_seconds, bool))
+  if not (is_number and math.isfinite(timeout_seconds) and
+          0 < timeout_seconds <= MAX_TIMEOUT_SECONDS):
+    raise ValueError(
+        f"Expected `timeout_seconds` to be a finite number of seconds in "
+        f"(0, {MAX_TIMEOUT_SECONDS}]. Received: timeout_seconds="
+        f"{timeout_seconds!r}. For a timeout that never fires in practice, "
+        f"pass timeout_seconds={MAX_TIMEOUT_SECONDS} (about 31 years).")

@@ -86,11 +86,13 @@ def build(model_name, strategy):
   return model
 
 
-def train_and_measure(model_name, strategy, fit_input):
+def train_and_measure(model_name, strategy, fit_input, encode=lambda x: x):
+  """Trains, evaluates and predicts; `encode` turns every x into its input."""
   model = build(model_name, strategy)
   x, y = make_data(model_name, TRAIN_ROWS, seed=0)
-  history = fit_input(model, x, y).history
+  history = fit_input(model, encode(x), y).history
   xe, ye = make_data(model_name, EVAL_ROWS, seed=1)
+  xe = encode(xe)
   return {
       "history": history,
       "evaluate": model.evaluate(xe, ye, batch_size=GLOBAL_BATCH, verbose=0),
@@ -206,7 +208,20 @@ INPUTS = {
 }
 
 
+def sparse(x):
+  """`x` as a tf.SparseTensor holding its larger half of the values."""
+  return tf.sparse.from_dense(np.where(np.abs(x) > 0.7, x, 0.0))
+
+
 class InputParityTest(unittest.TestCase):
+
+  @parameterized.expand(topology.NAMED_REPLICA_COUNTS)
+  def test_sparse_x(self, _, n):
+    want = train_and_measure("mlp", tf.distribute.get_strategy(), fit_numpy,
+                             encode=sparse)
+    got = train_and_measure("mlp", topology.strategy_over(n), fit_numpy,
+                            encode=sparse)
+    assert_same_results(self, got, want)
 
   # Not the generator on one replica: Keras's pre-build takes the first batch
   # of a generator and, with a one-device strategy (MirroredStrategy too),
@@ -220,6 +235,37 @@ class InputParityTest(unittest.TestCase):
     got = train_and_measure("mlp", topology.strategy_over(n),
                             INPUTS[input_name])
     assert_same_results(self, got, want)
+
+  @parameterized.expand(topology.NAMED_REPLICA_COUNTS)
+  def test_zero_rows_do_what_they_do_without_a_strategy(self, _, n):
+
+    def outcome(call):
+      try:
+        result = call()
+      except Exception as e:  # pylint: disable=broad-except
+        return "raises", type(e)
+      return "returns", tf.nest.map_structure(np.shape, result)
+
+    def outcomes(strategy):
+      model = build("mlp", strategy)
+      x, y = make_data("mlp", 0, seed=0)
+      dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL_BATCH)
+      return [
+          outcome(lambda: model.fit(x, y, batch_size=GLOBAL_BATCH,
+                                    verbose=0).history),
+          outcome(lambda: model.evaluate(x, y, batch_size=GLOBAL_BATCH,
+                                         verbose=0)),
+          outcome(lambda: model.predict(x, batch_size=GLOBAL_BATCH,
+                                        verbose=0)),
+          outcome(lambda: model.fit(dataset, verbose=0).history),
+          outcome(lambda: model.evaluate(dataset, verbose=0)),
+      ]
+
+    want = outcomes(tf.distribute.get_strategy())
+    # Without a strategy, fit and evaluate do nothing and return empty logs.
+    self.assertEqual(want[0], ("returns", {}))
+    self.assertEqual(want[1], ("returns", []))
+    self.assertEqual(outcomes(topology.strategy_over(n)), want)
 
   @parameterized.expand(topology.NAMED_REPLICA_COUNTS)
   def test_distributed_dataset_from_the_strategy(self, _, n):

@@ -71,6 +71,28 @@ class AllReduceTest(unittest.TestCase):
     with self.assertRaisesRegex(ValueError, "'sum', 'mean', 'min', 'max'.*'prod'"):
       strategy.run(fn)
 
+  @parameterized.expand([
+      (f"{api}_{mode}", api, traced)
+      for api in ("all_reduce", "broadcast", "all_gather")
+      for mode, traced in _MODES])
+  def test_a_none_element_is_named_by_its_path(self, _, api, traced):
+    strategy = topology.strategy_over(2)
+    collective = {
+        "all_reduce": lambda ctx, v: ctx.all_reduce("max", v),
+        "broadcast": lambda ctx, v: ctx.broadcast(v),
+        "all_gather": lambda ctx, v: ctx.all_gather(v, axis=0),
+    }[api]
+
+    def fn():
+      x = tf.reshape(replica_value(), [1])
+      return collective(tf.distribute.get_replica_context(),
+                        {"loss": x, "aux": [x, None]})
+
+    with self.assertRaisesRegex(
+        ValueError, f"`value` given to ReplicaContext.{api} .*Received: "
+        r"value\['aux'\]\[1\]=None"):
+      run_per_replica(strategy, fn, traced)
+
   @parameterized.expand(_CASES)
   def test_gradients(self, _, n, traced):
     strategy = topology.strategy_over(n)
@@ -204,6 +226,31 @@ class ContextTest(unittest.TestCase):
       np.testing.assert_array_equal(
           rows, np.repeat(np.arange(n, dtype=np.float32)[:, None], 2, axis=1))
       self.assertEqual(merged, n * (n - 1) / 2)
+
+  @parameterized.expand([
+      (f"{api}_{mode}", api, traced)
+      for api in ("merge_call", "all_reduce", "broadcast", "all_gather")
+      for mode, traced in _MODES])
+  def test_replica_calls_inside_a_merge_function_are_refused(self, _, api,
+                                                             traced):
+    strategy = topology.strategy_over(2)
+    nested = {
+        "merge_call": lambda ctx, v: ctx.merge_call(lambda s, x: x, args=(v,)),
+        "all_reduce": lambda ctx, v: ctx.all_reduce("sum", v),
+        "broadcast": lambda ctx, v: ctx.broadcast(v),
+        "all_gather": lambda ctx, v: ctx.all_gather(v, axis=0),
+    }[api]
+
+    def fn():
+      ctx = tf.distribute.get_replica_context()
+      # merge_fn runs in cross-replica context: it gets every replica's x.
+      return ctx.merge_call(lambda strategy, x: nested(ctx, x),
+                            args=(tf.reshape(replica_value(), [1]),))
+
+    with self.assertRaisesRegex(
+        RuntimeError, f"ReplicaContext.{api} was called in cross-replica "
+        "context, most likely inside a merge function"):
+      run_per_replica(strategy, fn, traced)
 
   def test_all_gather_gradient(self):
     strategy = topology.strategy_over(2)

@@ -1,5 +1,6 @@
 """Construction, placement and the cross-replica API, on 1, 2 and 4 replicas."""
 
+import re
 import unittest
 from unittest import mock
 
@@ -32,13 +33,36 @@ class ConstructionTest(unittest.TestCase):
       ("duplicate", ["/cpu:1", "/device:CPU:1"], "'/device:CPU:1'.*more than once"),
       ("empty", [], "at least one device"),
       ("garbage", ["not a device"], "'not a device'"),
-      ("plain_string", "/cpu:0", "list of device strings"),
+      ("plain_string", "/cpu:0",
+       r"list of device strings.*devices='/cpu:0'. A single device goes in a "
+       r"list too"),
+      ("ints", [0, 1], r"Device 0 in `devices` is a number.*'/gpu:0' or "
+       r"'/cpu:0'"),
+      ("none_entry", ["/cpu:0", None],
+       r"device string such as '/gpu:0' or a tf.DeviceSpec. Received: "
+       r"devices\[1\]=None of type NoneType"),
+      ("bytes_entry", [b"/cpu:0"], r"Received: devices\[0\]=b'/cpu:0' of type "
+       r"bytes"),
+      ("empty_string", [""], "Device '' in `devices` names no single device: "
+       "it has no device type"),
+      ("wildcard", ["/cpu:*"], r"'/cpu:\*' in `devices` names no single "
+       "device: it has no device index"),
+      ("no_index", ["/cpu:0", "/cpu"], "'/cpu' in `devices` names no single "
+       "device"),
   ])
   def test_bad_device_lists_name_the_entry_and_what_exists(self, _, devices,
                                                          pattern):
     with self.assertRaisesRegex(ValueError, pattern) as raised:
       rs.ReplicatorStrategy(devices=devices)
     self.assertIn("Devices that exist: " + CPU % 0, str(raised.exception))
+
+  def test_device_specs_name_devices_as_strings_do(self):
+    specs = [tf.DeviceSpec(device_type="CPU", device_index=2),
+             tf.DeviceSpec.from_string("/job:localhost/device:CPU:0")]
+    strategy = rs.ReplicatorStrategy(devices=specs)
+    self.assertEqual(strategy.extended.worker_devices, (CPU % 2, CPU % 0))
+    with self.assertRaisesRegex(ValueError, "names no single device"):
+      rs.ReplicatorStrategy(devices=[tf.DeviceSpec(device_type="CPU")])
 
   def test_mixed_device_types_are_rejected(self):
     fake = [tf.config.LogicalDevice(CPU % 0, "CPU"),
@@ -67,6 +91,32 @@ class ConstructionTest(unittest.TestCase):
     with self.assertRaisesRegex(ValueError, "positive int.*0"):
       rs.split_cpu(0)
 
+  @parameterized.expand([
+      ("infinite", float("inf")), ("nan", float("nan")), ("bool", True),
+      ("beyond_the_bound", rs.strategy.MAX_TIMEOUT_SECONDS * 10),
+      ("zero", 0), ("string", "60"), ("none", None),
+  ])
+  def test_timeout_must_be_finite_positive_and_bounded(self, _, bad):
+    with self.assertRaisesRegex(
+        ValueError, r"finite number of seconds in \(0, 1000000000\]. "
+        r"Received: timeout_seconds=" + re.escape(repr(bad))):
+      rs.ReplicatorStrategy(timeout_seconds=bad)
+
+  def test_largest_timeout_works_in_a_collective_under_control_flow(self):
+    # Inside tf.cond the replicas meet in a collective op that carries the
+    # timeout: the bound must fit it.
+    strategy = topology.strategy_over(
+        2, timeout_seconds=rs.strategy.MAX_TIMEOUT_SECONDS)
+
+    def fn():
+      ctx = tf.distribute.get_replica_context()
+      x = tf.cast(ctx.replica_id_in_sync_group + 1, tf.float32)
+      return tf.cond(x > 0.0, lambda: ctx.all_reduce("sum", x), lambda: x)
+
+    results = strategy.experimental_local_results(
+        tf.function(lambda: strategy.run(fn))())
+    self.assertEqual([float(r) for r in results], [3.0, 3.0])
+
   def test_bad_all_reduce_names_the_choices(self):
     with self.assertRaisesRegex(ValueError, "'auto'.*Received: all_reduce='fast'"):
       rs.ReplicatorStrategy(all_reduce="fast")
@@ -85,16 +135,50 @@ class ConstructionTest(unittest.TestCase):
     self.assertEqual(len(logs.output), 1)
     self.assertRegex(logs.output[0], "2 replica.*CPU:0.*CPU:1.*add_on_one_device")
 
-  @parameterized.expand(["add_on_one_device", "ring", "hierarchical_copy"])
-  def test_every_cpu_capable_algorithm_sums(self, algorithm):
-    strategy = topology.strategy_over(4, all_reduce=algorithm)
+  @parameterized.expand([
+      (f"{algorithm}_{n}_replicas", algorithm, n)
+      for algorithm in ("add_on_one_device", "ring", "hierarchical_copy")
+      for n in (2, 3, 4) if (algorithm, n) != ("hierarchical_copy", 3)])
+  def test_every_cpu_capable_algorithm_sums(self, _, algorithm, n):
+    strategy = topology.strategy_over(n, all_reduce=algorithm)
     fn = lambda: tf.distribute.get_replica_context().all_reduce(
         "sum", tf.fill([3], tf.cast(
             tf.distribute.get_replica_context().replica_id_in_sync_group,
             tf.float32)))
     for r in strategy.experimental_local_results(tf.function(
         lambda: strategy.run(fn))()):
-      np.testing.assert_array_equal(r, [6.0] * 3)
+      np.testing.assert_array_equal(r, [n * (n - 1) / 2] * 3)
+
+  def test_nccl_on_cpu_devices_is_refused_at_construction(self):
+    # It used to fail at the first all-reduce: no NCCL kernel for CPUs.
+    with self.assertRaisesRegex(
+        ValueError, "'nccl' all-reduces between GPUs, but `devices` include "
+        ".*CPU:0.*Use all_reduce='auto'"):
+      topology.strategy_over(2, all_reduce="nccl")
+
+  def test_nccl_without_nccl_kernels_is_refused_at_construction(self):
+    gpus = [tf.config.LogicalDevice(CPU.replace("CPU", "GPU") % i, "GPU")
+            for i in range(2)]
+    listing = lambda device_type=None: (
+        gpus if device_type in (None, "GPU") else [])
+    with mock.patch.object(tf.config, "list_logical_devices", listing), \
+         mock.patch.object(tf.config, "list_physical_devices", listing):
+      if tf.sysconfig.get_build_info().get("is_cuda_build"):
+        self.skipTest("this TensorFlow has NCCL kernels")
+      with self.assertRaisesRegex(ValueError, "has no NCCL kernels"):
+        rs.ReplicatorStrategy(devices=["/gpu:0", "/gpu:1"], all_reduce="nccl")
+      # "auto" picks what works without NCCL.
+      self.assertEqual(
+          rs.ReplicatorStrategy(devices=["/gpu:0", "/gpu:1"]).extended
+          .all_reduce_choice, "hierarchical_copy: separate GPUs without NCCL")
+
+  def test_hierarchical_copy_on_an_odd_device_count_is_refused(self):
+    # TF's implementation sums two halves of n // 2 devices: with 3 it
+    # silently left the third replica out of every sum.
+    with self.assertRaisesRegex(
+        ValueError, "odd number of devices.*Received: "
+        "all_reduce='hierarchical_copy' with 3 devices"):
+      topology.strategy_over(3, all_reduce="hierarchical_copy")
 
   @parameterized.expand(["auto", "ring"])
   def test_instances_work_side_by_side(self, algorithm):
@@ -142,6 +226,15 @@ class CrossReplicaTest(unittest.TestCase):
     np.testing.assert_allclose(strategy.reduce("min", values, axis=None)["a"],
                                [1.0, 2.0])
 
+  @parameterized.expand(["sum", "mean", "max"])
+  def test_reduce_names_a_none_element_by_its_path(self, op):
+    strategy = topology.strategy_over(2)
+    results = strategy.run(lambda: {"loss": tf.constant(1.0), "extra": (None,)})
+    with self.assertRaisesRegex(
+        ValueError, r"`value` given to strategy.reduce .*Received: "
+        r"value\['extra'\]\[0\]=None"):
+      strategy.reduce(op, results, axis=None)
+
   @parameterized.expand(topology.NAMED_REPLICA_COUNTS)
   def test_gather_and_local_results(self, _, n):
     strategy = topology.strategy_over(n)
@@ -169,6 +262,27 @@ class CrossReplicaTest(unittest.TestCase):
         self.assertEqual([len(p) for p in parts], [8 // n] * n)
       seen.extend(np.concatenate([p.numpy() for p in parts]).tolist())
     self.assertEqual(seen, list(range(23)))
+
+  def test_an_unbatched_dataset_is_refused_with_the_fix(self):
+    strategy = topology.strategy_over(2)
+    features = tf.data.Dataset.from_tensor_slices(
+        {"x": tf.ones([8, 3]), "label": tf.range(8)})
+    with self.assertRaisesRegex(
+        ValueError, r"among 2 replicas, but this dataset has scalars with no "
+        r"such dimension \(element\['label'\]\): it looks unbatched.*"
+        r"dataset.batch\(global_batch_size\)"):
+      strategy.experimental_distribute_dataset(features)
+    batched = strategy.experimental_distribute_dataset(features.batch(4))
+    first = strategy.experimental_local_results(next(iter(batched))["label"])
+    self.assertEqual([p.numpy().tolist() for p in first], [[0, 1], [2, 3]])
+
+  def test_one_replica_takes_an_unbatched_dataset_as_no_strategy_does(self):
+    # Nothing is split, so elements pass as they are, batched or not.
+    strategy = topology.strategy_over(1)
+    dataset = tf.data.Dataset.range(3)
+    got = [int(strategy.experimental_local_results(e)[0])
+           for e in strategy.experimental_distribute_dataset(dataset)]
+    self.assertEqual(got, [int(e) for e in dataset])
 
   @parameterized.expand(topology.NAMED_REPLICA_COUNTS)
   def test_distributed_dataset_in_a_traced_loop(self, _, n):
