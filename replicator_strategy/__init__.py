@@ -8,6 +8,7 @@
 
 from replicator_strategy import keras_chief_writes
 from replicator_strategy import keras_integration
+from replicator_strategy import preemption
 from replicator_strategy.devices import local_devices
 from replicator_strategy.devices import split_cpu
 from replicator_strategy.extended import ReplicatorExtended
@@ -27,3 +28,4 @@ __version__ = "0.1.0"
 
 keras_integration.install()
 keras_chief_writes.install()
+preemption.install_keras()
