@@ -198,6 +198,58 @@ def keras_backup_and_restore(strategy, workdir=None):
   return {"weights": _weights(model), "loss": history.history["loss"]}
 
 
+class _SignalAt(keras.callbacks.Callback):
+  """Worker 1 sends itself `sig` after `step` batches, on the first start only.
+
+  The launcher numbers the starts in REPLICATOR_RESTART_COUNT.
+  """
+
+  def __init__(self, strategy, sig, step):
+    super().__init__()
+    self._armed = (strategy.extended.cluster.worker_index == 1 and
+                   os.environ.get("REPLICATOR_RESTART_COUNT", "0") == "0")
+    self._sig, self._step, self._steps = sig, step, 0
+
+  def on_train_batch_end(self, batch, logs=None):
+    self._steps += 1
+    if self._armed and self._steps == self._step:
+      print(f"sending {signal.Signals(self._sig).name} to worker 1",
+            flush=True)
+      os.kill(os.getpid(), self._sig)
+
+
+def keras_preempted(strategy, workdir, sig=signal.SIGTERM):
+  """keras_backup_and_restore; worker 1 gets `sig` in epoch 3 on the first start.
+
+  4 batches per epoch: the signal comes after batch 2 of epoch 3 (step 10),
+  when the backup of epoch 2 is on disk.
+  """
+  x, y = data()
+  model = _model(strategy, lambda: keras.optimizers.Adam(0.01), loss="mse")
+  callbacks = [keras.callbacks.BackupAndRestore(
+      str(pathlib.Path(workdir) / "backup")), _SignalAt(strategy, sig, 10)]
+  history = model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=4, verbose=0,
+                      shuffle=False, callbacks=callbacks)
+  return {"weights": _weights(model), "loss": history.history["loss"]}
+
+
+def peer_gets_sigterm(strategy):
+  """peer_dies, but worker 1 gets SIGTERM in a loop that does not save."""
+  model = _model(strategy)
+  x, _ = data()
+
+  @tf.function
+  def step():
+    return strategy.run(lambda: tf.distribute.get_replica_context().all_reduce(
+        "sum", tf.reduce_sum(model(x))))
+
+  for i in range(1000):
+    step()
+    if i == 1 and strategy.extended.cluster.worker_index == 1:
+      os.kill(os.getpid(), signal.SIGTERM)
+  return {}
+
+
 def input_pipelines(strategy):
   """What each worker's input pipeline is told, and the no-sharding warning."""
   contexts = []
@@ -241,6 +293,10 @@ RUNS = {"custom_loop": custom_loop, "primitives": primitives,
         "keras_backup_and_restore": keras_backup_and_restore,
         "keras_fit_steps_per_execution": functools.partial(
             keras_fit, steps_per_execution=3),
-        "input_pipelines": input_pipelines}
+        "input_pipelines": input_pipelines,
+        "keras_preempted": keras_preempted,
+        "keras_killed": functools.partial(keras_preempted, sig=signal.SIGKILL),
+        "peer_gets_sigterm": peer_gets_sigterm}
 # Runs that take the output directory as their working directory.
-TAKES_WORKDIR = ("keras_files", "keras_backup_and_restore")
+TAKES_WORKDIR = ("keras_files", "keras_backup_and_restore", "keras_preempted",
+                 "keras_killed")

@@ -10,6 +10,7 @@ import json
 import os
 import pathlib
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -27,11 +28,11 @@ TESTS = pathlib.Path(__file__).parent
 LAUNCH_TIMEOUT = 240
 
 
-def launch_workers(runs, out, num_workers=2, env=None):
+def launch_workers(runs, out, num_workers=2, env=None, launch_args=()):
   """Runs `runs` on `num_workers` workers writing to `out`; (status, output)."""
   done = subprocess.run(
       [sys.executable, "-m", "replicator_strategy.launch", "--workers",
-       str(num_workers), "--timeout", str(LAUNCH_TIMEOUT), "--",
+       str(num_workers), "--timeout", str(LAUNCH_TIMEOUT), *launch_args, "--",
        sys.executable, str(TESTS / "multi_worker_main.py"), ",".join(runs),
        str(out)],
       capture_output=True, text=True, timeout=LAUNCH_TIMEOUT + 30,
@@ -207,6 +208,47 @@ class FilesTest(unittest.TestCase):
       assert_close_nested(self, got["weights"], expected["weights"])
 
 
+@pytest.mark.slow
+class PreemptionTest(unittest.TestCase):
+  """SIGTERM or SIGKILL to worker 1 in epoch 3 of 4; --max-restarts resumes."""
+
+  def run_interrupted(self, run):
+    """The launcher's output, the resumed results, what TMPDIR holds after."""
+    with tempfile.TemporaryDirectory() as out, \
+        tempfile.TemporaryDirectory() as tmp:
+      status, output = launch_workers([run], out, env={"TMPDIR": tmp},
+                                      launch_args=["--max-restarts", "1"])
+      self.assertEqual(status, 0, output)
+      workers = [json.loads((pathlib.Path(out) / f"worker_{i}.json")
+                            .read_text())[run] for i in range(2)]
+      scratch = [p for p in os.listdir(tmp) if p.startswith("replicator-")]
+      self.assertFalse((pathlib.Path(out) / "backup").exists())
+    expected = multi_worker_runs.keras_backup_and_restore(
+        topology.strategy_over(4))
+    for got in workers:
+      self.assertEqual(len(got["loss"]), 2)  # Epochs 3 and 4 only.
+      assert_close_nested(self, got["loss"], expected["loss"][2:])
+      assert_close_nested(self, got["weights"], expected["weights"])
+    return output, scratch
+
+  def test_sigterm_stops_every_worker_at_one_step_and_a_restart_resumes(self):
+    output, scratch = self.run_interrupted("keras_preempted")
+    # Signalled after step 10, seen after step 11: every worker stops after 12.
+    stop = ("stops after step 12: /job:worker/replica:0/task:1 received "
+            "SIGTERM")
+    self.assertIn(f"[worker 0] /job:worker/replica:0/task:0 {stop}", output)
+    self.assertIn(f"[worker 1] /job:worker/replica:0/task:1 {stop}", output)
+    self.assertRegex(output, r"worker \d exited with status 143")
+    self.assertIn("restarting every worker on fresh ports (restart 1", output)
+    self.assertEqual(scratch, [])  # Removed before the preempted exit.
+
+  def test_a_killed_worker_exits_137_and_its_scratch_goes_at_the_restart(
+      self):
+    output, scratch = self.run_interrupted("keras_killed")
+    self.assertIn("worker 1 was killed by SIGKILL", output)
+    self.assertEqual(scratch, [])
+
+
 FAULT_TIMEOUT = 10  # timeout_seconds the fault tests give the strategy.
 
 
@@ -275,6 +317,36 @@ class FaultTest(unittest.TestCase):
   def test_a_worker_that_dies_mid_training_fails_the_chief_naming_it(self):
     workers = start_workers([0, 1], "peer_dies")
     self.check_fails_naming(workers, 0, "/job:worker/replica:0/task:1")
+
+  def test_sigterm_outside_a_saving_loop_exits_143_and_fails_the_chief(self):
+    workers = start_workers([0, 1], "peer_gets_sigterm")
+    self.check_fails_naming(workers, 0, "/job:worker/replica:0/task:1")
+    status, _, output = outcome(workers[1])
+    self.assertEqual(status, 143, output[-3000:])
+    self.assertIn("/job:worker/replica:0/task:1 received SIGTERM outside a "
+                  "training loop that saves on preemption", output)
+
+  def test_a_port_taken_by_another_process_is_named(self):
+    with socket.socket() as taken:
+      taken.bind(("127.0.0.1", 0))
+      taken.listen()
+      port = taken.getsockname()[1]
+      address = f"127.0.0.1:{port}"
+      worker = subprocess.Popen(
+          [sys.executable, str(TESTS / "multi_worker_main.py"), "primitives",
+           tempfile.mkdtemp(), str(FAULT_TIMEOUT)],
+          env={**os.environ, "TF_CONFIG": launch.tf_config(
+              [address, f"127.0.0.1:{launch.free_ports(1)[0]}"], 0)},
+          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+          start_new_session=True)
+      self.addCleanup(kill_all, {0: worker})
+      status, seconds, output = outcome(worker)
+    self.assertNotEqual(status, 0)
+    self.assertLess(seconds, 30)
+    self.assertIn(f"/job:worker/replica:0/task:0 cannot listen on port {port}, "
+                  f"the port of its address {address} in the cluster "
+                  f"(Address already in use): another process holds it.",
+                  output)
 
   def test_a_worker_that_freezes_mid_training_fails_the_chief_naming_it(self):
     workers = start_workers([0, 1], "peer_freezes")
