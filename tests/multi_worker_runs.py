@@ -233,6 +233,30 @@ def keras_preempted(strategy, workdir, sig=signal.SIGTERM):
   return {"weights": _weights(model), "loss": history.history["loss"]}
 
 
+class _WritePid(keras.callbacks.Callback):
+  """Writes pid<worker> into `workdir` once the first epoch is backed up."""
+
+  def __init__(self, strategy, workdir):
+    super().__init__()
+    self._path = pathlib.Path(workdir) / (
+        f"pid{strategy.extended.cluster.worker_index}")
+
+  def on_epoch_end(self, epoch, logs=None):
+    if epoch == 0:
+      self._path.write_text(str(os.getpid()))
+
+
+def keras_until_stopped(strategy, workdir):
+  """fit with BackupAndRestore for longer than any test waits."""
+  x, y = data()
+  model = _model(strategy, lambda: keras.optimizers.Adam(0.01), loss="mse")
+  model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=100000, verbose=0,
+            callbacks=[keras.callbacks.BackupAndRestore(
+                str(pathlib.Path(workdir) / "backup")),
+                       _WritePid(strategy, workdir)])
+  return {}
+
+
 def peer_gets_sigterm(strategy):
   """peer_dies, but worker 1 gets SIGTERM in a loop that does not save."""
   model = _model(strategy)
@@ -296,7 +320,8 @@ RUNS = {"custom_loop": custom_loop, "primitives": primitives,
         "input_pipelines": input_pipelines,
         "keras_preempted": keras_preempted,
         "keras_killed": functools.partial(keras_preempted, sig=signal.SIGKILL),
-        "peer_gets_sigterm": peer_gets_sigterm}
+        "peer_gets_sigterm": peer_gets_sigterm,
+        "keras_until_stopped": keras_until_stopped}
 # Runs that take the output directory as their working directory.
 TAKES_WORKDIR = ("keras_files", "keras_backup_and_restore", "keras_preempted",
-                 "keras_killed")
+                 "keras_killed", "keras_until_stopped")

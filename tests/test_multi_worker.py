@@ -242,6 +242,41 @@ class PreemptionTest(unittest.TestCase):
     self.assertIn("restarting every worker on fresh ports (restart 1", output)
     self.assertEqual(scratch, [])  # Removed before the preempted exit.
 
+  def test_sigterm_to_the_launcher_stops_every_worker_at_one_step(self):
+    with tempfile.TemporaryDirectory() as out, tempfile.TemporaryFile(
+        "w+") as log:
+      launcher = subprocess.Popen(
+          [sys.executable, "-m", "replicator_strategy.launch", "--workers",
+           "2", "--timeout", str(LAUNCH_TIMEOUT), "--", sys.executable,
+           str(TESTS / "multi_worker_main.py"), "keras_until_stopped", out],
+          stdout=log, stderr=subprocess.STDOUT, text=True)
+      self.addCleanup(launcher.kill)
+      pid_files = [pathlib.Path(out, f"pid{i}") for i in range(2)]
+      deadline = time.monotonic() + 60
+      while not all(p.exists() for p in pid_files):
+        self.assertIsNone(launcher.poll())
+        self.assertLess(time.monotonic(), deadline)
+        time.sleep(0.1)
+      pids = [int(p.read_text()) for p in pid_files]
+      start = time.monotonic()
+      launcher.send_signal(signal.SIGTERM)
+      launcher.wait(timeout=60)
+      seconds = time.monotonic() - start
+      log.seek(0)
+      output = log.read()
+      self.assertEqual(launcher.returncode, 143, output[-3000:])
+      self.assertTrue((pathlib.Path(out) / "backup" /
+                       "latest.weights.h5").exists())
+    self.assertRegex(output, r"\[worker 0\] /job:worker/replica:0/task:0 "
+                     r"stops after step \d+: /job:worker/replica:0/task:\d "
+                     r"received SIGTERM")
+    self.assertRegex(output, r"\[worker 1\] /job:worker/replica:0/task:1 "
+                     r"stops after step \d+")
+    self.assertLess(seconds, 15)
+    for pid in pids:
+      with self.assertRaises(ProcessLookupError):
+        os.kill(pid, 0)
+
   def test_a_killed_worker_exits_137_and_its_scratch_goes_at_the_restart(
       self):
     output, scratch = self.run_interrupted("keras_killed")
