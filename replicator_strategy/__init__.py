@@ -12,11 +12,13 @@ from replicator_strategy import preemption
 from replicator_strategy.devices import local_devices
 from replicator_strategy.devices import split_cpu
 from replicator_strategy.extended import ReplicatorExtended
+from replicator_strategy.preemption_checkpoint import PreemptionCheckpoint
 from replicator_strategy.reduce_op import ReduceOp
 from replicator_strategy.replica_context import ReplicaContext
 from replicator_strategy.strategy import ReplicatorStrategy
 
 __all__ = [
+    "PreemptionCheckpoint",
     "ReduceOp",
     "ReplicaContext",
     "ReplicatorExtended",

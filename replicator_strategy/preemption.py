@@ -71,13 +71,13 @@ def start_watching():
     _watch[0].loops += 1
 
 
-def stop_watching():
+def stop_watching(exit_if_told=True):
   """The loop ended; exits if this worker was told to stop meanwhile."""
   if not _watch:
     return
   watch = _watch[0]
   watch.loops -= 1
-  if watch.signalled.is_set() or watch.stop_known.is_set():
+  if exit_if_told and (watch.signalled.is_set() or watch.stop_known.is_set()):
     # The run ended before the stop step (a preemption in its last step).
     exit_preempted(f"{watch.cluster.task_name} ends: {watch.reason()}.")
 

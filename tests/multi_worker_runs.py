@@ -11,12 +11,14 @@ import logging
 import os
 import pathlib
 import signal
+import types
 
 import numpy as np
 import tensorflow as tf
 import keras
 
 import models
+import replicator_strategy as rs
 from replicator_strategy import keras_chief_writes
 
 GLOBAL_BATCH = 16
@@ -257,6 +259,51 @@ def keras_until_stopped(strategy, workdir):
   return {}
 
 
+def custom_loop_preempted(strategy, workdir=None):
+  """12 steps of SGD with momentum from a step-counted checkpoint.
+
+  With a workdir, worker 1 gets SIGTERM after step 5 on the first start.
+  """
+  x, y = data(rows=64)
+  model = _model(strategy)
+  with strategy.scope():
+    optimizer = keras.optimizers.SGD(0.05, momentum=0.9)
+    optimizer.build(model.trainable_variables)
+    step = tf.Variable(0, dtype=tf.int64, trainable=False)
+  checkpoint = tf.train.Checkpoint(model=model, optimizer=optimizer, step=step)
+  if workdir:
+    saver = rs.PreemptionCheckpoint(strategy, checkpoint,
+                                    str(pathlib.Path(workdir) / "ckpt"))
+  else:
+    saver = contextlib.nullcontext(
+        types.SimpleNamespace(step_done=lambda: None))
+  armed = (workdir and strategy.extended.cluster.worker_index == 1 and
+           os.environ.get("REPLICATOR_RESTART_COUNT", "0") == "0")
+  start = int(step.numpy())
+  dataset = strategy.experimental_distribute_dataset(
+      tf.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL_BATCH).repeat()
+      .skip(start).take(12 - start))
+
+  def replica_step(xb, yb):
+    with tf.GradientTape() as tape:
+      loss = tf.reduce_sum(tf.square(model(xb) - yb)) / GLOBAL_BATCH
+    grads = tape.gradient(loss, model.trainable_variables)
+    optimizer.apply_gradients(zip(grads, model.trainable_variables))
+
+  @tf.function
+  def train_step(batch):
+    strategy.run(replica_step, batch)
+
+  with saver as preemption:
+    for batch in dataset:
+      train_step(batch)
+      step.assign_add(1)
+      if armed and int(step.numpy()) == 5:
+        os.kill(os.getpid(), signal.SIGTERM)
+      preemption.step_done()
+  return {"weights": _weights(model), "start": start}
+
+
 def peer_gets_sigterm(strategy):
   """peer_dies, but worker 1 gets SIGTERM in a loop that does not save."""
   model = _model(strategy)
@@ -321,7 +368,9 @@ RUNS = {"custom_loop": custom_loop, "primitives": primitives,
         "keras_preempted": keras_preempted,
         "keras_killed": functools.partial(keras_preempted, sig=signal.SIGKILL),
         "peer_gets_sigterm": peer_gets_sigterm,
-        "keras_until_stopped": keras_until_stopped}
+        "keras_until_stopped": keras_until_stopped,
+        "custom_loop_preempted": custom_loop_preempted}
 # Runs that take the output directory as their working directory.
 TAKES_WORKDIR = ("keras_files", "keras_backup_and_restore", "keras_preempted",
-                 "keras_killed", "keras_until_stopped")
+                 "keras_killed", "keras_until_stopped",
+                 "custom_loop_preempted")

@@ -242,6 +242,23 @@ class PreemptionTest(unittest.TestCase):
     self.assertIn("restarting every worker on fresh ports (restart 1", output)
     self.assertEqual(scratch, [])  # Removed before the preempted exit.
 
+  def test_a_custom_loop_saves_at_the_agreed_step_and_resumes_there(self):
+    run = "custom_loop_preempted"
+    with tempfile.TemporaryDirectory() as out:
+      status, output = launch_workers([run], out,
+                                      launch_args=["--max-restarts", "1"])
+      self.assertEqual(status, 0, output)
+      workers = [json.loads((pathlib.Path(out) / f"worker_{i}.json")
+                            .read_text())[run] for i in range(2)]
+    # Signalled after step 5, seen there: every worker stops after step 6.
+    self.assertIn("[worker 0] /job:worker/replica:0/task:0 stops after step 6: "
+                  "/job:worker/replica:0/task:1 received SIGTERM", output)
+    expected = multi_worker_runs.custom_loop_preempted(
+        topology.strategy_over(4))
+    for got in workers:
+      self.assertEqual(got["start"], 6)
+      assert_close_nested(self, got["weights"], expected["weights"])
+
   def test_sigterm_to_the_launcher_stops_every_worker_at_one_step(self):
     with tempfile.TemporaryDirectory() as out, tempfile.TemporaryFile(
         "w+") as log:
