@@ -93,8 +93,8 @@ def stop():
   try:
     tfi.context.context().wait_at_barrier(_BARRIER, watch.timeout_ms)
   except tf.errors.OpError as e:
-    print(f"{watch.cluster.task_name}: not every worker saved before the "
-          f"stop ({e.message}).", file=sys.stderr)
+    _say(f"{watch.cluster.task_name}: not every worker saved before the "
+         f"stop ({e.message}).")
   exit_preempted(f"{watch.cluster.task_name} stops after step "
                  f"{watch.stop_step}: {watch.reason()}. Restart every worker "
                  f"(the launcher's --max-restarts does) to resume from the "
@@ -103,12 +103,19 @@ def stop():
 
 def exit_preempted(message):
   """Exits at once with 143, past TF's shutdown barrier that peers would hold."""
-  print(message, file=sys.stderr)
+  _say(message)
   for fn in _before_exit:
     fn()
-  sys.stdout.flush()
-  sys.stderr.flush()
   os._exit(PREEMPTED_STATUS)  # pylint: disable=protected-access
+
+
+def _say(message):
+  try:
+    print(message, file=sys.stderr)
+    sys.stdout.flush()
+    sys.stderr.flush()
+  except OSError:
+    pass  # Output is gone (its reader, the launcher, was killed): go on.
 
 
 class _Watch:
@@ -163,8 +170,8 @@ class _Watch:
           _STOP_KEY, f"{stop_step} {self.cluster.task_name}")
     except tf.errors.AlreadyExistsError:
       return  # Another worker announced first; the listener reads its step.
-    print(f"{self.cluster.task_name} received SIGTERM: every worker stops "
-          f"after step {stop_step}.", file=sys.stderr)
+    _say(f"{self.cluster.task_name} received SIGTERM: every worker stops "
+         f"after step {stop_step}.")
     try:
       for index in range(self.cluster.num_workers):
         self._context.get_config_key_value(_ACK_KEY.format(index),

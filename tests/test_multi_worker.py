@@ -23,6 +23,7 @@ import pytest
 import multi_worker_runs
 import topology
 from replicator_strategy import launch
+from test_launch import alive
 
 TESTS = pathlib.Path(__file__).parent
 LAUNCH_TIMEOUT = 240
@@ -259,7 +260,8 @@ class PreemptionTest(unittest.TestCase):
       self.assertEqual(got["start"], 6)
       assert_close_nested(self, got["weights"], expected["weights"])
 
-  def test_sigterm_to_the_launcher_stops_every_worker_at_one_step(self):
+  def signal_the_launcher(self, sig):
+    """(status, output, seconds until no worker runs) after `sig` mid-fit."""
     with tempfile.TemporaryDirectory() as out, tempfile.TemporaryFile(
         "w+") as log:
       launcher = subprocess.Popen(
@@ -276,23 +278,32 @@ class PreemptionTest(unittest.TestCase):
         time.sleep(0.1)
       pids = [int(p.read_text()) for p in pid_files]
       start = time.monotonic()
-      launcher.send_signal(signal.SIGTERM)
+      launcher.send_signal(sig)
       launcher.wait(timeout=60)
+      while any(alive(pid) for pid in pids):
+        self.assertLess(time.monotonic() - start, 60)
+        time.sleep(0.05)
       seconds = time.monotonic() - start
       log.seek(0)
-      output = log.read()
-      self.assertEqual(launcher.returncode, 143, output[-3000:])
       self.assertTrue((pathlib.Path(out) / "backup" /
                        "latest.weights.h5").exists())
+      return launcher.returncode, log.read(), seconds
+
+  def test_sigterm_to_the_launcher_stops_every_worker_at_one_step(self):
+    status, output, seconds = self.signal_the_launcher(signal.SIGTERM)
+    self.assertEqual(status, 143, output[-3000:])
     self.assertRegex(output, r"\[worker 0\] /job:worker/replica:0/task:0 "
                      r"stops after step \d+: /job:worker/replica:0/task:\d "
                      r"received SIGTERM")
     self.assertRegex(output, r"\[worker 1\] /job:worker/replica:0/task:1 "
                      r"stops after step \d+")
     self.assertLess(seconds, 15)
-    for pid in pids:
-      with self.assertRaises(ProcessLookupError):
-        os.kill(pid, 0)
+
+  def test_a_killed_launcher_leaves_no_worker(self):
+    status, _, seconds = self.signal_the_launcher(signal.SIGKILL)
+    self.assertEqual(status, -signal.SIGKILL)
+    # Its watchdog's SIGTERM stopped them, well before its SIGKILL at 25 s.
+    self.assertLess(seconds, 15)
 
   def test_a_killed_worker_exits_137_and_its_scratch_goes_at_the_restart(
       self):
