@@ -150,11 +150,17 @@ class _Watch:
       return
     self.signalled.set()
     if not self.loops:
-      exit_preempted(
+      message = (
           f"{self.cluster.task_name} received SIGTERM outside a training loop "
-          f"that saves on preemption; exiting with status {PREEMPTED_STATUS} "
-          f"without saving. Use keras.callbacks.BackupAndRestore in fit to "
-          f"save and resume.")
+          f"that saves on preemption; it exits with status {PREEMPTED_STATUS} "
+          f"without saving. Use keras.callbacks.BackupAndRestore in fit, or "
+          f"PreemptionCheckpoint in a custom loop, to save and resume.")
+      # The others learn why at once, not when its heartbeats stop.
+      try:
+        self._context.report_error_to_cluster(tf.errors.UNAVAILABLE, message)
+      except (tf.errors.OpError, ValueError):
+        pass  # The runtime is gone already.
+      exit_preempted(message)
 
   def step_done(self):
     self.steps += 1

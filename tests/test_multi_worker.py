@@ -383,11 +383,12 @@ class FaultTest(unittest.TestCase):
 
   def test_sigterm_outside_a_saving_loop_exits_143_and_fails_the_chief(self):
     workers = start_workers([0, 1], "peer_gets_sigterm")
-    self.check_fails_naming(workers, 0, "/job:worker/replica:0/task:1")
+    message = ("/job:worker/replica:0/task:1 received SIGTERM outside a "
+               "training loop that saves on preemption")
+    self.check_fails_naming(workers, 0, message)  # Told why, at once.
     status, _, output = outcome(workers[1])
     self.assertEqual(status, 143, output[-3000:])
-    self.assertIn("/job:worker/replica:0/task:1 received SIGTERM outside a "
-                  "training loop that saves on preemption", output)
+    self.assertIn(message, output)
 
   def test_a_port_taken_by_another_process_is_named(self):
     with socket.socket() as taken:
