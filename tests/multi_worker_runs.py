@@ -11,6 +11,7 @@ import logging
 import os
 import pathlib
 import signal
+import socket
 import types
 
 import numpy as np
@@ -321,6 +322,24 @@ def peer_gets_sigterm(strategy):
   return {}
 
 
+def listening_addresses(strategy):
+  """The addresses this worker's server listens on, from /proc/net/tcp{,6}."""
+  cluster = strategy.extended.cluster
+  port = int(cluster.addresses[cluster.worker_index].rpartition(":")[2])
+  found = []
+  for name, family in (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6)):
+    lines = pathlib.Path("/proc/net", name).read_text().splitlines()[1:]
+    for line in lines:
+      local, state = line.split()[1], line.split()[3]
+      address, local_port = local.split(":")
+      if state == "0A" and int(local_port, 16) == port:  # 0A: LISTEN.
+        raw = bytes.fromhex(address)
+        # The kernel prints each 32-bit word in host (little-endian) order.
+        raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+        found.append(socket.inet_ntop(family, raw))
+  return {"port": port, "listening": found}
+
+
 def input_pipelines(strategy):
   """What each worker's input pipeline is told, and the no-sharding warning."""
   contexts = []
@@ -369,7 +388,8 @@ RUNS = {"custom_loop": custom_loop, "primitives": primitives,
         "keras_killed": functools.partial(keras_preempted, sig=signal.SIGKILL),
         "peer_gets_sigterm": peer_gets_sigterm,
         "keras_until_stopped": keras_until_stopped,
-        "custom_loop_preempted": custom_loop_preempted}
+        "custom_loop_preempted": custom_loop_preempted,
+        "listening_addresses": listening_addresses}
 # Runs that take the output directory as their working directory.
 TAKES_WORKDIR = ("keras_files", "keras_backup_and_restore", "keras_preempted",
                  "keras_killed", "keras_until_stopped",

@@ -312,6 +312,24 @@ class PreemptionTest(unittest.TestCase):
     self.assertEqual(scratch, [])
 
 
+@pytest.mark.slow
+class NetworkTest(unittest.TestCase):
+
+  # TF 2.21's gRPC server listens on 0.0.0.0 (dual-stack *) at the task's
+  # port whatever the host: GrpcServer::Init hard-codes the address, and no
+  # ServerDef field, option or environment variable changes it (see
+  # docs/multi-worker.md, Security). This fails as long as that holds, and
+  # will say so when a TF release binds to the given host.
+  @unittest.expectedFailure
+  def test_the_launchers_workers_listen_on_127_0_0_1_only(self):
+    with tempfile.TemporaryDirectory() as out:
+      workers = results_of(["listening_addresses"], out)
+    for worker in workers:
+      got = worker["listening_addresses"]
+      self.assertTrue(got["listening"], got)
+      self.assertEqual(set(got["listening"]), {"127.0.0.1"}, got)
+
+
 FAULT_TIMEOUT = 10  # timeout_seconds the fault tests give the strategy.
 
 
