@@ -159,7 +159,7 @@ class _Signals:
 
 
 class _Launch:
-  """Starts of one cluster of local workers, the first and any restarts."""
+  """One cluster of local workers: its first start and any restarts."""
 
   def __init__(self, command, num_workers, timeout, grace_period, signals):
     self.command = command
@@ -173,12 +173,20 @@ class _Launch:
         stdin=subprocess.PIPE, text=True, start_new_session=True)
 
   def close(self):
-    self.watchdog.stdin.close()  # Every group is gone: it exits at once.
+    try:
+      self.watchdog.stdin.close()  # Every group is gone: it exits at once.
+    except BrokenPipeError:
+      pass  # It was killed; nothing is left for it to do.
     self.watchdog.wait()
 
   def _tell_watchdog(self, line):
-    self.watchdog.stdin.write(line + "\n")
-    self.watchdog.stdin.flush()
+    try:
+      self.watchdog.stdin.write(line + "\n")
+      self.watchdog.stdin.flush()
+    except BrokenPipeError:
+      # Someone killed it: the launcher still stops its workers itself, it
+      # only can no longer do so if it is killed outright too.
+      print("[launch] the watchdog process is gone.", file=sys.stderr)
 
   def run_once(self, restart):
     """One start of the cluster; (exit status, whether a restart may help)."""
