@@ -78,8 +78,9 @@ def stop_watching(exit_if_told=True):
   watch = _watch[0]
   watch.loops -= 1
   if exit_if_told and (watch.signalled.is_set() or watch.stop_known.is_set()):
-    # The run ended before the stop step (a preemption in its last step).
-    exit_preempted(f"{watch.cluster.task_name} ends: {watch.reason()}.")
+    # The loop ended before the stop step (a preemption in its last step).
+    exit_preempted(f"{watch.cluster.task_name} stops at the end of its "
+                   f"training loop: {watch.reason()}.")
 
 
 def step_done():
