@@ -59,8 +59,10 @@ time.sleep(120)
 
 def start_sleepers(out, num_workers=2, ignore_sigterm=False, grace="5"):
   """The launcher running SLEEPER workers; returns it and every worker's pids."""
+  # Restarts are allowed, to show that a signalled launcher does not restart.
   launcher = subprocess.Popen(
-      LAUNCH + ["--workers", str(num_workers), "--grace-period", grace, "--",
+      LAUNCH + ["--workers", str(num_workers), "--grace-period", grace,
+                "--max-restarts", "2", "--",
                 sys.executable, "-c", SLEEPER, out,
                 "ignore" if ignore_sigterm else "handle"],
       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -131,6 +133,7 @@ class LaunchTest(unittest.TestCase):
       seconds = time.monotonic() - start
       self.assertEqual(launcher.returncode, 128 + signal.SIGTERM, stderr)
       self.assertIn("received SIGTERM; passing it on to every worker", stderr)
+      self.assertNotIn("restarting", stderr)
       self.assertEqual(sorted(os.listdir(out)),
                        ["pids0", "pids1", "term0", "term1"])
     self.assertLess(seconds, 10)
