@@ -13,6 +13,7 @@ whose heartbeats stop for half of it is reported by name to the others.
 TensorFlow's gRPC runtime has no authentication: run it on a trusted network.
 """
 
+import errno
 import re
 import socket
 
@@ -97,6 +98,8 @@ def _check_port_free(cluster):
     try:
       probe.bind(("0.0.0.0", port))
     except OSError as e:
+      if e.errno != errno.EADDRINUSE:
+        return  # Not a port someone holds: TF reports it as it starts.
       raise RuntimeError(
           f"{cluster.task_name} cannot listen on port {port}, the port of its "
           f"address {address} in the cluster ({e.strerror}): another process "
