@@ -8,14 +8,17 @@
 
 from replicator_strategy import keras_chief_writes
 from replicator_strategy import keras_integration
+from replicator_strategy import preemption
 from replicator_strategy.devices import local_devices
 from replicator_strategy.devices import split_cpu
 from replicator_strategy.extended import ReplicatorExtended
+from replicator_strategy.preemption_checkpoint import PreemptionCheckpoint
 from replicator_strategy.reduce_op import ReduceOp
 from replicator_strategy.replica_context import ReplicaContext
 from replicator_strategy.strategy import ReplicatorStrategy
 
 __all__ = [
+    "PreemptionCheckpoint",
     "ReduceOp",
     "ReplicaContext",
     "ReplicatorExtended",
@@ -27,3 +30,4 @@ __version__ = "0.1.0"
 
 keras_integration.install()
 keras_chief_writes.install()
+preemption.install_keras()

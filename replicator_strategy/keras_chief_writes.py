@@ -5,7 +5,10 @@ Every worker runs the same script, so every worker calls `model.save`,
 still do the saving (reading distributed variables may take part in
 collectives), but only the chief's files may land where the script says:
 the others write to a private scratch directory that is deleted right after
-(TensorBoard logs: at the end of training; everything: at exit).
+(TensorBoard logs: at the end of training; everything: at exit, also on a
+preemption). A worker killed outright (SIGKILL) cannot clean up: the next
+worker process that makes a scratch directory removes those of processes
+that no longer run.
 
 - `Model.save`, `Model.save_weights`, `Model.export` (so also ModelCheckpoint).
 - `BackupAndRestore` saves, and deletes its backup at the end, on the chief
@@ -21,15 +24,18 @@ strategy is a ReplicatorStrategy over several workers, on a non-chief one.
 
 import atexit
 import functools
+import glob
 import os
 import shutil
 import tempfile
 
 import keras
 
+from replicator_strategy import preemption
 from replicator_strategy import strategy as strategy_lib
 
 _scratch_root = []
+_SCRATCH_PREFIX = "replicator-worker-"
 
 
 def install():
@@ -57,9 +63,37 @@ def _non_chief(model):
 def scratch_dir():
   """A new directory in this process's scratch root, removed at exit."""
   if not _scratch_root:
-    _scratch_root.append(tempfile.mkdtemp(prefix="replicator-worker-"))
-    atexit.register(shutil.rmtree, _scratch_root[0], ignore_errors=True)
+    _remove_scratch_of_dead_processes()
+    _scratch_root.append(
+        tempfile.mkdtemp(prefix=f"{_SCRATCH_PREFIX}{os.getpid()}-"))
+    remove = functools.partial(shutil.rmtree, _scratch_root[0],
+                               ignore_errors=True)
+    atexit.register(remove)
+    preemption.call_before_exit(remove)
   return tempfile.mkdtemp(dir=_scratch_root[0])
+
+
+def _remove_scratch_of_dead_processes():
+  """Scratch roots (named by PID) of this user's processes that were killed."""
+  pattern = os.path.join(tempfile.gettempdir(), f"{_SCRATCH_PREFIX}*-*")
+  for root in glob.glob(pattern):
+    pid = os.path.basename(root)[len(_SCRATCH_PREFIX):].split("-")[0]
+    try:
+      ours = os.stat(root).st_uid == os.getuid()
+    except FileNotFoundError:
+      continue  # Removed meanwhile.
+    if pid.isdigit() and ours and not _running(int(pid)):
+      shutil.rmtree(root, ignore_errors=True)
+
+
+def _running(pid):
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  except PermissionError:
+    pass  # Another user's process: running.
+  return True
 
 
 def _to_scratch_unless_chief(write):

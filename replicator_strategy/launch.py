@@ -6,8 +6,22 @@ Every worker gets `TF_CONFIG` naming a cluster of N workers on 127.0.0.1 and
 free ports, and its own task index (worker 0 is the chief). Each line a
 worker prints comes out prefixed with `[worker i]`. When one worker fails,
 the others are stopped and the launcher exits with the failed worker's
-status; after `--timeout` seconds every worker is stopped and it exits 124.
-Every process a worker started is stopped with it.
+status (128 + N for a worker killed by signal N); after `--timeout` seconds
+every worker is stopped and it exits 124. Every process a worker started is
+stopped with it.
+
+Signals: SIGTERM, SIGINT and SIGHUP sent to the launcher are passed on to
+every worker, which gets `--grace-period` seconds to save and exit before
+SIGKILL; the launcher then exits 128 + the signal's number. A launcher that
+dies without that chance (SIGKILL, a crash) still leaves no worker behind: a
+small watchdog process stops every worker when the launcher's end of a pipe
+closes.
+
+Restarts: with `--max-restarts N`, a cluster in which a worker failed is
+stopped and started again, all workers on fresh ports, up to N times. Each
+worker reads which start it is from `REPLICATOR_RESTART_COUNT` (0 first).
+A script that uses `keras.callbacks.BackupAndRestore` resumes from its last
+backup.
 """
 
 import argparse
@@ -20,8 +34,37 @@ import sys
 import threading
 import time
 
-_GRACE_SECONDS = 5
+_STOP_SECONDS = 5  # How long a worker stopped because another failed gets.
 TIMEOUT_STATUS = 124
+RESTART_COUNT_ENV = "REPLICATOR_RESTART_COUNT"
+FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+# Runs apart from the launcher, in its own session. The launcher writes "+PID"
+# for each worker it starts and "-PID" once that worker's process group is
+# gone; when the launcher's end of the pipe closes (it exited or was killed),
+# every group still listed gets SIGTERM, then SIGKILL after the grace period.
+# Plain Python without imports of ours, so that it starts in milliseconds.
+_WATCHDOG = """
+import os, signal, sys, time
+grace, groups = float(sys.argv[1]), set()
+for line in sys.stdin:
+  (groups.add if line[0] == "+" else groups.discard)(int(line[1:]))
+def alive(group):
+  try:
+    os.killpg(group, 0)
+    return True
+  except (ProcessLookupError, PermissionError):
+    return False
+for group in groups:
+  if alive(group):
+    os.killpg(group, signal.SIGTERM)
+deadline = time.monotonic() + grace
+while time.monotonic() < deadline and any(alive(g) for g in groups):
+  time.sleep(0.1)
+for group in groups:
+  if alive(group):
+    os.killpg(group, signal.SIGKILL)
+"""
 
 
 def free_ports(count):
@@ -43,29 +86,17 @@ def tf_config(addresses, index):
                      "task": {"type": "worker", "index": index}})
 
 
+def exit_status(returncode):
+  """A shell's exit status: 128 + N for a process killed by signal N."""
+  return 128 - returncode if returncode < 0 else returncode
+
+
 def _forward(stream, prefix, lock):
   for line in iter(stream.readline, b""):
     with lock:
       sys.stdout.buffer.write(prefix + line)
       sys.stdout.buffer.flush()
   stream.close()
-
-
-def _stop(workers):
-  """SIGTERM every worker's process group, then SIGKILL what remains."""
-  for process in workers:
-    if process.poll() is None:
-      _signal_group(process, signal.SIGTERM)
-  deadline = time.monotonic() + _GRACE_SECONDS
-  for process in workers:
-    try:
-      process.wait(max(0.0, deadline - time.monotonic()))
-    except subprocess.TimeoutExpired:
-      pass
-  for process in workers:
-    # Also reaches children a finished worker left behind.
-    _signal_group(process, signal.SIGKILL)
-    process.wait()
 
 
 def _signal_group(process, sig):
@@ -75,43 +106,162 @@ def _signal_group(process, sig):
     pass
 
 
-def run(command, num_workers, timeout=None):
-  """Runs `command` as `num_workers` workers; returns the exit status."""
-  addresses = [f"127.0.0.1:{port}" for port in free_ports(num_workers)]
-  lock = threading.Lock()
-  workers, forwarders = [], []
-  try:
-    for index in range(num_workers):
-      env = {**os.environ, "TF_CONFIG": tf_config(addresses, index)}
-      process = subprocess.Popen(
-          command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-          start_new_session=True)
-      workers.append(process)
-      forwarder = threading.Thread(
-          target=_forward, daemon=True,
-          args=(process.stdout, f"[worker {index}] ".encode(), lock))
-      forwarder.start()
-      forwarders.append(forwarder)
-    deadline = None if timeout is None else time.monotonic() + timeout
+def _stop(workers, grace, sig=signal.SIGTERM):
+  """`sig` to every worker's process group, then SIGKILL what remains.
+
+  With `sig=None` the workers already got a signal: they only get the grace
+  period to end.
+  """
+  for process in workers:
+    if sig is not None and process.poll() is None:
+      _signal_group(process, sig)
+  _wait(workers, grace)
+  for process in workers:
+    # Also reaches children a finished worker left behind.
+    _signal_group(process, signal.SIGKILL)
+    process.wait()
+
+
+def _wait(workers, seconds):
+  deadline = time.monotonic() + seconds
+  for process in workers:
+    try:
+      process.wait(max(0.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+      pass
+
+
+class _Signals:
+  """Passes SIGTERM, SIGINT and SIGHUP on to the workers; remembers the first."""
+
+  def __init__(self):
+    self.received = None
+    self.workers = []
+    self._previous = {}
+
+  def __enter__(self):
+    for sig in FORWARDED_SIGNALS:
+      self._previous[sig] = signal.signal(sig, self._handle)
+    return self
+
+  def __exit__(self, *exc_info):
+    for sig, handler in self._previous.items():
+      signal.signal(sig, handler)
+
+  def _handle(self, sig, frame):
+    del frame
+    if self.received is None:
+      self.received = sig
+      print(f"[launch] received {signal.Signals(sig).name}; passing it on to "
+            f"every worker.", file=sys.stderr, flush=True)
+    for process in self.workers:
+      _signal_group(process, sig)
+
+
+class _Launch:
+  """One cluster of local workers: its first start and any restarts."""
+
+  def __init__(self, command, num_workers, timeout, grace_period, signals):
+    self.command = command
+    self.num_workers = num_workers
+    self.timeout = timeout
+    self.deadline = None if timeout is None else time.monotonic() + timeout
+    self.grace_period = grace_period
+    self.signals = signals
+    self.watchdog = subprocess.Popen(
+        [sys.executable, "-c", _WATCHDOG, str(grace_period)],
+        stdin=subprocess.PIPE, text=True, start_new_session=True)
+
+  def close(self):
+    try:
+      self.watchdog.stdin.close()  # Every group is gone: it exits at once.
+    except BrokenPipeError:
+      pass  # It was killed; nothing is left for it to do.
+    self.watchdog.wait()
+
+  def _tell_watchdog(self, line):
+    try:
+      self.watchdog.stdin.write(line + "\n")
+      self.watchdog.stdin.flush()
+    except BrokenPipeError:
+      # Someone killed it: the launcher still stops its workers itself, it
+      # only can no longer do so if it is killed outright too.
+      print("[launch] the watchdog process is gone.", file=sys.stderr)
+
+  def run_once(self, restart):
+    """One start of the cluster; (exit status, whether a restart may help)."""
+    addresses = [f"127.0.0.1:{port}" for port in free_ports(self.num_workers)]
+    lock = threading.Lock()
+    workers, forwarders = [], []
+    self.signals.workers = workers
+    try:
+      for index in range(self.num_workers):
+        env = {**os.environ, "TF_CONFIG": tf_config(addresses, index),
+               RESTART_COUNT_ENV: str(restart)}
+        process = subprocess.Popen(
+            self.command, env=env, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, start_new_session=True)
+        workers.append(process)
+        self._tell_watchdog(f"+{process.pid}")
+        forwarder = threading.Thread(
+            target=_forward, daemon=True,
+            args=(process.stdout, f"[worker {index}] ".encode(), lock))
+        forwarder.start()
+        forwarders.append(forwarder)
+      return self._watch(workers)
+    finally:
+      if self.signals.received is None:
+        _stop(workers, _STOP_SECONDS)
+      else:
+        _stop(workers, self.grace_period, sig=None)  # Forwarded already.
+      for process in workers:
+        self._tell_watchdog(f"-{process.pid}")
+      for forwarder in forwarders:
+        forwarder.join(timeout=_STOP_SECONDS)
+
+  def _watch(self, workers):
     while True:
+      if self.signals.received is not None:
+        return 128 + self.signals.received, False
       statuses = [p.poll() for p in workers]
       failed = [(i, s) for i, s in enumerate(statuses) if s not in (None, 0)]
       if failed:
-        index, status = failed[0]
-        print(f"[launch] worker {index} exited with status {status}; "
-              f"stopping the others.", file=sys.stderr)
-        return status
+        index, returncode = failed[0]
+        status = exit_status(returncode)
+        how = (f"was killed by {signal.Signals(-returncode).name}"
+               if returncode < 0 else f"exited with status {status}")
+        print(f"[launch] worker {index} {how}; stopping the others.",
+              file=sys.stderr, flush=True)
+        return status, True
       if all(s == 0 for s in statuses):
-        return 0
-      if deadline is not None and time.monotonic() > deadline:
-        print(f"[launch] timed out after {timeout} s; stopping every worker.",
-              file=sys.stderr)
-        return TIMEOUT_STATUS
+        return 0, False
+      if self.deadline is not None and time.monotonic() > self.deadline:
+        print(f"[launch] timed out after {self.timeout} s; stopping every "
+              f"worker.", file=sys.stderr, flush=True)
+        return TIMEOUT_STATUS, False
       time.sleep(0.1)
-  finally:
-    _stop(workers)
-    for forwarder in forwarders:
-      forwarder.join(timeout=_GRACE_SECONDS)
+
+
+def run(command, num_workers, timeout=None, max_restarts=0, grace_period=25):
+  """Runs `command` as `num_workers` workers; returns the exit status.
+
+  `timeout` bounds the whole run, restarts included.
+  """
+  with _Signals() as signals:
+    launch = _Launch(command, num_workers, timeout, grace_period, signals)
+    try:
+      restart = 0
+      while True:
+        status, may_restart = launch.run_once(restart)
+        if (not may_restart or restart >= max_restarts or
+            signals.received is not None):
+          return status
+        restart += 1
+        print(f"[launch] restarting every worker on fresh ports (restart "
+              f"{restart} of at most {max_restarts}).", file=sys.stderr,
+              flush=True)
+    finally:
+      launch.close()
 
 
 def main(argv=None):
@@ -125,7 +275,15 @@ def main(argv=None):
                       help="number of worker processes (at least 1)")
   parser.add_argument("--timeout", type=float, default=None,
                       help="seconds before every worker is stopped "
-                      f"(exit status {TIMEOUT_STATUS}); default: none")
+                      f"(exit status {TIMEOUT_STATUS}), restarts included; "
+                      "default: none")
+  parser.add_argument("--max-restarts", type=int, default=0,
+                      help="when a worker fails, restart every worker up to "
+                      f"this many times; each reads {RESTART_COUNT_ENV}. "
+                      "Default: 0")
+  parser.add_argument("--grace-period", type=float, default=25,
+                      help="seconds the workers get to save and exit after a "
+                      "signal to the launcher, before SIGKILL. Default: 25")
   parser.add_argument("command", nargs=argparse.REMAINDER,
                       help="the command each worker runs, after `--`")
   args = parser.parse_args(argv)
@@ -137,7 +295,14 @@ def main(argv=None):
                  "`--workers 2 -- python train.py`.")
   if args.timeout is not None and args.timeout <= 0:
     parser.error(f"--timeout must be positive. Received: {args.timeout}")
-  return run(command, args.workers, args.timeout)
+  if args.max_restarts < 0:
+    parser.error(f"--max-restarts must be 0 or more. Received: "
+                 f"{args.max_restarts}")
+  if args.grace_period < 0:
+    parser.error(f"--grace-period must be 0 or more. Received: "
+                 f"{args.grace_period}")
+  return run(command, args.workers, args.timeout, args.max_restarts,
+             args.grace_period)
 
 
 if __name__ == "__main__":

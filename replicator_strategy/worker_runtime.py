@@ -13,11 +13,14 @@ whose heartbeats stop for half of it is reported by name to the others.
 TensorFlow's gRPC runtime has no authentication: run it on a trusted network.
 """
 
+import errno
 import re
+import socket
 
 import tensorflow as tf
 
 from replicator_strategy import _tf_internal as tfi
+from replicator_strategy import preemption
 
 _started = {}  # The one ServerDef this process was started with.
 
@@ -64,6 +67,7 @@ def start(cluster, timeout_seconds):
   # Every task must register within the timeout, or all of them fail.
   context._coordination_service_config.cluster_register_with_barrier = True  # pylint: disable=protected-access
   server_def.default_session_config.CopyFrom(context.config)
+  _check_port_free(cluster)
   try:
     context.enable_collective_ops(server_def)
     context.ensure_initialized()
@@ -76,6 +80,32 @@ def start(cluster, timeout_seconds):
         f"with the same cluster in TF_CONFIG, each with its own task, or "
         f"raise timeout_seconds. TensorFlow said: {e.message}") from e
   _started[key] = cluster
+  preemption.install(cluster, timeout_seconds)
+
+
+def _check_port_free(cluster):
+  """Fails naming the port if another process holds it.
+
+  TF's server listens on every interface at the port of this task's address
+  (whatever its host), and when it cannot, the others only see a task that
+  never registers.
+  """
+  address = cluster.addresses[cluster.worker_index]
+  port = int(address.rpartition(":")[2])
+  with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+    # As gRPC does, so that connections closing in TIME_WAIT do not count.
+    probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+      probe.bind(("0.0.0.0", port))
+    except OSError as e:
+      if e.errno != errno.EADDRINUSE:
+        return  # Not a port someone holds: TF reports it as it starts.
+      raise RuntimeError(
+          f"{cluster.task_name} cannot listen on port {port}, the port of its "
+          f"address {address} in the cluster ({e.strerror}): another process "
+          f"holds it. Stop that process (`ss -ltnp 'sport = :{port}'` names "
+          f"it), or give this task a free port in TF_CONFIG or the cluster "
+          f"resolver; the launcher picks free ports itself.") from e
 
 
 def _missing_tasks(message, cluster):

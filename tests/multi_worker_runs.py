@@ -11,12 +11,15 @@ import logging
 import os
 import pathlib
 import signal
+import socket
+import types
 
 import numpy as np
 import tensorflow as tf
 import keras
 
 import models
+import replicator_strategy as rs
 from replicator_strategy import keras_chief_writes
 
 GLOBAL_BATCH = 16
@@ -198,6 +201,145 @@ def keras_backup_and_restore(strategy, workdir=None):
   return {"weights": _weights(model), "loss": history.history["loss"]}
 
 
+class _SignalAt(keras.callbacks.Callback):
+  """Worker 1 sends itself `sig` after `step` batches, on the first start only.
+
+  The launcher numbers the starts in REPLICATOR_RESTART_COUNT.
+  """
+
+  def __init__(self, strategy, sig, step):
+    super().__init__()
+    self._armed = (strategy.extended.cluster.worker_index == 1 and
+                   os.environ.get("REPLICATOR_RESTART_COUNT", "0") == "0")
+    self._sig, self._step, self._steps = sig, step, 0
+
+  def on_train_batch_end(self, batch, logs=None):
+    self._steps += 1
+    if self._armed and self._steps == self._step:
+      print(f"sending {signal.Signals(self._sig).name} to worker 1",
+            flush=True)
+      os.kill(os.getpid(), self._sig)
+
+
+def keras_preempted(strategy, workdir, sig=signal.SIGTERM):
+  """keras_backup_and_restore; worker 1 gets `sig` in epoch 3 on the first start.
+
+  4 batches per epoch: the signal comes after batch 2 of epoch 3 (step 10),
+  when the backup of epoch 2 is on disk.
+  """
+  x, y = data()
+  model = _model(strategy, lambda: keras.optimizers.Adam(0.01), loss="mse")
+  callbacks = [keras.callbacks.BackupAndRestore(
+      str(pathlib.Path(workdir) / "backup")), _SignalAt(strategy, sig, 10)]
+  history = model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=4, verbose=0,
+                      shuffle=False, callbacks=callbacks)
+  return {"weights": _weights(model), "loss": history.history["loss"]}
+
+
+class _WritePid(keras.callbacks.Callback):
+  """Writes pid<worker> into `workdir` once the first epoch is backed up."""
+
+  def __init__(self, strategy, workdir):
+    super().__init__()
+    self._path = pathlib.Path(workdir) / (
+        f"pid{strategy.extended.cluster.worker_index}")
+
+  def on_epoch_end(self, epoch, logs=None):
+    if epoch == 0:
+      self._path.write_text(str(os.getpid()))
+
+
+def keras_until_stopped(strategy, workdir):
+  """fit with BackupAndRestore for longer than any test waits."""
+  x, y = data()
+  model = _model(strategy, lambda: keras.optimizers.Adam(0.01), loss="mse")
+  model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=100000, verbose=0,
+            callbacks=[keras.callbacks.BackupAndRestore(
+                str(pathlib.Path(workdir) / "backup")),
+                       _WritePid(strategy, workdir)])
+  return {}
+
+
+def custom_loop_preempted(strategy, workdir=None):
+  """12 steps of SGD with momentum from a step-counted checkpoint.
+
+  With a workdir, worker 1 gets SIGTERM after step 5 on the first start.
+  """
+  x, y = data(rows=64)
+  model = _model(strategy)
+  with strategy.scope():
+    optimizer = keras.optimizers.SGD(0.05, momentum=0.9)
+    optimizer.build(model.trainable_variables)
+    step = tf.Variable(0, dtype=tf.int64, trainable=False)
+  checkpoint = tf.train.Checkpoint(model=model, optimizer=optimizer, step=step)
+  if workdir:
+    saver = rs.PreemptionCheckpoint(strategy, checkpoint,
+                                    str(pathlib.Path(workdir) / "ckpt"))
+  else:
+    saver = contextlib.nullcontext(
+        types.SimpleNamespace(step_done=lambda: None))
+  armed = (workdir and strategy.extended.cluster.worker_index == 1 and
+           os.environ.get("REPLICATOR_RESTART_COUNT", "0") == "0")
+  start = int(step.numpy())
+  dataset = strategy.experimental_distribute_dataset(
+      tf.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL_BATCH).repeat()
+      .skip(start).take(12 - start))
+
+  def replica_step(xb, yb):
+    with tf.GradientTape() as tape:
+      loss = tf.reduce_sum(tf.square(model(xb) - yb)) / GLOBAL_BATCH
+    grads = tape.gradient(loss, model.trainable_variables)
+    optimizer.apply_gradients(zip(grads, model.trainable_variables))
+
+  @tf.function
+  def train_step(batch):
+    strategy.run(replica_step, batch)
+
+  with saver as preemption:
+    for batch in dataset:
+      train_step(batch)
+      step.assign_add(1)
+      if armed and int(step.numpy()) == 5:
+        os.kill(os.getpid(), signal.SIGTERM)
+      preemption.step_done()
+  return {"weights": _weights(model), "start": start}
+
+
+def peer_gets_sigterm(strategy):
+  """peer_dies, but worker 1 gets SIGTERM in a loop that does not save."""
+  model = _model(strategy)
+  x, _ = data()
+
+  @tf.function
+  def step():
+    return strategy.run(lambda: tf.distribute.get_replica_context().all_reduce(
+        "sum", tf.reduce_sum(model(x))))
+
+  for i in range(1000):
+    step()
+    if i == 1 and strategy.extended.cluster.worker_index == 1:
+      os.kill(os.getpid(), signal.SIGTERM)
+  return {}
+
+
+def listening_addresses(strategy):
+  """The addresses this worker's server listens on, from /proc/net/tcp{,6}."""
+  cluster = strategy.extended.cluster
+  port = int(cluster.addresses[cluster.worker_index].rpartition(":")[2])
+  found = []
+  for name, family in (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6)):
+    lines = pathlib.Path("/proc/net", name).read_text().splitlines()[1:]
+    for line in lines:
+      local, state = line.split()[1], line.split()[3]
+      address, local_port = local.split(":")
+      if state == "0A" and int(local_port, 16) == port:  # 0A: LISTEN.
+        raw = bytes.fromhex(address)
+        # The kernel prints each 32-bit word in host (little-endian) order.
+        raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+        found.append(socket.inet_ntop(family, raw))
+  return {"port": port, "listening": found}
+
+
 def input_pipelines(strategy):
   """What each worker's input pipeline is told, and the no-sharding warning."""
   contexts = []
@@ -241,6 +383,14 @@ RUNS = {"custom_loop": custom_loop, "primitives": primitives,
         "keras_backup_and_restore": keras_backup_and_restore,
         "keras_fit_steps_per_execution": functools.partial(
             keras_fit, steps_per_execution=3),
-        "input_pipelines": input_pipelines}
+        "input_pipelines": input_pipelines,
+        "keras_preempted": keras_preempted,
+        "keras_killed": functools.partial(keras_preempted, sig=signal.SIGKILL),
+        "peer_gets_sigterm": peer_gets_sigterm,
+        "keras_until_stopped": keras_until_stopped,
+        "custom_loop_preempted": custom_loop_preempted,
+        "listening_addresses": listening_addresses}
 # Runs that take the output directory as their working directory.
-TAKES_WORKDIR = ("keras_files", "keras_backup_and_restore")
+TAKES_WORKDIR = ("keras_files", "keras_backup_and_restore", "keras_preempted",
+                 "keras_killed", "keras_until_stopped",
+                 "custom_loop_preempted")

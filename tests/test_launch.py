@@ -7,6 +7,7 @@ check the launcher alone and run in seconds.
 import json
 import os
 import pathlib
+import signal
 import subprocess
 import sys
 import tempfile
@@ -29,6 +30,45 @@ def alive(pid):
   # A zombie not yet reaped by init counts as gone.
   stat = pathlib.Path(f"/proc/{pid}/stat")
   return not (stat.exists() and stat.read_text().split()[2] == "Z")
+
+
+def wait_for(condition, seconds=20):
+  deadline = time.monotonic() + seconds
+  while not condition():
+    if time.monotonic() > deadline:
+      raise AssertionError(f"still false after {seconds} s: {condition}")
+    time.sleep(0.05)
+
+
+# Each worker writes "PID CHILD_PID" to pids<i> once both run, then sleeps;
+# on SIGTERM it writes term<i> and exits 143 (unless told to ignore SIGTERM).
+SLEEPER = """
+import json, os, pathlib, signal, subprocess, sys, time
+out, ignore = pathlib.Path(sys.argv[1]), sys.argv[2] == "ignore"
+i = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
+def on_term(sig, frame):
+  (out / f"term{i}").touch()
+  sys.exit(143)
+signal.signal(signal.SIGTERM, signal.SIG_IGN if ignore else on_term)
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+(out / f"pids{i}.tmp").write_text(f"{os.getpid()} {child.pid}")
+(out / f"pids{i}.tmp").rename(out / f"pids{i}")
+time.sleep(120)
+"""
+
+
+def start_sleepers(out, num_workers=2, ignore_sigterm=False, grace="5"):
+  """The launcher running SLEEPER workers; returns it and every worker's pids."""
+  # Restarts are allowed, to show that a signalled launcher does not restart.
+  launcher = subprocess.Popen(
+      LAUNCH + ["--workers", str(num_workers), "--grace-period", grace,
+                "--max-restarts", "2", "--",
+                sys.executable, "-c", SLEEPER, out,
+                "ignore" if ignore_sigterm else "handle"],
+      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  files = [pathlib.Path(out, f"pids{i}") for i in range(num_workers)]
+  wait_for(lambda: all(f.exists() for f in files))
+  return launcher, [int(p) for f in files for p in f.read_text().split()]
 
 
 class LaunchTest(unittest.TestCase):
@@ -83,11 +123,95 @@ class LaunchTest(unittest.TestCase):
     self.assertEqual(done.returncode, 124, done.stderr)
     self.assertIn("timed out after 2.0 s", done.stderr)
 
+  def test_sigterm_to_the_launcher_reaches_every_worker_and_ends_them_all(
+      self):
+    with tempfile.TemporaryDirectory() as out:
+      launcher, pids = start_sleepers(out)
+      start = time.monotonic()
+      launcher.send_signal(signal.SIGTERM)
+      _, stderr = launcher.communicate(timeout=30)
+      seconds = time.monotonic() - start
+      self.assertEqual(launcher.returncode, 128 + signal.SIGTERM, stderr)
+      self.assertIn("received SIGTERM; passing it on to every worker", stderr)
+      self.assertNotIn("restarting", stderr)
+      self.assertEqual(sorted(os.listdir(out)),
+                       ["pids0", "pids1", "term0", "term1"])
+    self.assertLess(seconds, 10)
+    wait_for(lambda: not any(alive(p) for p in pids), seconds=5)
+
+  def test_sighup_and_sigint_are_passed_on_too(self):
+    for sig in (signal.SIGHUP, signal.SIGINT):
+      with tempfile.TemporaryDirectory() as out:
+        launcher, pids = start_sleepers(out, num_workers=1)
+        launcher.send_signal(sig)
+        launcher.communicate(timeout=30)
+        self.assertEqual(launcher.returncode, 128 + sig)
+      wait_for(lambda: not any(alive(p) for p in pids), seconds=5)
+
+  def test_workers_that_ignore_sigterm_are_killed_after_the_grace_period(self):
+    with tempfile.TemporaryDirectory() as out:
+      launcher, pids = start_sleepers(out, ignore_sigterm=True, grace="1")
+      start = time.monotonic()
+      launcher.send_signal(signal.SIGTERM)
+      launcher.communicate(timeout=30)
+    self.assertEqual(launcher.returncode, 128 + signal.SIGTERM)
+    self.assertLess(time.monotonic() - start, 1 + 3)
+    wait_for(lambda: not any(alive(p) for p in pids), seconds=5)
+
+  def test_a_killed_launcher_leaves_no_worker_and_no_child_behind(self):
+    with tempfile.TemporaryDirectory() as out:
+      launcher, pids = start_sleepers(out, ignore_sigterm=True, grace="1")
+      self.assertTrue(all(alive(p) for p in pids))
+      launcher.kill()
+      launcher.communicate(timeout=30)
+      start = time.monotonic()
+      wait_for(lambda: not any(alive(p) for p in pids), seconds=10)
+    # SIGTERM at once, SIGKILL after the 1 s grace for those that ignore it.
+    self.assertLess(time.monotonic() - start, 4)
+
+  def test_a_worker_killed_by_a_signal_exits_128_plus_its_number(self):
+    script = ("import json, os, signal, time\n"
+              "if json.loads(os.environ['TF_CONFIG'])['task']['index'] == 1:\n"
+              "  os.kill(os.getpid(), signal.SIGKILL)\n"
+              "time.sleep(120)\n")
+    done = launch("--workers", "2", "--", sys.executable, "-c", script)
+    self.assertEqual(done.returncode, 137, done.stderr)
+    self.assertIn("worker 1 was killed by SIGKILL; stopping the others",
+                  done.stderr)
+
+  def test_max_restarts_restarts_every_worker_on_fresh_ports(self):
+    # Worker 1 fails on the first two starts; each start logs its TF_CONFIG.
+    script = (
+        "import json, os, pathlib, sys, time\n"
+        "restart = int(os.environ['REPLICATOR_RESTART_COUNT'])\n"
+        "config = json.loads(os.environ['TF_CONFIG'])\n"
+        "i = config['task']['index']\n"
+        "pathlib.Path(sys.argv[1], f'{restart}-{i}').write_text("
+        "json.dumps(config['cluster']))\n"
+        "if i == 1 and restart < 2:\n"
+        "  sys.exit(3)\n"
+        "time.sleep(1 if i == 1 else 0.5)\n")
+    for max_restarts, status, starts in (("2", 0, 3), ("1", 3, 2)):
+      with tempfile.TemporaryDirectory() as out:
+        done = launch("--workers", "2", "--max-restarts", max_restarts, "--",
+                      sys.executable, "-c", script, out)
+        self.assertEqual(done.returncode, status, done.stderr)
+        self.assertEqual(done.stderr.count("restarting every worker"),
+                         starts - 1, done.stderr)
+        clusters = {name: json.loads(pathlib.Path(out, name).read_text())
+                    for name in os.listdir(out)}
+      self.assertEqual(sorted(clusters), [f"{r}-{i}" for r in range(starts)
+                                          for i in range(2)])
+      ports = [tuple(clusters[f"{r}-0"]["worker"]) for r in range(starts)]
+      self.assertEqual(len(set(ports)), starts)  # Fresh ports every start.
+
   def test_bad_arguments_say_what_to_fix(self):
     for args, message in [(["--workers", "0", "--", "true"], "at least 1"),
                           (["--workers", "2"], "no command given"),
                           (["--workers", "2", "--timeout", "-1", "--", "true"],
-                           "--timeout must be positive")]:
+                           "--timeout must be positive"),
+                          (["--workers", "2", "--max-restarts", "-1", "--",
+                            "true"], "--max-restarts must be 0 or more")]:
       done = launch(*args)
       self.assertEqual(done.returncode, 2, args)
       self.assertIn(message, done.stderr)

@@ -10,6 +10,7 @@ import json
 import os
 import pathlib
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -22,16 +23,17 @@ import pytest
 import multi_worker_runs
 import topology
 from replicator_strategy import launch
+from test_launch import alive
 
 TESTS = pathlib.Path(__file__).parent
 LAUNCH_TIMEOUT = 240
 
 
-def launch_workers(runs, out, num_workers=2, env=None):
+def launch_workers(runs, out, num_workers=2, env=None, launch_args=()):
   """Runs `runs` on `num_workers` workers writing to `out`; (status, output)."""
   done = subprocess.run(
       [sys.executable, "-m", "replicator_strategy.launch", "--workers",
-       str(num_workers), "--timeout", str(LAUNCH_TIMEOUT), "--",
+       str(num_workers), "--timeout", str(LAUNCH_TIMEOUT), *launch_args, "--",
        sys.executable, str(TESTS / "multi_worker_main.py"), ",".join(runs),
        str(out)],
       capture_output=True, text=True, timeout=LAUNCH_TIMEOUT + 30,
@@ -207,6 +209,127 @@ class FilesTest(unittest.TestCase):
       assert_close_nested(self, got["weights"], expected["weights"])
 
 
+@pytest.mark.slow
+class PreemptionTest(unittest.TestCase):
+  """SIGTERM or SIGKILL to worker 1 in epoch 3 of 4; --max-restarts resumes."""
+
+  def run_interrupted(self, run):
+    """The launcher's output, the resumed results, what TMPDIR holds after."""
+    with tempfile.TemporaryDirectory() as out, \
+        tempfile.TemporaryDirectory() as tmp:
+      status, output = launch_workers([run], out, env={"TMPDIR": tmp},
+                                      launch_args=["--max-restarts", "1"])
+      self.assertEqual(status, 0, output)
+      workers = [json.loads((pathlib.Path(out) / f"worker_{i}.json")
+                            .read_text())[run] for i in range(2)]
+      scratch = [p for p in os.listdir(tmp) if p.startswith("replicator-")]
+      self.assertFalse((pathlib.Path(out) / "backup").exists())
+    expected = multi_worker_runs.keras_backup_and_restore(
+        topology.strategy_over(4))
+    for got in workers:
+      self.assertEqual(len(got["loss"]), 2)  # Epochs 3 and 4 only.
+      assert_close_nested(self, got["loss"], expected["loss"][2:])
+      assert_close_nested(self, got["weights"], expected["weights"])
+    return output, scratch
+
+  def test_sigterm_stops_every_worker_at_one_step_and_a_restart_resumes(self):
+    output, scratch = self.run_interrupted("keras_preempted")
+    # Signalled after step 10, seen after step 11: every worker stops after 12.
+    stop = ("stops after step 12: /job:worker/replica:0/task:1 received "
+            "SIGTERM")
+    self.assertIn(f"[worker 0] /job:worker/replica:0/task:0 {stop}", output)
+    self.assertIn(f"[worker 1] /job:worker/replica:0/task:1 {stop}", output)
+    self.assertRegex(output, r"worker \d exited with status 143")
+    self.assertIn("restarting every worker on fresh ports (restart 1", output)
+    self.assertEqual(scratch, [])  # Removed before the preempted exit.
+
+  def test_a_custom_loop_saves_at_the_agreed_step_and_resumes_there(self):
+    run = "custom_loop_preempted"
+    with tempfile.TemporaryDirectory() as out:
+      status, output = launch_workers([run], out,
+                                      launch_args=["--max-restarts", "1"])
+      self.assertEqual(status, 0, output)
+      workers = [json.loads((pathlib.Path(out) / f"worker_{i}.json")
+                            .read_text())[run] for i in range(2)]
+    # Signalled after step 5, seen there: every worker stops after step 6.
+    self.assertIn("[worker 0] /job:worker/replica:0/task:0 stops after step 6: "
+                  "/job:worker/replica:0/task:1 received SIGTERM", output)
+    expected = multi_worker_runs.custom_loop_preempted(
+        topology.strategy_over(4))
+    for got in workers:
+      self.assertEqual(got["start"], 6)
+      assert_close_nested(self, got["weights"], expected["weights"])
+
+  def signal_the_launcher(self, sig):
+    """(status, output, seconds until no worker runs) after `sig` mid-fit."""
+    with tempfile.TemporaryDirectory() as out, tempfile.TemporaryFile(
+        "w+") as log:
+      launcher = subprocess.Popen(
+          [sys.executable, "-m", "replicator_strategy.launch", "--workers",
+           "2", "--timeout", str(LAUNCH_TIMEOUT), "--", sys.executable,
+           str(TESTS / "multi_worker_main.py"), "keras_until_stopped", out],
+          stdout=log, stderr=subprocess.STDOUT, text=True)
+      self.addCleanup(launcher.kill)
+      pid_files = [pathlib.Path(out, f"pid{i}") for i in range(2)]
+      deadline = time.monotonic() + 60
+      while not all(p.exists() for p in pid_files):
+        self.assertIsNone(launcher.poll())
+        self.assertLess(time.monotonic(), deadline)
+        time.sleep(0.1)
+      pids = [int(p.read_text()) for p in pid_files]
+      start = time.monotonic()
+      launcher.send_signal(sig)
+      launcher.wait(timeout=60)
+      while any(alive(pid) for pid in pids):
+        self.assertLess(time.monotonic() - start, 60)
+        time.sleep(0.05)
+      seconds = time.monotonic() - start
+      log.seek(0)
+      self.assertTrue((pathlib.Path(out) / "backup" /
+                       "latest.weights.h5").exists())
+      return launcher.returncode, log.read(), seconds
+
+  def test_sigterm_to_the_launcher_stops_every_worker_at_one_step(self):
+    status, output, seconds = self.signal_the_launcher(signal.SIGTERM)
+    self.assertEqual(status, 143, output[-3000:])
+    self.assertRegex(output, r"\[worker 0\] /job:worker/replica:0/task:0 "
+                     r"stops after step \d+: /job:worker/replica:0/task:\d "
+                     r"received SIGTERM")
+    self.assertRegex(output, r"\[worker 1\] /job:worker/replica:0/task:1 "
+                     r"stops after step \d+")
+    self.assertLess(seconds, 15)
+
+  def test_a_killed_launcher_leaves_no_worker(self):
+    status, _, seconds = self.signal_the_launcher(signal.SIGKILL)
+    self.assertEqual(status, -signal.SIGKILL)
+    # Its watchdog's SIGTERM stopped them, well before its SIGKILL at 25 s.
+    self.assertLess(seconds, 15)
+
+  def test_a_killed_worker_exits_137_and_its_scratch_goes_at_the_restart(
+      self):
+    output, scratch = self.run_interrupted("keras_killed")
+    self.assertIn("worker 1 was killed by SIGKILL", output)
+    self.assertEqual(scratch, [])
+
+
+@pytest.mark.slow
+class NetworkTest(unittest.TestCase):
+
+  # TF 2.21's gRPC server listens on 0.0.0.0 (dual-stack *) at the task's
+  # port whatever the host: GrpcServer::Init hard-codes the address, and no
+  # ServerDef field, option or environment variable changes it (see
+  # docs/multi-worker.md, Security). This fails as long as that holds, and
+  # will say so when a TF release binds to the given host.
+  @unittest.expectedFailure
+  def test_the_launchers_workers_listen_on_127_0_0_1_only(self):
+    with tempfile.TemporaryDirectory() as out:
+      workers = results_of(["listening_addresses"], out)
+    for worker in workers:
+      got = worker["listening_addresses"]
+      self.assertTrue(got["listening"], got)
+      self.assertEqual(set(got["listening"]), {"127.0.0.1"}, got)
+
+
 FAULT_TIMEOUT = 10  # timeout_seconds the fault tests give the strategy.
 
 
@@ -275,6 +398,37 @@ class FaultTest(unittest.TestCase):
   def test_a_worker_that_dies_mid_training_fails_the_chief_naming_it(self):
     workers = start_workers([0, 1], "peer_dies")
     self.check_fails_naming(workers, 0, "/job:worker/replica:0/task:1")
+
+  def test_sigterm_outside_a_saving_loop_exits_143_and_fails_the_chief(self):
+    workers = start_workers([0, 1], "peer_gets_sigterm")
+    message = ("/job:worker/replica:0/task:1 received SIGTERM outside a "
+               "training loop that saves on preemption")
+    self.check_fails_naming(workers, 0, message)  # Told why, at once.
+    status, _, output = outcome(workers[1])
+    self.assertEqual(status, 143, output[-3000:])
+    self.assertIn(message, output)
+
+  def test_a_port_taken_by_another_process_is_named(self):
+    with socket.socket() as taken:
+      taken.bind(("127.0.0.1", 0))
+      taken.listen()
+      port = taken.getsockname()[1]
+      address = f"127.0.0.1:{port}"
+      worker = subprocess.Popen(
+          [sys.executable, str(TESTS / "multi_worker_main.py"), "primitives",
+           tempfile.mkdtemp(), str(FAULT_TIMEOUT)],
+          env={**os.environ, "TF_CONFIG": launch.tf_config(
+              [address, f"127.0.0.1:{launch.free_ports(1)[0]}"], 0)},
+          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+          start_new_session=True)
+      self.addCleanup(kill_all, {0: worker})
+      status, seconds, output = outcome(worker)
+    self.assertNotEqual(status, 0)
+    self.assertLess(seconds, 30)
+    self.assertIn(f"/job:worker/replica:0/task:0 cannot listen on port {port}, "
+                  f"the port of its address {address} in the cluster "
+                  f"(Address already in use): another process holds it.",
+                  output)
 
   def test_a_worker_that_freezes_mid_training_fails_the_chief_naming_it(self):
     workers = start_workers([0, 1], "peer_freezes")
