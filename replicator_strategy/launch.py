@@ -17,6 +17,14 @@ dies without that chance (SIGKILL, a crash) still leaves no worker behind: a
 small watchdog process stops every worker when the launcher's end of a pipe
 closes.
 
+Network: TensorFlow's server listens on every interface of its machine,
+whatever address the cluster names (TF 2.21 hard-codes it). So by default
+the launcher gives its workers a private network namespace whose only
+interface is loopback: nothing outside the launcher can reach them, and
+they reach nothing outside it either. `--network host` keeps the machine's
+network (for a script that downloads data); where the kernel refuses a
+private namespace, the launcher says so and runs on the host's network.
+
 Restarts: with `--max-restarts N`, a cluster in which a worker failed is
 stopped and started again, all workers on fresh ports, up to N times. Each
 worker reads which start it is from `REPLICATOR_RESTART_COUNT` (0 first).
@@ -25,10 +33,13 @@ backup.
 """
 
 import argparse
+import ctypes
+import fcntl
 import json
 import os
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -65,6 +76,40 @@ for group in groups:
   if alive(group):
     os.killpg(group, signal.SIGKILL)
 """
+
+
+_CLONE_NEWUSER = 0x10000000
+_CLONE_NEWNET = 0x40000000
+_SIOCGIFFLAGS, _SIOCSIFFLAGS, _IFF_UP = 0x8913, 0x8914, 0x1
+
+
+def isolate_network():
+  """Moves this process into a network namespace of its own, loopback up.
+
+  Children inherit it. Unprivileged users get a user namespace too, with
+  their own uid and gid mapped to themselves. Returns None, or why the kernel
+  refused (no user namespaces, a seccomp filter, not Linux).
+  """
+  flags = _CLONE_NEWNET if os.geteuid() == 0 else _CLONE_NEWUSER | _CLONE_NEWNET
+  uid, gid = os.geteuid(), os.getegid()
+  try:
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.unshare(flags) != 0:
+      return os.strerror(ctypes.get_errno())
+    if flags & _CLONE_NEWUSER:
+      for name, text in (("setgroups", "deny"), ("uid_map", f"{uid} {uid} 1"),
+                         ("gid_map", f"{gid} {gid} 1")):
+        with open(f"/proc/self/{name}", "w", encoding="ascii") as f:
+          f.write(text)
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+      request = struct.pack("16sH14x", b"lo", 0)
+      current = struct.unpack("16sH14x", fcntl.ioctl(s, _SIOCGIFFLAGS,
+                                                     request))[1]
+      fcntl.ioctl(s, _SIOCSIFFLAGS,
+                  struct.pack("16sH14x", b"lo", current | _IFF_UP))
+  except (OSError, AttributeError) as e:
+    return str(e)
+  return None
 
 
 def free_ports(count):
@@ -284,6 +329,13 @@ def main(argv=None):
   parser.add_argument("--grace-period", type=float, default=25,
                       help="seconds the workers get to save and exit after a "
                       "signal to the launcher, before SIGKILL. Default: 25")
+  parser.add_argument("--network", choices=("private", "host"),
+                      default="private",
+                      help="private (default): the workers get a network of "
+                      "their own with loopback only, unreachable from outside "
+                      "(TensorFlow's server listens on every interface); "
+                      "host: the machine's network, for scripts that "
+                      "download data")
   parser.add_argument("command", nargs=argparse.REMAINDER,
                       help="the command each worker runs, after `--`")
   args = parser.parse_args(argv)
@@ -301,6 +353,13 @@ def main(argv=None):
   if args.grace_period < 0:
     parser.error(f"--grace-period must be 0 or more. Received: "
                  f"{args.grace_period}")
+  if args.network == "private":
+    refused = isolate_network()
+    if refused:
+      print(f"[launch] could not give the workers a private network "
+            f"({refused}); they run on the host's network, where "
+            f"TensorFlow's server listens on every interface. Use "
+            f"--network host to silence this.", file=sys.stderr, flush=True)
   return run(command, args.workers, args.timeout, args.max_restarts,
              args.grace_period)
 

@@ -323,7 +323,7 @@ def peer_gets_sigterm(strategy):
 
 
 def listening_addresses(strategy):
-  """The addresses this worker's server listens on, from /proc/net/tcp{,6}."""
+  """Where this worker's server listens (/proc/net/tcp{,6}), in which network."""
   cluster = strategy.extended.cluster
   port = int(cluster.addresses[cluster.worker_index].rpartition(":")[2])
   found = []
@@ -337,7 +337,10 @@ def listening_addresses(strategy):
         # The kernel prints each 32-bit word in host (little-endian) order.
         raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
         found.append(socket.inet_ntop(family, raw))
-  return {"port": port, "listening": found}
+  interfaces = [line.split(":")[0].strip() for line in
+                pathlib.Path("/proc/self/net/dev").read_text().splitlines()[2:]]
+  return {"port": port, "listening": found, "interfaces": interfaces,
+          "network_namespace": os.readlink("/proc/self/ns/net")}
 
 
 def input_pipelines(strategy):
