@@ -137,8 +137,12 @@ def keras_fit(strategy, steps_per_execution=1):
           "predict": prediction.tolist(), "weights": _weights(model)}
 
 
-def peer_dies(strategy, freeze=False):
-  """Trains step after step; worker 1 dies (or freezes) after two steps."""
+def peer_dies(strategy, fate=signal.SIGKILL):
+  """Trains step after step; worker 1 gets `fate` after two steps.
+
+  SIGKILL: it exits at once (status 3); SIGSTOP: it freezes; SIGTERM: it is
+  preempted in a loop that does not save.
+  """
   model = _model(strategy)
   x, _ = data()
 
@@ -150,9 +154,9 @@ def peer_dies(strategy, freeze=False):
   for i in range(1000):
     step()
     if i == 1 and strategy.extended.cluster.worker_index == 1:
-      if freeze:
-        os.kill(os.getpid(), signal.SIGSTOP)
-      os._exit(3)  # pylint: disable=protected-access
+      if fate == signal.SIGKILL:
+        os._exit(3)  # pylint: disable=protected-access
+      os.kill(os.getpid(), fate)
   return {}
 
 
@@ -305,23 +309,6 @@ def custom_loop_preempted(strategy, workdir=None):
   return {"weights": _weights(model), "start": start}
 
 
-def peer_gets_sigterm(strategy):
-  """peer_dies, but worker 1 gets SIGTERM in a loop that does not save."""
-  model = _model(strategy)
-  x, _ = data()
-
-  @tf.function
-  def step():
-    return strategy.run(lambda: tf.distribute.get_replica_context().all_reduce(
-        "sum", tf.reduce_sum(model(x))))
-
-  for i in range(1000):
-    step()
-    if i == 1 and strategy.extended.cluster.worker_index == 1:
-      os.kill(os.getpid(), signal.SIGTERM)
-  return {}
-
-
 def listening_addresses(strategy):
   """Where this worker's server listens (/proc/net/tcp{,6}), in which network."""
   cluster = strategy.extended.cluster
@@ -381,7 +368,7 @@ def _captured_warnings():
 
 RUNS = {"custom_loop": custom_loop, "primitives": primitives,
         "keras_fit": keras_fit, "peer_dies": peer_dies,
-        "peer_freezes": functools.partial(peer_dies, freeze=True),
+        "peer_freezes": functools.partial(peer_dies, fate=signal.SIGSTOP),
         "keras_files": keras_files,
         "keras_backup_and_restore": keras_backup_and_restore,
         "keras_fit_steps_per_execution": functools.partial(
@@ -389,7 +376,7 @@ RUNS = {"custom_loop": custom_loop, "primitives": primitives,
         "input_pipelines": input_pipelines,
         "keras_preempted": keras_preempted,
         "keras_killed": functools.partial(keras_preempted, sig=signal.SIGKILL),
-        "peer_gets_sigterm": peer_gets_sigterm,
+        "peer_gets_sigterm": functools.partial(peer_dies, fate=signal.SIGTERM),
         "keras_until_stopped": keras_until_stopped,
         "custom_loop_preempted": custom_loop_preempted,
         "listening_addresses": listening_addresses}
