@@ -10,6 +10,7 @@ import subprocess
 import sys
 import unittest
 
+from parameterized import parameterized
 import pytest
 import tensorflow as tf
 
@@ -77,10 +78,13 @@ class StallAndMismatchTest(unittest.TestCase):
 @pytest.mark.slow
 class AcrossWorkersTest(unittest.TestCase):
 
-  def test_workers_with_different_step_counts_say_where_each_waits(self):
+  @parameterized.expand([("dataset_lengths", "rows"),
+                         ("batch_sizes", "batch_size")])
+  def test_workers_with_different_step_counts_say_where_each_waits(
+      self, _, what):
     done = subprocess.run(
         [sys.executable, "-m", "replicator_strategy.launch", "--workers", "2",
-         "--timeout", "120", "--", sys.executable, MAIN, "uneven_steps"],
+         "--timeout", "120", "--", sys.executable, MAIN, "uneven_steps", what],
         capture_output=True, text=True, timeout=180, check=False)
     results = {}
     for line in done.stdout.splitlines():
@@ -93,18 +97,18 @@ class AcrossWorkersTest(unittest.TestCase):
         self.assertEqual(got["error"], "DeadlineExceededError")
         self.assertLess(got["seconds"], 30.0)  # timeout_seconds=5.
     # Worker 0 ran out of data and waits in an eager reduce at the end of the
-    # epoch; worker 1 waits for it in its next step's all-reduce. Worker 0
-    # says both; worker 1 too, in its own report or in worker 0's (whichever
-    # abort reaches it first).
-    here = results["[worker 0"]["message"]
-    self.assertIn("On this worker:\n  waits in an eager reduce across 2 "
-                  "workers\nOn worker 1:\n  replica 0 (/job:worker/replica:0/"
-                  "task:1/device:CPU:0) waits in collective #", here)
-    self.assertIn("the same dataset length and global batch size", here)
-    there = results["[worker 1"]["message"]
-    self.assertIn("waits in an eager reduce across 2 workers", there)
-    self.assertIn("replica 0 (/job:worker/replica:0/task:1/device:CPU:0) waits "
-                  "in collective #", there)
+    # epoch; worker 1 waits for it in its next step's all-reduce. Each error
+    # says both, in its own report or in the other worker's (whichever abort
+    # comes first).
+    for worker, got in results.items():
+      with self.subTest(worker):
+        self.assertIn("On worker ", got["message"])
+        self.assertIn("waits in an eager reduce across 2 workers",
+                      got["message"])
+        self.assertIn("replica 0 (/job:worker/replica:0/task:1/device:CPU:0) "
+                      "waits in collective #", got["message"])
+        self.assertIn("the same dataset length and global batch size",
+                      got["message"])
 
 
 class MergePathMismatchTest(unittest.TestCase):

@@ -2,7 +2,7 @@
 
     python tests/watchdog_main.py CASE
     python -m replicator_strategy.launch --workers 2 -- \
-        python tests/watchdog_main.py uneven_steps
+        python tests/watchdog_main.py uneven_steps rows
 
 Prints one JSON line: {"error": ..., "message": ..., "seconds": ...} for a
 case that fails as it should, {"samples": [...]} for the long runs.
@@ -53,15 +53,21 @@ def run_case(name):
   return outcome(tf.function(lambda: strategy.run(fn)))
 
 
-def uneven_steps():
-  """Keras fit where worker 1 has two more batches than worker 0."""
+def uneven_steps(what):
+  """Keras fit where worker 1 has more batches than worker 0.
+
+  `what` differs: "rows" (worker 1 has 32 more) or "batch_size" (worker 1
+  batches 8 rows, worker 0 16).
+  """
   strategy = rs.ReplicatorStrategy(timeout_seconds=5)
   with strategy.scope():
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
     model.compile("sgd", "mse")
-  rows = 64 + 32 * strategy.extended.cluster.worker_index
+  worker = strategy.extended.cluster.worker_index
+  rows = 64 + 32 * worker if what == "rows" else 64
+  batch_size = 16 // (1 + worker) if what == "batch_size" else 16
   x = np.ones((rows, 4), "float32")
-  data = tf.data.Dataset.from_tensor_slices((x, x[:, :1])).batch(16)
+  data = tf.data.Dataset.from_tensor_slices((x, x[:, :1])).batch(batch_size)
   return outcome(lambda: model.fit(data, epochs=2, verbose=0))
 
 
@@ -122,7 +128,7 @@ def long_fit(steps, every):
 if __name__ == "__main__":
   case = sys.argv[1]
   if case == "uneven_steps":
-    result = uneven_steps()
+    result = uneven_steps(sys.argv[2])
   elif case.startswith("long_"):
     result = {"samples": globals()[case](int(sys.argv[2]), int(sys.argv[3]))}
   else:
