@@ -92,6 +92,7 @@ class Progress:
     self.devices = tuple(devices)
     self.timeout_seconds = timeout_seconds
     self.what = what
+    self.traced = False  # No counter moves until a collective is traced.
     with tf.init_scope():
       # Made directly, bypassing variable creator scopes: these belong to no
       # model and must never become distributed variables themselves.
@@ -112,6 +113,7 @@ class Progress:
     in program order, and replicas run the same program, so the n-th launch
     of every replica draws the same number.
     """
+    self.traced = True
     with home_graph.as_default():
       launched, completed, last = (home_graph.capture(v.handle)
                                    for v in self._variables[local_index])
@@ -305,6 +307,8 @@ class _Watchdog:
             f"{timeout_seconds} s (timeout_seconds), so every collective of "
             f"this process was aborted.", f"  waits in {description}")
     for progress, seen in sources:
+      if not progress.traced:
+        continue
       try:
         states = progress.read()
       except Exception:  # pylint: disable=broad-except
