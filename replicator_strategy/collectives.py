@@ -9,8 +9,8 @@ meet at run time instead.
 
 Launches meet by instance key. Each replica numbers its launches in program
 order (`collective_watchdog.Progress`), so the n-th launch of every replica
-agrees; (TF's own call-time keys can't be captured inside control flow, and
-keys fixed at trace time clash between loop iterations.) TF keeps a record
+agrees (TF's own call-time keys can't be captured inside control flow, and
+keys fixed at trace time clash between loop iterations). TF keeps a record
 per instance key for the life of the process and fixes its shape at first
 use, so a collective of a static shape takes its key from a cycle of
 `KEYS_PER_SIGNATURE` reserved for its signature (op, dtype, shape): memory
@@ -93,6 +93,9 @@ class ReplicaCollectives:
     signature = _signature(kind, tensor)
     with tf.device(self._devices[local_index]):
       if tensor.shape.is_fully_defined():
+        # Codes follow first use in this process: the same program on every
+        # worker draws them in the same order (else keys differ, the launches
+        # wait, and the watchdog says where).
         code = collective_watchdog.signature_code(signature)
         key = (code * KEYS_PER_SIGNATURE + 1 +
                tf.math.floormod(launch.number, KEYS_PER_SIGNATURE))
