@@ -3,8 +3,10 @@
 ReplicatorStrategy reuses TF's distributed-variable classes, input pipeline,
 cross-device ops and replica threads. Those live in private modules whose
 layout may change between TF releases, so every such import is made here and
-checked against the TF versions this file was written for. Upgrading TF means
-re-checking this one file.
+checked against the TF versions this file was written for, and every private
+member of a TF object the package uses is reached through a named function
+at the end of this file (tests/test_tf_internal.py checks that no other
+module does). Upgrading TF means re-checking this one file.
 """
 
 import os
@@ -66,3 +68,79 @@ def one_replica_spec(spec):
   if isinstance(spec, values.PerReplicaSpec):
     return spec._value_specs[0]  # pylint: disable=protected-access
   return spec
+
+
+# Private members of TF objects, each reached through one function here.
+
+
+def component(distributed_variable, local_index):
+  """The component of a distributed variable on this worker's `local_index` device."""
+  return distributed_variable._get_replica(local_index)  # pylint: disable=protected-access
+
+
+def cross_replica_value(sync_on_read_variable):
+  """A sync-on-read variable's value aggregated over every replica."""
+  return sync_on_read_variable._get_cross_replica()  # pylint: disable=protected-access
+
+
+def current_component(distributed_variable):
+  """The component of a distributed variable for the current device or replica."""
+  return distributed_variable._get()  # pylint: disable=protected-access
+
+
+def devices_match(value, destinations):
+  return cross_device_ops._devices_match(value, destinations)  # pylint: disable=protected-access
+
+
+def gather(ops, value, destinations, axis, options=None):
+  """`ops` (a `tf.distribute.CrossDeviceOps`) gathering `value` along `axis`."""
+  return ops._gather(value, destinations=destinations, axis=axis,  # pylint: disable=protected-access
+                     options=options)
+
+
+def gather_implementation(ops, value, destinations, axis, options):
+  """`ops`'s own gather, below the checks `gather` makes first."""
+  return ops._gather_implementation(value, destinations, axis, options)  # pylint: disable=protected-access
+
+
+def base_replica_ctx_all_reduce(extended, reduce_op, value, options):
+  """`StrategyExtendedV1`'s replica-context all-reduce, for a subclass that overrides it."""
+  return StrategyExtendedV1._replica_ctx_all_reduce(extended, reduce_op, value,  # pylint: disable=protected-access
+                                                    options)
+
+
+def base_replica_ctx_update(extended, var, fn, args, kwargs, group):
+  """`StrategyExtendedV1`'s replica-context update, for a subclass that overrides it."""
+  return StrategyExtendedV1._replica_ctx_update(extended, var, fn, args,  # pylint: disable=protected-access
+                                                kwargs, group)
+
+
+def base_merge_call(replica_context, fn, args, kwargs):
+  """The replica threads' `merge_call`, for a subclass that overrides it."""
+  return ThreadReplicaContext._merge_call(replica_context, fn, args, kwargs)  # pylint: disable=protected-access
+
+
+def update_in_replica_context(replica_context, var, fn, args, kwargs, group):
+  """`ReplicaContext._update`: `fn` on every component of `var`, from a replica."""
+  return replica_context._update(var, fn, args=args, kwargs=kwargs,  # pylint: disable=protected-access
+                                 group=group)
+
+
+def base_update_replica(variable_class, variable, update_fn, value, **kwargs):
+  """`variable_class`'s (a TF distributed variable class) update from a replica."""
+  return variable_class._update_replica(variable, update_fn, value, **kwargs)  # pylint: disable=protected-access
+
+
+def replica_id(replica_context):
+  """A replica context's replica id in the sync group, as a Python int."""
+  return replica_context._replica_id_in_sync_group  # pylint: disable=protected-access
+
+
+def clone_function(function, python_function):
+  """A `tf.function` like `function` (same options) around `python_function`."""
+  return function._clone(python_function=python_function)  # pylint: disable=protected-access
+
+
+def require_registration_barrier(eager_context):
+  """Every task must register with the coordination service, or all fail."""
+  eager_context._coordination_service_config.cluster_register_with_barrier = True  # pylint: disable=protected-access

@@ -251,8 +251,9 @@ class KeyedCollectiveOps(tf.distribute.CrossDeviceOps):
                              options):
     if not self._keyed([per_replica_value]):
       return self._handed_over(
-          "gather", lambda: self._eager_ops._gather_implementation(  # pylint: disable=protected-access
-              per_replica_value, destinations, axis, options))
+          "gather", lambda: tfi.gather_implementation(
+              self._eager_ops, per_replica_value, destinations, axis,
+              options))
     return self._per_device(
         [per_replica_value], [destinations],
         lambda i, tensors, keys: self._collectives.all_gather(

@@ -70,8 +70,9 @@ class ReplicatorExtended(tfi.StrategyExtendedV1):
   def _check_same_replicas_per_worker(self):
     """Fails every worker, clearly, unless all have as many devices."""
     with tf.device(self.host_device):
-      counts = self._worker_reduce_ops._gather(  # pylint: disable=protected-access
-          tf.constant([len(self._devices)]), self.host_device, axis=0)
+      counts = tfi.gather(self._worker_reduce_ops,
+                          tf.constant([len(self._devices)]), self.host_device,
+                          axis=0)
     counts = [int(c) for c in self._local_results(counts)[0]]
     if len(set(counts)) > 1:
       raise ValueError(
@@ -94,7 +95,7 @@ class ReplicatorExtended(tfi.StrategyExtendedV1):
 
   def _replica_ctx_all_reduce(self, reduce_op, value, options=None):
     if self._use_merge_call():
-      return super()._replica_ctx_all_reduce(reduce_op, value, options)
+      return tfi.base_replica_ctx_all_reduce(self, reduce_op, value, options)
     ctx = tf.distribute.get_replica_context()
     flat = tf.nest.flatten(value)
     reduced = self.collectives.all_reduce(
@@ -104,12 +105,12 @@ class ReplicatorExtended(tfi.StrategyExtendedV1):
 
   def _replica_ctx_update(self, var, fn, args, kwargs, group):
     if self._use_merge_call():
-      return super()._replica_ctx_update(var, fn, args, kwargs, group)
+      return tfi.base_replica_ctx_update(self, var, fn, args, kwargs, group)
     # Every replica holds the same (all-reduced) arguments, so each updates
     # its own component and the components stay identical.
     local_index = tf.distribute.get_replica_context().local_index
     if isinstance(var, tfi.values.DistributedVariable):
-      var = var._get_replica(local_index)  # pylint: disable=protected-access
+      var = tfi.component(var, local_index)
     with tf.device(var.device), tf.name_scope(f"update_{local_index}"):
       return fn(var, *args, **kwargs)
 
@@ -136,8 +137,8 @@ class ReplicatorExtended(tfi.StrategyExtendedV1):
 
   def read_var(self, replica_local_var):
     if _utils.is_sync_on_read(replica_local_var):
-      return replica_local_var._get_cross_replica()  # pylint: disable=protected-access
-    return tf.identity(replica_local_var._get())  # pylint: disable=protected-access
+      return tfi.cross_replica_value(replica_local_var)
+    return tf.identity(tfi.current_component(replica_local_var))
 
   def value_container(self, val):
     return _utils.value_container(val)
@@ -174,8 +175,7 @@ class ReplicatorExtended(tfi.StrategyExtendedV1):
     parts = value.values if isinstance(value, tfi.values.DistributedValues) else (value,)
     if any(tf.as_dtype(p.dtype) == tf.int32 for p in parts):
       return self._host_reduce_ops  # NCCL cannot reduce int32.
-    if destinations is not None and not tfi.cross_device_ops._devices_match(  # pylint: disable=protected-access
-        value, destinations):
+    if destinations is not None and not tfi.devices_match(value, destinations):
       return self._host_reduce_ops
     return self._cross_device_ops
 
@@ -202,7 +202,7 @@ class ReplicatorExtended(tfi.StrategyExtendedV1):
     if all(
         isinstance(v, tfi.values.PerReplica) and
         self._ops_for(v, d) is self._cross_device_ops and
-        tfi.cross_device_ops._devices_match(v, d)  # pylint: disable=protected-access
+        tfi.devices_match(v, d)
         for v, d in value_destination_pairs):
       to_reduce, unpack = packing.pack(values)
       return unpack(self._cross_device_ops.batch_reduce(
@@ -217,12 +217,11 @@ class ReplicatorExtended(tfi.StrategyExtendedV1):
   def _gather_to_implementation(self, value, destinations, axis, options):
     if not isinstance(value, tfi.values.DistributedValues):
       if self.cluster:  # This worker's value: gather every worker's.
-        return self._worker_reduce_ops._gather(  # pylint: disable=protected-access
-            value, destinations=destinations, axis=axis, options=options)
+        return tfi.gather(self._worker_reduce_ops, value, destinations, axis,
+                          options)
       return value
     ops = self._cross_device_ops if self.cluster else self._host_reduce_ops
-    return ops._gather(  # pylint: disable=protected-access
-        value, destinations=destinations, axis=axis, options=options)
+    return tfi.gather(ops, value, destinations, axis, options)
 
   @tfi.autograph.do_not_convert
   def reduce_extremum_to(self, op, value, destinations):

@@ -48,7 +48,8 @@ def pack(values):
   to_reduce = [values[i] for i in alone]
   for indices in groups.values():
     parts = []
-    for replica, device in enumerate(values[indices[0]]._devices):  # pylint: disable=protected-access
+    devices = [part.device for part in values[indices[0]].values]
+    for replica, device in enumerate(devices):
       with tf.device(device):
         parts.append(tf.concat(
             [tf.reshape(values[i].values[replica], [-1]) for i in indices], 0))

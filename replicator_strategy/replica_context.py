@@ -61,7 +61,8 @@ class ReplicaContext(tfi.ThreadReplicaContext):
       _check_same_merge(signatures)
       return fn(strategy, *a, **k)
 
-    return super()._merge_call(checked, (signature,) + tuple(args), kwargs)  # pylint: disable=protected-access
+    return tfi.base_merge_call(self, checked, (signature,) + tuple(args),
+                               kwargs)
 
   def merge_call(self, merge_fn, args=(), kwargs=None):
     """`tf.distribute.ReplicaContext.merge_call`, from replica context only.
@@ -345,9 +346,8 @@ def call_for_each_replica(strategy, fn, args, kwargs):
     lifted = per_strategy.get(fn)
     if lifted is None:
       python_fn = fn.python_function
-      lifted = fn._clone(  # pylint: disable=protected-access
-          python_function=lambda *a, **k: call_for_each_replica(
-              strategy, python_fn, a, k))
+      lifted = tfi.clone_function(
+          fn, lambda *a, **k: call_for_each_replica(strategy, python_fn, a, k))
       per_strategy[fn] = lifted
     return lifted(*args, **kwargs)
   if not tf.executing_eagerly():
@@ -356,7 +356,7 @@ def call_for_each_replica(strategy, fn, args, kwargs):
   @tfi.autograph.do_not_convert
   def in_replica_context(*a, **k):
     thread_context = tf.distribute.get_replica_context()
-    with ReplicaContext(strategy, thread_context._replica_id_in_sync_group,  # pylint: disable=protected-access
+    with ReplicaContext(strategy, tfi.replica_id(thread_context),
                         inputs=(a, k)):
       return fn(*a, **k)
 

@@ -30,11 +30,12 @@ class MirroredVariable(tfi.values.MirroredVariable):
     ctx = tf.distribute.get_replica_context()
     if (self.aggregation != tf.VariableAggregation.ONLY_FIRST_REPLICA or
         not isinstance(ctx, replica_context.ReplicaContext) or ctx.can_merge):
-      return super()._update_replica(update_fn, value, **kwargs)
+      return tfi.base_update_replica(tfi.values.MirroredVariable, self,
+                                     update_fn, value, **kwargs)
     if tf.is_tensor(value):
       value = ctx.broadcast(value, source_replica_id=0)
-    return ctx._update(self, update_fn, args=(value,), kwargs=kwargs,  # pylint: disable=protected-access
-                       group=True)
+    return tfi.update_in_replica_context(ctx, self, update_fn, (value,), kwargs,
+                                         group=True)
 
 
 _CLASS_MAPPING = {
@@ -50,7 +51,7 @@ def create(strategy, devices, next_creator, **kwargs):
     with tf.device(colocate_with.device):
       return next_creator(**kwargs)
   if colocate_with is not None:
-    devices = colocate_with._devices  # pylint: disable=protected-access
+    devices = tuple(component.device for component in colocate_with.values)
 
   def create_components(**kwargs):
     components = []

@@ -65,7 +65,7 @@ def start(cluster, timeout_seconds):
           for job in cluster.spec.jobs
       ])
   # Every task must register within the timeout, or all of them fail.
-  context._coordination_service_config.cluster_register_with_barrier = True  # pylint: disable=protected-access
+  tfi.require_registration_barrier(context)
   server_def.default_session_config.CopyFrom(context.config)
   _check_port_free(cluster)
   try:

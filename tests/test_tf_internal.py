@@ -1,6 +1,8 @@
-"""The adapter refuses TensorFlow versions its private imports were not checked on."""
+"""The adapter: it refuses untested TensorFlow versions, and it alone reaches TF's privates."""
 
+import ast
 import os
+import pathlib
 import unittest
 from unittest import mock
 
@@ -26,6 +28,50 @@ class VersionCheckTest(unittest.TestCase):
       _tf_internal._check_tf_version()
     with mock.patch.object(tf, "__version__", "2.21.3"):
       _tf_internal._check_tf_version()
+
+
+PACKAGE = pathlib.Path(_tf_internal.__file__).parent
+# Modules that patch Keras reach Keras's privates; they move behind one table
+# of patches with the Keras subpackage.
+KERAS_PATCHING = ("keras_chief_writes.py", "keras_integration.py",
+                  "preemption.py")
+
+
+def _our_private_names(trees):
+  """`_names` this package defines: functions, methods, attributes it sets."""
+  names = set()
+  for tree in trees:
+    for node in ast.walk(tree):
+      if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+        names.add(node.name)
+      elif (isinstance(node, ast.Attribute) and
+            isinstance(node.ctx, ast.Store) and
+            isinstance(node.value, ast.Name) and node.value.id == "self"):
+        names.add(node.attr)
+  return {n for n in names if n.startswith("_")}
+
+
+class PrivateMembersTest(unittest.TestCase):
+
+  def test_only_the_adapter_reaches_private_members_of_tf_objects(self):
+    modules = {p.name: ast.parse(p.read_text())
+               for p in sorted(PACKAGE.glob("*.py"))}
+    ours = _our_private_names(modules.values())
+    found = []
+    for name, tree in modules.items():
+      if name == "_tf_internal.py" or name in KERAS_PATCHING:
+        continue
+      for node in ast.walk(tree):
+        if not (isinstance(node, ast.Attribute) and
+                node.attr.startswith("_") and not node.attr.startswith("__")):
+          continue
+        on_self = (isinstance(node.value, ast.Name) and
+                   node.value.id in ("self", "cls"))
+        # os._exit is public API despite its name.
+        if on_self or node.attr in ours or ast.unparse(node) == "os._exit":
+          continue
+        found.append(f"{name}:{node.lineno}: {ast.unparse(node)}")
+    self.assertEqual(found, [], "reach these through _tf_internal")
 
 
 if __name__ == "__main__":
