@@ -6,9 +6,7 @@
 ...   model = build_model()  # any single-device Keras model
 """
 
-from replicator_strategy import keras_chief_writes
-from replicator_strategy import keras_integration
-from replicator_strategy import preemption
+from replicator_strategy import keras_patches
 from replicator_strategy.devices import local_devices
 from replicator_strategy.devices import split_cpu
 from replicator_strategy.extended import ReplicatorExtended
@@ -28,6 +26,4 @@ __all__ = [
 ]
 __version__ = "0.1.0"
 
-keras_integration.install()
-keras_chief_writes.install()
-preemption.install_keras()
+keras_patches.install()

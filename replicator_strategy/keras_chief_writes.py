@@ -16,7 +16,8 @@ that no longer run.
   on storage every worker reads (one machine, or a shared file system).
 - `TensorBoard` logs.
 
-Installed on import of `replicator_strategy`; inert unless the model's
+Entries of `keras_patches.PATCHES`, applied on import of
+`replicator_strategy`; inert unless the model's
 strategy is a ReplicatorStrategy over several workers, on a non-chief one.
 
 >>> model.save("model.keras")  # on worker 1: written to scratch, then deleted
@@ -29,7 +30,6 @@ import os
 import shutil
 import tempfile
 
-import keras
 
 from replicator_strategy import preemption
 from replicator_strategy import strategy as strategy_lib
@@ -38,24 +38,8 @@ _scratch_root = []
 _SCRATCH_PREFIX = "replicator-worker-"
 
 
-def install():
-  """Wraps the Keras writers named above, once."""
-  if getattr(keras.Model, "_replicator_chief_writes_installed", False):
-    return
-  for name in ("save", "save_weights", "export"):
-    setattr(keras.Model, name, _to_scratch_unless_chief(
-        getattr(keras.Model, name)))
-  backup = keras.callbacks.BackupAndRestore
-  backup._save_model = _backup_to_scratch_unless_chief(backup._save_model)  # pylint: disable=protected-access
-  backup.on_train_end = _keep_backup_unless_chief(backup.on_train_end)
-  board = keras.callbacks.TensorBoard
-  board.set_model = _log_to_scratch_unless_chief(board.set_model)
-  board.on_train_end = _drop_scratch_logs(board.on_train_end)
-  keras.Model._replicator_chief_writes_installed = True  # pylint: disable=protected-access
-
-
 def _non_chief(model):
-  strategy = getattr(model, "_distribute_strategy", None)
+  strategy = getattr(model, "distribute_strategy", None)
   return (isinstance(strategy, strategy_lib.ReplicatorStrategy) and
           not strategy.extended.is_chief)
 
@@ -96,7 +80,7 @@ def _running(pid):
   return True
 
 
-def _to_scratch_unless_chief(write):
+def to_scratch_unless_chief(write):
 
   @functools.wraps(write)
   def wrapper(self, filepath, *args, **kwargs):
@@ -116,7 +100,7 @@ _BACKUP_FILES = ("_weights_path", "_training_metadata_path",
                  "_prev_weights_path", "_prev_training_metadata_path")
 
 
-def _backup_to_scratch_unless_chief(save_model):
+def backup_to_scratch_unless_chief(save_model):
 
   @functools.wraps(save_model)
   def wrapper(self, *args, **kwargs):
@@ -137,7 +121,7 @@ def _backup_to_scratch_unless_chief(save_model):
   return wrapper
 
 
-def _keep_backup_unless_chief(on_train_end):
+def keep_backup_unless_chief(on_train_end):
 
   @functools.wraps(on_train_end)
   def wrapper(self, logs=None):
@@ -148,7 +132,7 @@ def _keep_backup_unless_chief(on_train_end):
   return wrapper
 
 
-def _log_to_scratch_unless_chief(set_model):
+def log_to_scratch_unless_chief(set_model):
 
   @functools.wraps(set_model)
   def wrapper(self, model):
@@ -160,7 +144,7 @@ def _log_to_scratch_unless_chief(set_model):
   return wrapper
 
 
-def _drop_scratch_logs(on_train_end):
+def drop_scratch_logs(on_train_end):
 
   @functools.wraps(on_train_end)
   def wrapper(self, logs=None):

@@ -23,9 +23,10 @@
   gathers every worker's rows for MultiWorkerMirroredStrategy alone). Here
   every worker gets all rows, in order.
 
-Installed on import of `replicator_strategy`, on `keras.Model`,
-`keras.optimizers.Optimizer` and Keras's loss-scaling functions; every
-wrapper calls Keras's own code unchanged for any other strategy.
+Each wrapper is an entry of `keras_patches.PATCHES`, applied on import of
+`replicator_strategy`, on `keras.Model`, `keras.optimizers.Optimizer` and
+Keras's loss-scaling functions; every wrapper calls Keras's own code
+unchanged for any other strategy.
 
 >>> with ReplicatorStrategy().scope():
 ...   model = build_and_compile()
@@ -36,38 +37,12 @@ True
 import functools
 
 import keras
-from keras.src.backend.tensorflow import trainer as keras_tf_trainer
-from keras.src.losses import loss as keras_loss  # Where Keras scales losses.
 import tensorflow as tf
 
+from replicator_strategy import _keras_internal as ki
 from replicator_strategy import _tf_internal as tfi
 from replicator_strategy import replica_context
 from replicator_strategy import strategy as strategy_lib
-
-
-def install():
-  """Wraps the Keras methods and functions named above, once."""
-  if getattr(keras.Model, "_replicator_strategy_installed", False):
-    return
-  # pylint: disable=protected-access
-  model = keras.Model
-  model.get_metrics_result = _global_metrics_result(model.get_metrics_result)
-  model.predict_on_batch = _split_predict_on_batch(model.predict_on_batch)
-  model._maybe_symbolic_build = _build_from_whole_batch(
-      model._maybe_symbolic_build)
-  keras_loss.scale_loss_for_distribution = _scale_by_batch_share(
-      keras_loss.scale_loss_for_distribution, scale=True)
-  keras_loss.unscale_loss_for_distribution = _scale_by_batch_share(
-      keras_loss.unscale_loss_for_distribution, scale=False)
-  optimizer = keras.optimizers.Optimizer
-  optimizer._backend_apply_gradients = _reduce_before_clipping(
-      optimizer._backend_apply_gradients)
-  optimizer._all_reduce_sum_gradients = _skip_if_reduced(
-      optimizer._all_reduce_sum_gradients)
-  keras_tf_trainer.reduce_per_replica = _concat_across_workers(
-      keras_tf_trainer.reduce_per_replica)
-  model._replicator_strategy_installed = True
-  # pylint: enable=protected-access
 
 
 def _in_our_replicas():
@@ -76,7 +51,7 @@ def _in_our_replicas():
           ctx.num_replicas_in_sync > 1)
 
 
-def _global_metrics_result(get_metrics_result):
+def global_metrics_result(get_metrics_result):
 
   @functools.wraps(get_metrics_result)
   def wrapper(self):
@@ -94,11 +69,11 @@ def _global_metrics_result(get_metrics_result):
   return wrapper
 
 
-def _build_from_whole_batch(maybe_symbolic_build):
+def build_from_whole_batch(maybe_symbolic_build):
 
   @functools.wraps(maybe_symbolic_build)
   def wrapper(self, iterator=None, data_batch=None):
-    strategy = getattr(self, "_distribute_strategy", None)
+    strategy = self.distribute_strategy
     if iterator is None or not isinstance(strategy,
                                           strategy_lib.ReplicatorStrategy):
       return maybe_symbolic_build(self, iterator=iterator,
@@ -129,7 +104,7 @@ def _build_from_whole_batch(maybe_symbolic_build):
   return wrapper
 
 
-def _scale_by_batch_share(keras_fn, scale):
+def scale_by_batch_share(keras_fn, scale):
   """Scales (or unscales) a replica's mean loss by its share of the rows."""
 
   @functools.wraps(keras_fn)
@@ -145,11 +120,11 @@ def _scale_by_batch_share(keras_fn, scale):
   return wrapper
 
 
-def _split_predict_on_batch(predict_on_batch):
+def split_predict_on_batch(predict_on_batch):
 
   @functools.wraps(predict_on_batch)
   def wrapper(self, x):
-    strategy = getattr(self, "_distribute_strategy", None)
+    strategy = self.distribute_strategy
     if (isinstance(strategy, strategy_lib.ReplicatorStrategy) and
         strategy.num_replicas_in_sync > 1):
       x = split_batch(strategy, x)
@@ -158,7 +133,7 @@ def _split_predict_on_batch(predict_on_batch):
   return wrapper
 
 
-def _reduce_before_clipping(backend_apply_gradients):
+def reduce_before_clipping(backend_apply_gradients):
 
   @functools.wraps(backend_apply_gradients)
   def wrapper(self, grads, trainable_variables):
@@ -179,7 +154,7 @@ def _reduce_before_clipping(backend_apply_gradients):
   return wrapper
 
 
-def _skip_if_reduced(all_reduce_sum_gradients):
+def skip_if_reduced(all_reduce_sum_gradients):
 
   @functools.wraps(all_reduce_sum_gradients)
   def wrapper(self, grads_and_vars):
@@ -190,7 +165,7 @@ def _skip_if_reduced(all_reduce_sum_gradients):
   return wrapper
 
 
-def _concat_across_workers(reduce_per_replica):
+def concat_across_workers(reduce_per_replica):
 
   @functools.wraps(reduce_per_replica)
   def wrapper(values, strategy, reduction):
@@ -201,7 +176,7 @@ def _concat_across_workers(reduce_per_replica):
     # Keras's own gather-and-reorder for MultiWorkerMirroredStrategy fits
     # the input layout, which is the same TF input pipeline.
     return tf.nest.map_structure(
-        lambda v: keras_tf_trainer._multi_worker_concat(v, strategy),  # pylint: disable=protected-access
+        lambda v: ki.multi_worker_concat(v, strategy),
         values)
 
   return wrapper

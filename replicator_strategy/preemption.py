@@ -22,7 +22,7 @@ coordination service (the key-value store every worker already shares):
 Per step this costs one check of a local flag: no collective, no RPC. A
 training loop takes part by calling `step_done()` after each step between
 `start_watching()` and `stop_watching()`; `keras.callbacks.BackupAndRestore`
-does so in `fit` (installed on import of `replicator_strategy`). SIGTERM while
+does so in `fit` (entries of `keras_patches.PATCHES`). SIGTERM while
 no such loop runs (another loop, evaluation, start-up) exits at once with 143;
 the other workers then fail naming this one.
 
@@ -36,9 +36,9 @@ import signal
 import sys
 import threading
 
-import keras
 import tensorflow as tf
 
+from replicator_strategy import _keras_internal as ki
 from replicator_strategy import _tf_internal as tfi
 
 PREEMPTED_STATUS = 128 + signal.SIGTERM
@@ -211,18 +211,7 @@ class _Watch:
       pass  # Set already (a stop step), or the runtime is gone.
 
 
-def install_keras():
-  """`BackupAndRestore` in `fit` watches for preemption, once."""
-  backup = keras.callbacks.BackupAndRestore
-  if getattr(backup, "_replicator_preemption_installed", False):
-    return
-  backup.on_train_begin = _watching(backup.on_train_begin)
-  backup.on_train_batch_end = _stopping_when_told(backup.on_train_batch_end)
-  backup.on_train_end = _watched(backup.on_train_end)
-  backup._replicator_preemption_installed = True  # pylint: disable=protected-access
-
-
-def _watching(on_train_begin):
+def watching(on_train_begin):
 
   @functools.wraps(on_train_begin)
   def wrapper(self, logs=None):
@@ -233,7 +222,7 @@ def _watching(on_train_begin):
   return wrapper
 
 
-def _stopping_when_told(on_train_batch_end):
+def stopping_when_told(on_train_batch_end):
 
   @functools.wraps(on_train_batch_end)
   def wrapper(self, batch, logs=None):
@@ -244,14 +233,14 @@ def _stopping_when_told(on_train_batch_end):
       # save_freq="epoch" the last epoch's backup is the one to resume from;
       # with save_freq=N batches, save now as Keras does every N batches.
       if self.save_freq != "epoch":
-        self._save_model()  # pylint: disable=protected-access
+        ki.save_backup(self)
       stop()
     return result
 
   return wrapper
 
 
-def _watched(on_train_end):
+def watched(on_train_end):
 
   @functools.wraps(on_train_end)
   def wrapper(self, logs=None):

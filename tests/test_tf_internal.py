@@ -1,4 +1,7 @@
-"""The adapter: it refuses untested TensorFlow versions, and it alone reaches TF's privates."""
+"""The adapter: it refuses untested TensorFlow versions, and it alone reaches TF's privates.
+
+(With `_keras_internal`, its twin for Keras, tested in test_keras_patches.)
+"""
 
 import ast
 import os
@@ -31,10 +34,7 @@ class VersionCheckTest(unittest.TestCase):
 
 
 PACKAGE = pathlib.Path(_tf_internal.__file__).parent
-# Modules that patch Keras reach Keras's privates; they move behind one table
-# of patches with the Keras subpackage.
-KERAS_PATCHING = ("keras_chief_writes.py", "keras_integration.py",
-                  "preemption.py")
+ADAPTERS = ("_tf_internal.py", "_keras_internal.py")
 
 
 def _our_private_names(trees):
@@ -53,13 +53,13 @@ def _our_private_names(trees):
 
 class PrivateMembersTest(unittest.TestCase):
 
-  def test_only_the_adapter_reaches_private_members_of_tf_objects(self):
+  def test_only_the_adapters_reach_private_members_of_tf_and_keras(self):
     modules = {p.name: ast.parse(p.read_text())
                for p in sorted(PACKAGE.glob("*.py"))}
     ours = _our_private_names(modules.values())
     found = []
     for name, tree in modules.items():
-      if name == "_tf_internal.py" or name in KERAS_PATCHING:
+      if name in ADAPTERS:
         continue
       for node in ast.walk(tree):
         if not (isinstance(node, ast.Attribute) and
@@ -71,7 +71,8 @@ class PrivateMembersTest(unittest.TestCase):
         if on_self or node.attr in ours or ast.unparse(node) == "os._exit":
           continue
         found.append(f"{name}:{node.lineno}: {ast.unparse(node)}")
-    self.assertEqual(found, [], "reach these through _tf_internal")
+    self.assertEqual(found, [],
+                     "reach these through _tf_internal or _keras_internal")
 
 
 if __name__ == "__main__":

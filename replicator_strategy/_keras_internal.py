@@ -1,0 +1,47 @@
+"""The one place that reaches Keras's private modules and members.
+
+The patches in `keras_patches` wrap Keras functions, some private, and two
+wrappers call private Keras code. All of it is reached here and checked
+against the Keras versions this file was written for, as `_tf_internal` does
+for TensorFlow. Upgrading Keras means re-checking this file and the table in
+`keras_patches`.
+"""
+
+import os
+
+import keras
+
+TESTED_KERAS_VERSIONS = ("3.15",)
+_ALLOW_UNTESTED_ENV = "REPLICATOR_STRATEGY_ALLOW_UNTESTED_KERAS"
+
+
+def check_keras_version(version=keras.__version__):
+  """Refuses a Keras version whose private names were not checked."""
+  major_minor = ".".join(version.split(".")[:2])
+  if major_minor in TESTED_KERAS_VERSIONS or os.environ.get(
+      _ALLOW_UNTESTED_ENV):
+    return
+  raise ImportError(
+      f"replicator_strategy wraps Keras functions (some private) and was "
+      f"tested with Keras {', '.join(TESTED_KERAS_VERSIONS)}.x. Received: "
+      f"keras=={version}. Install a tested version (pip install "
+      f"'keras=={TESTED_KERAS_VERSIONS[-1]}.*') or set "
+      f"{_ALLOW_UNTESTED_ENV}=1 to try this one anyway.")
+
+
+check_keras_version()
+
+# pylint: disable=g-import-not-at-top,unused-import
+from keras.src.backend.tensorflow import trainer as tf_trainer
+from keras.src.losses import loss  # Where Keras scales losses.
+# pylint: enable=g-import-not-at-top,unused-import
+
+
+def multi_worker_concat(value, strategy):
+  """Keras's gather of every worker's rows, as it does for MultiWorkerMirroredStrategy."""
+  return tf_trainer._multi_worker_concat(value, strategy)  # pylint: disable=protected-access
+
+
+def save_backup(backup_and_restore):
+  """A `BackupAndRestore` callback writes its backup now."""
+  backup_and_restore._save_model()  # pylint: disable=protected-access

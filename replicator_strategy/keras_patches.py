@@ -1,0 +1,110 @@
+"""The one table of changes replicator_strategy makes to Keras, and their undoing.
+
+Keras 3 has no hook for what ReplicatorStrategy must change (global logs,
+exact loss scaling, files written once across workers, saving on
+preemption), so the package wraps Keras functions on import. Every wrapper is
+listed in `PATCHES`: what it wraps, why, and when it acts; each calls Keras's
+own code unchanged where it does not act. The wrapped names, private ones
+included, were checked against the Keras versions that `_keras_internal`
+names; another version is refused on import (set
+`REPLICATOR_STRATEGY_ALLOW_UNTESTED_KERAS=1` to try it anyway).
+
+>>> import replicator_strategy as rs
+>>> rs.keras_patches.uninstall()   # Keras exactly as installed
+>>> rs.keras_patches.install()     # the patches back
+"""
+
+import dataclasses
+import functools
+from typing import Any, Callable
+
+import keras
+
+from replicator_strategy import _keras_internal as ki
+from replicator_strategy import keras_chief_writes
+from replicator_strategy import keras_integration
+from replicator_strategy import preemption
+
+@dataclasses.dataclass(frozen=True)
+class Patch:
+  """`owner.name` replaced by `wrap(original)`, acting only `when`."""
+  owner: Any
+  name: str
+  wrap: Callable[[Callable], Callable]
+  when: str
+
+
+_MODEL = keras.Model
+_OPTIMIZER = keras.optimizers.Optimizer
+_BACKUP = keras.callbacks.BackupAndRestore
+_BOARD = keras.callbacks.TensorBoard
+_UNDER_US = "the strategy is a ReplicatorStrategy with several replicas"
+_NON_CHIEF = "on a non-chief worker of a ReplicatorStrategy cluster"
+_PREEMPTIBLE = "a ReplicatorStrategy cluster is running (SIGTERM agreed)"
+
+# In order: a later entry on the same name wraps an earlier one.
+PATCHES = (
+    Patch(_MODEL, "get_metrics_result",
+          keras_integration.global_metrics_result, _UNDER_US),
+    Patch(_MODEL, "predict_on_batch",
+          keras_integration.split_predict_on_batch, _UNDER_US),
+    Patch(_MODEL, "_maybe_symbolic_build",
+          keras_integration.build_from_whole_batch,
+          "the strategy is a ReplicatorStrategy"),
+    Patch(ki.loss, "scale_loss_for_distribution",
+          functools.partial(keras_integration.scale_by_batch_share,
+                            scale=True), _UNDER_US),
+    Patch(ki.loss, "unscale_loss_for_distribution",
+          functools.partial(keras_integration.scale_by_batch_share,
+                            scale=False), _UNDER_US),
+    Patch(_OPTIMIZER, "_backend_apply_gradients",
+          keras_integration.reduce_before_clipping,
+          _UNDER_US + " and the optimizer clips"),
+    Patch(_OPTIMIZER, "_all_reduce_sum_gradients",
+          keras_integration.skip_if_reduced,
+          "the gradients were all-reduced before clipping"),
+    Patch(ki.tf_trainer, "reduce_per_replica",
+          keras_integration.concat_across_workers,
+          "predict across several ReplicatorStrategy workers"),
+    Patch(_MODEL, "save", keras_chief_writes.to_scratch_unless_chief,
+          _NON_CHIEF),
+    Patch(_MODEL, "save_weights", keras_chief_writes.to_scratch_unless_chief,
+          _NON_CHIEF),
+    Patch(_MODEL, "export", keras_chief_writes.to_scratch_unless_chief,
+          _NON_CHIEF),
+    Patch(_BACKUP, "_save_model",
+          keras_chief_writes.backup_to_scratch_unless_chief, _NON_CHIEF),
+    Patch(_BACKUP, "on_train_end", keras_chief_writes.keep_backup_unless_chief,
+          _NON_CHIEF),
+    Patch(_BOARD, "set_model", keras_chief_writes.log_to_scratch_unless_chief,
+          _NON_CHIEF),
+    Patch(_BOARD, "on_train_end", keras_chief_writes.drop_scratch_logs,
+          _NON_CHIEF),
+    Patch(_BACKUP, "on_train_begin", preemption.watching, _PREEMPTIBLE),
+    Patch(_BACKUP, "on_train_batch_end", preemption.stopping_when_told,
+          _PREEMPTIBLE),
+    Patch(_BACKUP, "on_train_end", preemption.watched, _PREEMPTIBLE),
+)
+
+_originals = []  # (owner, name, what it was), in the order applied.
+
+
+def install():
+  """Applies every patch in `PATCHES`, once (on import of the package)."""
+  if _originals:
+    return
+  for patch in PATCHES:
+    original = getattr(patch.owner, patch.name)
+    _originals.append((patch.owner, patch.name, original))
+    setattr(patch.owner, patch.name, patch.wrap(original))
+
+
+def uninstall():
+  """Puts back every Keras function `install` wrapped; Keras is as shipped.
+
+  ReplicatorStrategy then trains as MirroredStrategy does under Keras: local
+  per-batch logs, 1/N loss scaling, every worker writing its files.
+  """
+  while _originals:
+    owner, name, original = _originals.pop()
+    setattr(owner, name, original)

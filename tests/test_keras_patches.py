@@ -1,0 +1,76 @@
+"""The table of Keras patches: applied once, undone by uninstall, version-checked."""
+
+import os
+import unittest
+from unittest import mock
+
+import keras
+import numpy as np
+
+import replicator_strategy as rs
+from replicator_strategy import _keras_internal
+from replicator_strategy import keras_patches
+
+
+class PatchTableTest(unittest.TestCase):
+
+  def test_uninstall_puts_back_every_keras_function_and_install_reapplies(self):
+    patched = {(p.owner, p.name): getattr(p.owner, p.name)
+               for p in keras_patches.PATCHES}
+    try:
+      keras_patches.uninstall()
+      shipped = {key: getattr(*key) for key in patched}
+      for (owner, name), function in shipped.items():
+        with self.subTest(name):
+          self.assertIsNot(function, patched[(owner, name)])
+          # Keras's own code, not a wrapper of ours (functools.wraps copies
+          # names, not code).
+          self.assertIn(f"{os.sep}keras{os.sep}", function.__code__.co_filename)
+          self.assertIn("replicator_strategy",
+                        patched[(owner, name)].__code__.co_filename)
+    finally:
+      keras_patches.install()
+    reapplied = {key: getattr(*key) for key in patched}
+    for key, function in reapplied.items():
+      self.assertIsNot(function, shipped[key])
+    keras_patches.install()  # Once only: a second call wraps nothing again.
+    for key, function in reapplied.items():
+      self.assertIs(getattr(*key), function)
+
+  def test_a_strategy_trains_with_keras_untouched_after_uninstall(self):
+    try:
+      keras_patches.uninstall()
+      strategy = rs.ReplicatorStrategy(devices=["/cpu:0", "/cpu:1"])
+      with strategy.scope():
+        model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+        model.compile("sgd", "mse")
+      history = model.fit(np.ones((8, 2)), np.ones((8, 1)), batch_size=4,
+                          verbose=0)
+      self.assertEqual(len(history.history["loss"]), 1)
+      # Keras's own predict_on_batch: every replica gets the whole batch.
+      self.assertEqual(len(model.predict_on_batch(np.ones((4, 2)))), 8)
+    finally:
+      keras_patches.install()
+    self.assertEqual(len(model.predict_on_batch(np.ones((4, 2)))), 4)
+
+
+class VersionCheckTest(unittest.TestCase):
+
+  def test_untested_keras_is_refused_with_the_way_out(self):
+    with mock.patch.dict(os.environ, {}, clear=False):
+      os.environ.pop("REPLICATOR_STRATEGY_ALLOW_UNTESTED_KERAS", None)
+      with self.assertRaisesRegex(
+          ImportError, r"tested with Keras 3\.15\.x\. Received: keras==3\.99"
+          r"\.0.*REPLICATOR_STRATEGY_ALLOW_UNTESTED_KERAS=1"):
+        _keras_internal.check_keras_version("3.99.0")
+
+  def test_override_and_tested_versions_pass(self):
+    with mock.patch.dict(os.environ,
+                         {"REPLICATOR_STRATEGY_ALLOW_UNTESTED_KERAS": "1"}):
+      _keras_internal.check_keras_version("3.99.0")
+    _keras_internal.check_keras_version("3.15.1")
+    _keras_internal.check_keras_version()  # The installed Keras.
+
+
+if __name__ == "__main__":
+  unittest.main()
