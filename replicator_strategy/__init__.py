@@ -6,7 +6,7 @@
 ...   model = build_model()  # any single-device Keras model
 """
 
-from replicator_strategy import keras_patches
+from replicator_strategy import keras
 from replicator_strategy.devices import local_devices
 from replicator_strategy.devices import split_cpu
 from replicator_strategy.extended import ReplicatorExtended
@@ -26,4 +26,4 @@ __all__ = [
 ]
 __version__ = "0.1.0"
 
-keras_patches.install()
+keras.install()

@@ -22,7 +22,7 @@ coordination service (the key-value store every worker already shares):
 Per step this costs one check of a local flag: no collective, no RPC. A
 training loop takes part by calling `step_done()` after each step between
 `start_watching()` and `stop_watching()`; `keras.callbacks.BackupAndRestore`
-does so in `fit` (entries of `keras_patches.PATCHES`). SIGTERM while
+does so in `fit` (see `replicator_strategy.keras.preemption_saves`). SIGTERM while
 no such loop runs (another loop, evaluation, start-up) exits at once with 143;
 the other workers then fail naming this one.
 
@@ -30,7 +30,6 @@ the other workers then fail naming this one.
 """
 
 import atexit
-import functools
 import os
 import signal
 import sys
@@ -38,7 +37,6 @@ import threading
 
 import tensorflow as tf
 
-from replicator_strategy import _keras_internal as ki
 from replicator_strategy import _tf_internal as tfi
 
 PREEMPTED_STATUS = 128 + signal.SIGTERM
@@ -209,42 +207,3 @@ class _Watch:
       self._context.set_config_key_value(_STOP_KEY, _NOT_PREEMPTED)
     except tf.errors.OpError:
       pass  # Set already (a stop step), or the runtime is gone.
-
-
-def watching(on_train_begin):
-
-  @functools.wraps(on_train_begin)
-  def wrapper(self, logs=None):
-    result = on_train_begin(self, logs)
-    start_watching()
-    return result
-
-  return wrapper
-
-
-def stopping_when_told(on_train_batch_end):
-
-  @functools.wraps(on_train_batch_end)
-  def wrapper(self, batch, logs=None):
-    result = on_train_batch_end(self, batch, logs)
-    if step_done():
-      # Keras 3 resumes a backup from the start of its epoch: a mid-epoch
-      # backup would train that epoch's first batches twice. So with
-      # save_freq="epoch" the last epoch's backup is the one to resume from;
-      # with save_freq=N batches, save now as Keras does every N batches.
-      if self.save_freq != "epoch":
-        ki.save_backup(self)
-      stop()
-    return result
-
-  return wrapper
-
-
-def watched(on_train_end):
-
-  @functools.wraps(on_train_end)
-  def wrapper(self, logs=None):
-    stop_watching()
-    return on_train_end(self, logs)
-
-  return wrapper

@@ -20,7 +20,7 @@ import keras
 
 import models
 import replicator_strategy as rs
-from replicator_strategy import keras_chief_writes
+from replicator_strategy.keras import chief_writes
 
 GLOBAL_BATCH = 16
 
@@ -173,7 +173,7 @@ def keras_files(strategy, workdir):
   model.save(workdir / "final.keras")
   model.save_weights(workdir / "final.weights.h5")
   model.export(str(workdir / "exported"))
-  return {"scratch": list(keras_chief_writes._scratch_root)}  # pylint: disable=protected-access
+  return {"scratch": list(chief_writes._scratch_root)}  # pylint: disable=protected-access
 
 
 class _Interrupt(keras.callbacks.Callback):

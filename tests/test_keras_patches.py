@@ -8,8 +8,8 @@ import keras
 import numpy as np
 
 import replicator_strategy as rs
-from replicator_strategy import _keras_internal
-from replicator_strategy import keras_patches
+from replicator_strategy.keras import _internal as keras_internal
+from replicator_strategy.keras import patches as keras_patches
 
 
 class PatchTableTest(unittest.TestCase):
@@ -62,14 +62,14 @@ class VersionCheckTest(unittest.TestCase):
       with self.assertRaisesRegex(
           ImportError, r"tested with Keras 3\.15\.x\. Received: keras==3\.99"
           r"\.0.*REPLICATOR_STRATEGY_ALLOW_UNTESTED_KERAS=1"):
-        _keras_internal.check_keras_version("3.99.0")
+        keras_internal.check_keras_version("3.99.0")
 
   def test_override_and_tested_versions_pass(self):
     with mock.patch.dict(os.environ,
                          {"REPLICATOR_STRATEGY_ALLOW_UNTESTED_KERAS": "1"}):
-      _keras_internal.check_keras_version("3.99.0")
-    _keras_internal.check_keras_version("3.15.1")
-    _keras_internal.check_keras_version()  # The installed Keras.
+      keras_internal.check_keras_version("3.99.0")
+    keras_internal.check_keras_version("3.15.1")
+    keras_internal.check_keras_version()  # The installed Keras.
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """The adapter: it refuses untested TensorFlow versions, and it alone reaches TF's privates.
 
-(With `_keras_internal`, its twin for Keras, tested in test_keras_patches.)
+(With `keras/_internal`, its twin for Keras, tested in test_keras_patches.)
 """
 
 import ast
@@ -34,7 +34,7 @@ class VersionCheckTest(unittest.TestCase):
 
 
 PACKAGE = pathlib.Path(_tf_internal.__file__).parent
-ADAPTERS = ("_tf_internal.py", "_keras_internal.py")
+ADAPTERS = ("_tf_internal.py", "keras/_internal.py")
 
 
 def _our_private_names(trees):
@@ -54,8 +54,8 @@ def _our_private_names(trees):
 class PrivateMembersTest(unittest.TestCase):
 
   def test_only_the_adapters_reach_private_members_of_tf_and_keras(self):
-    modules = {p.name: ast.parse(p.read_text())
-               for p in sorted(PACKAGE.glob("*.py"))}
+    modules = {p.relative_to(PACKAGE).as_posix(): ast.parse(p.read_text())
+               for p in sorted(PACKAGE.rglob("*.py"))}
     ours = _our_private_names(modules.values())
     found = []
     for name, tree in modules.items():
@@ -72,7 +72,7 @@ class PrivateMembersTest(unittest.TestCase):
           continue
         found.append(f"{name}:{node.lineno}: {ast.unparse(node)}")
     self.assertEqual(found, [],
-                     "reach these through _tf_internal or _keras_internal")
+                     "reach these through _tf_internal or keras/_internal")
 
 
 if __name__ == "__main__":

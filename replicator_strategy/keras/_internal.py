@@ -1,10 +1,10 @@
 """The one place that reaches Keras's private modules and members.
 
-The patches in `keras_patches` wrap Keras functions, some private, and two
+The patches in `patches` wrap Keras functions, some private, and two
 wrappers call private Keras code. All of it is reached here and checked
 against the Keras versions this file was written for, as `_tf_internal` does
 for TensorFlow. Upgrading Keras means re-checking this file and the table in
-`keras_patches`.
+`patches`.
 """
 
 import os

@@ -5,13 +5,13 @@ exact loss scaling, files written once across workers, saving on
 preemption), so the package wraps Keras functions on import. Every wrapper is
 listed in `PATCHES`: what it wraps, why, and when it acts; each calls Keras's
 own code unchanged where it does not act. The wrapped names, private ones
-included, were checked against the Keras versions that `_keras_internal`
+included, were checked against the Keras versions that `replicator_strategy.keras._internal`
 names; another version is refused on import (set
 `REPLICATOR_STRATEGY_ALLOW_UNTESTED_KERAS=1` to try it anyway).
 
 >>> import replicator_strategy as rs
->>> rs.keras_patches.uninstall()   # Keras exactly as installed
->>> rs.keras_patches.install()     # the patches back
+>>> rs.keras.uninstall()   # Keras exactly as installed
+>>> rs.keras.install()     # the patches back
 """
 
 import dataclasses
@@ -20,10 +20,10 @@ from typing import Any, Callable
 
 import keras
 
-from replicator_strategy import _keras_internal as ki
-from replicator_strategy import keras_chief_writes
-from replicator_strategy import keras_integration
-from replicator_strategy import preemption
+from replicator_strategy.keras import _internal as ki
+from replicator_strategy.keras import chief_writes
+from replicator_strategy.keras import training
+from replicator_strategy.keras import preemption_saves
 
 @dataclasses.dataclass(frozen=True)
 class Patch:
@@ -45,45 +45,45 @@ _PREEMPTIBLE = "a ReplicatorStrategy cluster is running (SIGTERM agreed)"
 # In order: a later entry on the same name wraps an earlier one.
 PATCHES = (
     Patch(_MODEL, "get_metrics_result",
-          keras_integration.global_metrics_result, _UNDER_US),
+          training.global_metrics_result, _UNDER_US),
     Patch(_MODEL, "predict_on_batch",
-          keras_integration.split_predict_on_batch, _UNDER_US),
+          training.split_predict_on_batch, _UNDER_US),
     Patch(_MODEL, "_maybe_symbolic_build",
-          keras_integration.build_from_whole_batch,
+          training.build_from_whole_batch,
           "the strategy is a ReplicatorStrategy"),
     Patch(ki.loss, "scale_loss_for_distribution",
-          functools.partial(keras_integration.scale_by_batch_share,
+          functools.partial(training.scale_by_batch_share,
                             scale=True), _UNDER_US),
     Patch(ki.loss, "unscale_loss_for_distribution",
-          functools.partial(keras_integration.scale_by_batch_share,
+          functools.partial(training.scale_by_batch_share,
                             scale=False), _UNDER_US),
     Patch(_OPTIMIZER, "_backend_apply_gradients",
-          keras_integration.reduce_before_clipping,
+          training.reduce_before_clipping,
           _UNDER_US + " and the optimizer clips"),
     Patch(_OPTIMIZER, "_all_reduce_sum_gradients",
-          keras_integration.skip_if_reduced,
+          training.skip_if_reduced,
           "the gradients were all-reduced before clipping"),
     Patch(ki.tf_trainer, "reduce_per_replica",
-          keras_integration.concat_across_workers,
+          training.concat_across_workers,
           "predict across several ReplicatorStrategy workers"),
-    Patch(_MODEL, "save", keras_chief_writes.to_scratch_unless_chief,
+    Patch(_MODEL, "save", chief_writes.to_scratch_unless_chief,
           _NON_CHIEF),
-    Patch(_MODEL, "save_weights", keras_chief_writes.to_scratch_unless_chief,
+    Patch(_MODEL, "save_weights", chief_writes.to_scratch_unless_chief,
           _NON_CHIEF),
-    Patch(_MODEL, "export", keras_chief_writes.to_scratch_unless_chief,
+    Patch(_MODEL, "export", chief_writes.to_scratch_unless_chief,
           _NON_CHIEF),
     Patch(_BACKUP, "_save_model",
-          keras_chief_writes.backup_to_scratch_unless_chief, _NON_CHIEF),
-    Patch(_BACKUP, "on_train_end", keras_chief_writes.keep_backup_unless_chief,
+          chief_writes.backup_to_scratch_unless_chief, _NON_CHIEF),
+    Patch(_BACKUP, "on_train_end", chief_writes.keep_backup_unless_chief,
           _NON_CHIEF),
-    Patch(_BOARD, "set_model", keras_chief_writes.log_to_scratch_unless_chief,
+    Patch(_BOARD, "set_model", chief_writes.log_to_scratch_unless_chief,
           _NON_CHIEF),
-    Patch(_BOARD, "on_train_end", keras_chief_writes.drop_scratch_logs,
+    Patch(_BOARD, "on_train_end", chief_writes.drop_scratch_logs,
           _NON_CHIEF),
-    Patch(_BACKUP, "on_train_begin", preemption.watching, _PREEMPTIBLE),
-    Patch(_BACKUP, "on_train_batch_end", preemption.stopping_when_told,
+    Patch(_BACKUP, "on_train_begin", preemption_saves.watching, _PREEMPTIBLE),
+    Patch(_BACKUP, "on_train_batch_end", preemption_saves.stopping_when_told,
           _PREEMPTIBLE),
-    Patch(_BACKUP, "on_train_end", preemption.watched, _PREEMPTIBLE),
+    Patch(_BACKUP, "on_train_end", preemption_saves.watched, _PREEMPTIBLE),
 )
 
 _originals = []  # (owner, name, what it was), in the order applied.

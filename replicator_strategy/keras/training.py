@@ -23,7 +23,7 @@
   gathers every worker's rows for MultiWorkerMirroredStrategy alone). Here
   every worker gets all rows, in order.
 
-Each wrapper is an entry of `keras_patches.PATCHES`, applied on import of
+Each wrapper is an entry of `replicator_strategy.keras.PATCHES`, applied on import of
 `replicator_strategy`, on `keras.Model`, `keras.optimizers.Optimizer` and
 Keras's loss-scaling functions; every wrapper calls Keras's own code
 unchanged for any other strategy.
@@ -39,7 +39,7 @@ import functools
 import keras
 import tensorflow as tf
 
-from replicator_strategy import _keras_internal as ki
+from replicator_strategy.keras import _internal as ki
 from replicator_strategy import _tf_internal as tfi
 from replicator_strategy import replica_context
 from replicator_strategy import strategy as strategy_lib

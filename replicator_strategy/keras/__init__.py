@@ -1,0 +1,22 @@
+"""What ReplicatorStrategy changes in Keras 3, in one table, and its undoing.
+
+- `patches`: the table `PATCHES` (what is wrapped, why, when it acts),
+  `install()` (done on import of `replicator_strategy`) and `uninstall()`.
+- `training`: global per-batch logs, rows once from `predict_on_batch`, loss
+  scaled by each replica's share of the rows, the model built from the whole
+  first batch, clipping after the all-reduce, `predict` across workers.
+- `chief_writes`: across workers, files written once, by the chief.
+- `preemption_saves`: `BackupAndRestore` saves at the step every worker
+  agreed to stop at after a SIGTERM.
+- `_internal`: Keras's private names, behind a Keras version check.
+
+>>> import replicator_strategy as rs
+>>> len(rs.keras.PATCHES) > 0
+True
+"""
+
+from replicator_strategy.keras.patches import install
+from replicator_strategy.keras.patches import PATCHES
+from replicator_strategy.keras.patches import uninstall
+
+__all__ = ["PATCHES", "install", "uninstall"]
