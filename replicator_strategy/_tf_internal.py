@@ -144,3 +144,13 @@ def clone_function(function, python_function):
 def require_registration_barrier(eager_context):
   """Every task must register with the coordination service, or all fail."""
   eager_context._coordination_service_config.cluster_register_with_barrier = True  # pylint: disable=protected-access
+
+
+def container_strategy(extended):
+  """The `tf.distribute.Strategy` that owns `extended` (held by a weak reference)."""
+  return extended._container_strategy()  # pylint: disable=protected-access
+
+
+def set_default_device(extended, device):
+  """Ops without a device scope in the strategy's scope go to `device`."""
+  extended._default_device = device  # pylint: disable=protected-access

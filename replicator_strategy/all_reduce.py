@@ -14,14 +14,16 @@ when TensorFlow was built with it.
 import tensorflow as tf
 
 from replicator_strategy import _tf_internal as tfi
-from replicator_strategy import collectives
+from replicator_strategy import collective_watchdog
+from replicator_strategy import replica_collectives
+from replicator_strategy import worker_collectives
 
 ALGORITHMS = ("auto", "add_on_one_device", "nccl", "hierarchical_copy",
               "ring")
 
 
 def choose(devices, algorithm, num_workers=1,
-           timeout_seconds=collectives.TIMEOUT_SECONDS):
+           timeout_seconds=collective_watchdog.DEFAULT_TIMEOUT_SECONDS):
   """Returns `(cross_device_ops, reason)` for `devices` and a requested algorithm.
 
   With several workers, `devices` are this worker's and only TF's collective
@@ -139,7 +141,7 @@ def _build(algorithm, devices):
 
 def _keyed(devices, group_size, timeout_seconds):
   """Collective ops among `group_size` replicas that also work in loops."""
-  return collectives.KeyedCollectiveOps(
+  return worker_collectives.KeyedCollectiveOps(
       devices, group_size, timeout_seconds,
       eager_ops=_collective(devices, group_size))
 
@@ -156,7 +158,7 @@ def _collective(devices, group_size):
       options=tfi.collective_util.Options(
           implementation=tfi.collective_util.CommunicationImplementation.RING),
       collective_keys=tfi.cross_device_utils.CollectiveKeys(
-          group_key_start=collectives.new_group_key()))
+          group_key_start=replica_collectives.new_group_key()))
 
 
 def _device_type(device):

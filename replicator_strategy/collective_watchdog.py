@@ -39,6 +39,10 @@ import tensorflow as tf
 
 from replicator_strategy import _tf_internal as tfi
 
+# A replica that never arrives (a branch taken on some replicas only, a
+# worker that died) fails the step after this long instead of hanging it.
+DEFAULT_TIMEOUT_SECONDS = 120
+
 POLL_SECONDS = 0.25
 # Consecutive polls that must show the same mismatch: a replica between
 # drawing its launch number and naming its collective is not one.

@@ -2,7 +2,9 @@
 
 `tf.distribute.ReduceOp` has only SUM and MEAN. ReplicatorStrategy accepts
 those members unchanged, their string names, and this module's `ReduceOp`,
-which adds MIN and MAX (TF-Replicator's vocabulary).
+which adds MIN and MAX (TF-Replicator's vocabulary). Each op's ways of
+combining (along an axis, of a list of parts, in TF's collective ops) and the
+gradient of MIN/MAX live here.
 
 >>> parse("max")
 <ReduceOp.MAX: 'MAX'>
@@ -32,6 +34,16 @@ class ReduceOp(enum.Enum):
   def is_extremum(self):
     return self in (ReduceOp.MIN, ReduceOp.MAX)
 
+  @property
+  def collective_merge_and_final_ops(self):
+    """TF's collective all-reduce `merge_op` and `final_op` for this op."""
+    return {
+        ReduceOp.SUM: ("Add", "Id"),
+        ReduceOp.MEAN: ("Add", "Div"),
+        ReduceOp.MIN: ("Min", "Id"),
+        ReduceOp.MAX: ("Max", "Id"),
+    }[self]
+
 
 def parse(op):
   """Returns the `ReduceOp` for a string, `tf.distribute.ReduceOp` or `ReduceOp`."""
@@ -45,6 +57,27 @@ def parse(op):
       f"Expected a reduce op: one of 'sum', 'mean', 'min', 'max' (any case), "
       f"a tf.distribute.ReduceOp or a replicator_strategy.ReduceOp. "
       f"Received: {op!r}")
+
+
+def reduce_parts(op, parts):
+  """One tensor from several of the same shape: SUM, MIN or MAX of `parts`."""
+  parts = [tf.convert_to_tensor(p) for p in parts]
+  if op == ReduceOp.SUM:
+    return tf.add_n(parts)
+  return reduce_along(op, tf.stack(parts), 0)
+
+
+def extremum_gradient(xs, ys, dys, sum_over_replicas):
+  """Gradients of MIN/MAX `ys` = reduce(`xs`) over replicas, given `dys`.
+
+  The upstream gradients, summed over replicas, go to the replicas holding
+  the extremum, split evenly among ties. `sum_over_replicas(tensors)` is the
+  SUM all-reduce of a list of tensors.
+  """
+  summed = sum_over_replicas(dys)
+  masks = [tf.cast(tf.equal(x, y), dy.dtype) for x, y, dy in zip(xs, ys, dys)]
+  ties = sum_over_replicas(masks)
+  return [g * m / t for g, m, t in zip(summed, masks, ties)]
 
 
 def reduce_along(op, tensor, axis):

@@ -4,7 +4,8 @@ Each replica runs the user's function in its own thread (TensorFlow's
 `mirrored_run` threads, reused unchanged); `merge_call` is the rendezvous
 where all replicas meet. Inside control flow (a `tf.cond` or `tf.while_loop`
 branch, a nested `tf.function`) the replicas trace separate graphs and cannot
-meet, so there collectives are launched per replica instead (`collectives`).
+meet, so there collectives are launched per replica instead
+(`replica_collectives`).
 On top of `tf.distribute.ReplicaContext` this adds MIN/MAX all-reduce and
 `broadcast`, all differentiable, on both paths.
 
@@ -27,7 +28,7 @@ import weakref
 import tensorflow as tf
 
 from replicator_strategy import _tf_internal as tfi
-from replicator_strategy import collectives as collectives_lib
+from replicator_strategy import replica_collectives
 from replicator_strategy import reduce_op as reduce_op_lib
 
 
@@ -112,7 +113,8 @@ class ReplicaContext(tfi.ThreadReplicaContext):
           lambda keys, values: self._collectives.all_reduce(
               self.local_index, op, values, keys),
           flat,
-          grad=lambda xs, ys, dys: self._extremum_grad(xs, ys, dys))
+          grad=lambda xs, ys, dys: reduce_op_lib.extremum_gradient(
+              xs, ys, dys, lambda ts: self.all_reduce("sum", ts)))
     else:  # Only inside control flow: TF's SUM and MEAN merge otherwise.
       ys = self._exchange(
           None,
@@ -135,7 +137,7 @@ class ReplicaContext(tfi.ThreadReplicaContext):
           f"Expected `source_replica_id` to be an int in [0, "
           f"{num_replicas}). Received: source_replica_id="
           f"{source_replica_id!r}")
-    is_source = self._replica_id_in_sync_group == source_replica_id
+    is_source = tfi.replica_id(self) == source_replica_id
     reject_none(value, "value", "ReplicaContext.broadcast")
     value = _own_tensors(value)
     flat = tf.nest.flatten(value)
@@ -168,7 +170,7 @@ class ReplicaContext(tfi.ThreadReplicaContext):
         None,
         lambda keys, values: self._collectives.all_gather(
             self.local_index, values, axis, keys),
-        flat, grad=None, keys_per_tensor=collectives_lib.GATHER_KEYS)
+        flat, grad=None, keys_per_tensor=replica_collectives.GATHER_KEYS)
     return tf.nest.pack_sequence_as(value, ys)
 
   def local_batch_share(self):
@@ -193,16 +195,15 @@ class ReplicaContext(tfi.ThreadReplicaContext):
   @property
   def local_index(self):
     """This replica's index among this worker's replicas."""
-    return self._strategy.extended._get_local_replica_id(  # pylint: disable=protected-access
-        self._replica_id_in_sync_group)
+    return tfi.replica_id(self) - self.strategy.extended.first_replica_id
 
   @property
   def _collectives(self):
-    return self._strategy.extended.collectives
+    return self.strategy.extended.communicator.replica_collectives
 
   def collective_keys(self, count):
     """Instance keys for this replica's next `count` run-time collectives."""
-    collectives_lib.check_not_in_replica_loop(self._home_graph)
+    replica_collectives.check_not_in_replica_loop(self._home_graph)
     return self._collectives.draw_keys(self.local_index, count,
                                        self._home_graph)
 
@@ -240,12 +241,6 @@ class ReplicaContext(tfi.ThreadReplicaContext):
       return list(ys), gradient
 
     return exchange(*xs)
-
-  def _extremum_grad(self, xs, ys, dys):
-    summed = self.all_reduce("sum", dys)
-    masks = [tf.cast(tf.equal(x, y), dy.dtype) for x, y, dy in zip(xs, ys, dys)]
-    ties = self.all_reduce("sum", masks)
-    return [g * m / t for g, m, t in zip(summed, masks, ties)]
 
 
 def _own_tensors(value):

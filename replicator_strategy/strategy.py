@@ -24,7 +24,7 @@ import tensorflow as tf
 
 from replicator_strategy import _tf_internal as tfi
 from replicator_strategy import cluster as cluster_lib
-from replicator_strategy import collectives
+from replicator_strategy import collective_watchdog
 from replicator_strategy import devices as devices_lib
 from replicator_strategy import extended as extended_lib
 from replicator_strategy import reduce_op as reduce_op_lib
@@ -60,7 +60,7 @@ class ReplicatorStrategy(tf.distribute.Strategy):
   """
 
   def __init__(self, devices=None, all_reduce="auto", cluster_resolver=None,
-               timeout_seconds=collectives.TIMEOUT_SECONDS):
+               timeout_seconds=collective_watchdog.DEFAULT_TIMEOUT_SECONDS):
     _check_timeout(timeout_seconds)
     cluster = (cluster_lib.from_resolver(cluster_resolver)
                if cluster_resolver is not None else
@@ -102,9 +102,9 @@ class ReplicatorStrategy(tf.distribute.Strategy):
 
   def __repr__(self):
     n = self.num_replicas_in_sync
-    cluster = self.extended.cluster
-    workers = (f" over {cluster.num_workers} workers, this is worker "
-               f"{cluster.worker_index}" if cluster else "")
+    comm = self.extended.communicator
+    workers = (f" over {comm.num_workers} workers, this is worker "
+               f"{comm.worker_index}" if comm.num_workers > 1 else "")
     return (f"ReplicatorStrategy({n} replica{'s' if n > 1 else ''}{workers}: "
             f"{', '.join(self.extended.worker_devices)}; all-reduce "
             f"{self.extended.all_reduce_choice})")

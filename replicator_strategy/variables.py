@@ -59,7 +59,7 @@ def create(strategy, devices, next_creator, **kwargs):
       with tf.device(device):
         if i == 0:
           # Every worker starts from the chief's value.
-          kwargs["initial_value"] = strategy.extended.initial_value_from_chief(
+          kwargs["initial_value"] = strategy.extended.communicator.initial_value(
               kwargs["initial_value"], kwargs.get("dtype"))
         else:
           # Replicas start from the primary's value, so they are identical

@@ -4,8 +4,11 @@
 """
 
 import ast
+import importlib
+import inspect
 import os
 import pathlib
+import re
 import unittest
 from unittest import mock
 
@@ -73,6 +76,46 @@ class PrivateMembersTest(unittest.TestCase):
         found.append(f"{name}:{node.lineno}: {ast.unparse(node)}")
     self.assertEqual(found, [],
                      "reach these through _tf_internal or keras/_internal")
+
+
+  def test_our_subclasses_use_no_private_member_of_their_tf_bases(self):
+    # `self._x` where a TF base class defines or sets `_x` is TF's private
+    # member too, unless our class overrides it (a hook TF asks subclasses
+    # to implement, such as `_call_for_each_replica`).
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+      relative = path.relative_to(PACKAGE).with_suffix("")
+      if path.relative_to(PACKAGE).as_posix() in ADAPTERS:
+        continue
+      module = importlib.import_module(".".join(
+          ("replicator_strategy",) + relative.parts).removesuffix(".__init__"))
+      for cls in ast.walk(ast.parse(path.read_text())):
+        if not isinstance(cls, ast.ClassDef):
+          continue
+        foreign = _private_names_of_foreign_bases(getattr(module, cls.name))
+        overridden = {n.name for n in cls.body if isinstance(n, ast.FunctionDef)}
+        for node in ast.walk(cls):
+          if (isinstance(node, ast.Attribute) and
+              isinstance(node.value, ast.Name) and
+              node.value.id in ("self", "cls") and node.attr in foreign and
+              node.attr not in overridden):
+            found.append(f"{relative}:{node.lineno}: {cls.name} "
+                         f"{ast.unparse(node)}")
+    self.assertEqual(found, [], "reach these through _tf_internal")
+
+
+def _private_names_of_foreign_bases(cls):
+  """`_names` that classes outside this package among `cls`'s bases define or set."""
+  names = set()
+  for base in cls.__mro__[1:]:
+    if base.__module__.startswith("replicator_strategy") or base is object:
+      continue
+    names |= set(vars(base))
+    try:
+      names |= set(re.findall(r"self\.(_\w+)", inspect.getsource(base)))
+    except (OSError, TypeError):
+      pass  # Built in: no source to read.
+  return {n for n in names if n.startswith("_") and not n.startswith("__")}
 
 
 if __name__ == "__main__":

@@ -1,0 +1,208 @@
+"""How this process's replicas exchange values: on their own, or with other workers.
+
+Chosen once, when the strategy is made (`for_topology`): a `Communicator`
+for one process, a `ClusterCommunicator` when `TF_CONFIG` or a cluster
+resolver names several workers. The extended class, the replica context and
+variable creation ask it, and nothing else asks whether there is a cluster.
+
+What differs across workers: all-reduces reach every worker through TF's
+collective ops (never the host path), a plain tensor in cross-replica context
+is this worker's value (so it is reduced and gathered across workers, not
+taken as every replica's), variables start from the chief's value, datasets
+are sharded per worker, and ops without a device stay on this worker.
+
+>>> comm = for_topology(("/cpu:0", "/cpu:1"), "auto", cluster=None,
+...                     timeout_seconds=120)
+>>> comm.num_replicas, comm.all_reduce_choice
+(2, 'add_on_one_device: devices share host memory')
+"""
+
+from absl import logging
+import tensorflow as tf
+
+from replicator_strategy import _tf_internal as tfi
+from replicator_strategy import all_reduce as all_reduce_lib
+from replicator_strategy import collective_watchdog
+from replicator_strategy import replica_collectives
+from replicator_strategy import worker_collectives
+
+
+def for_topology(devices, all_reduce, cluster, timeout_seconds):
+  """The communicator for this worker's `devices`, in `cluster` (or alone)."""
+  if cluster:
+    return ClusterCommunicator(devices, all_reduce, cluster, timeout_seconds)
+  return Communicator(devices, all_reduce, timeout_seconds)
+
+
+class Communicator:
+  """Replicas on this process's `devices`, no other worker.
+
+  Attributes:
+    devices: this worker's replica devices, one replica each.
+    host_device: the CPU of this worker, where input pipelines run.
+    cross_device_ops: the all-reduce of per-replica values.
+    all_reduce_choice: which all-reduce, and why.
+    replica_collectives: collectives each replica launches itself (inside
+      control flow), among every replica.
+  """
+
+  cluster = None
+  num_workers = 1
+  worker_index = 0
+  is_chief = True
+  # Ops with no device scope: TF's default placement.
+  default_device = None
+
+  def __init__(self, devices, all_reduce, timeout_seconds, num_workers=1):
+    self.devices = tuple(devices)
+    self.host_device = tfi.device_util.get_host_for_device(self.devices[0])
+    self.cross_device_ops, self.all_reduce_choice = all_reduce_lib.choose(
+        self.devices, all_reduce, num_workers=num_workers,
+        timeout_seconds=timeout_seconds)
+    self.replica_collectives = replica_collectives.ReplicaCollectives(
+        self.devices, len(self.devices) * num_workers, timeout_seconds)
+    self._host_reduce_ops = tf.distribute.ReductionToOneDevice()
+
+  @property
+  def num_replicas(self):
+    """Replicas in sync, over every worker."""
+    return len(self.devices) * self.num_workers
+
+  @property
+  def first_replica_id(self):
+    """The global id of this worker's first replica."""
+    return self.worker_index * len(self.devices)
+
+  def describe(self):
+    return (f"{len(self.devices)} replica(s) on {', '.join(self.devices)}; "
+            f"all-reduce {self.all_reduce_choice}")
+
+  def ops_for(self, value, destinations):
+    """The all-reduce for `value` (distributed or plain) onto `destinations`.
+
+    The chosen algorithm, or the host path where it can't serve: NCCL cannot
+    reduce int32, and destinations other than the values' own devices.
+    """
+    parts = (value.values if isinstance(value, tf.distribute.DistributedValues)
+             else (value,))
+    if any(tf.as_dtype(p.dtype) == tf.int32 for p in parts):
+      return self._host_reduce_ops
+    if destinations is not None and not tfi.devices_match(value,
+                                                          destinations):
+      return self._host_reduce_ops
+    return self.cross_device_ops
+
+  @property
+  def gather_ops(self):
+    """The `CrossDeviceOps` that gathers per-replica values."""
+    return self._host_reduce_ops
+
+  def reduce_plain(self, reduce_op, value, destinations, options):
+    """A plain tensor reduced in cross-replica context: every replica's value."""
+    del options  # Nothing is exchanged.
+    return tfi.cross_device_ops.reduce_non_distributed_value(
+        reduce_op, value, destinations, self.num_replicas)
+
+  def gather_plain(self, value, destinations, axis, options):
+    """A plain tensor gathered in cross-replica context: this process's value."""
+    del destinations, axis, options
+    return value
+
+  def initial_value(self, initial_value, dtype):
+    """`initial_value` (a tensor or callable) of a new variable, unchanged."""
+    del dtype
+    return initial_value
+
+  def dataset_input_context(self):
+    """The `InputContext` that shards a dataset per worker; None alone."""
+    return None
+
+  def input_context(self):
+    """This worker's input pipeline among every worker's."""
+    return tf.distribute.InputContext(
+        num_input_pipelines=self.num_workers,
+        input_pipeline_id=self.worker_index,
+        num_replicas_in_sync=self.num_replicas)
+
+  def check_dataset(self, dataset):
+    """Warns about a dataset that every worker would read whole."""
+    del dataset
+
+
+class ClusterCommunicator(Communicator):
+  """Replicas on this worker's `devices`, with every worker of `cluster`.
+
+  Every worker runs as many replicas; worker w holds global replicas
+  w*M .. w*M+M-1 of N*M. Starting checks that every worker has as many.
+  """
+
+  def __init__(self, devices, all_reduce, cluster, timeout_seconds):
+    self.cluster = cluster
+    self.num_workers = cluster.num_workers
+    self.worker_index = cluster.worker_index
+    self.is_chief = cluster.is_chief
+    # Ops without a device stay on this worker.
+    self.default_device = cluster.task_name
+    super().__init__(devices, all_reduce, timeout_seconds,
+                     num_workers=cluster.num_workers)
+    collective_watchdog.share_stalls_across_workers(self.worker_index,
+                                                    self.num_workers)
+    # One value per worker, on each worker's host.
+    self._worker_reduce_ops = all_reduce_lib.across_workers(
+        self.host_device, self.num_workers, timeout_seconds)
+    self._broadcast = worker_collectives.WorkerBroadcast(
+        self.host_device, cluster, timeout_seconds)
+    self._check_same_replicas_per_worker()
+
+  def describe(self):
+    return (f"{super().describe()} (worker {self.worker_index} of "
+            f"{self.num_workers})")
+
+  def _check_same_replicas_per_worker(self):
+    """Fails every worker, clearly, unless all have as many devices."""
+    with tf.device(self.host_device):
+      counts = self.gather_plain(tf.constant([len(self.devices)]),
+                                 self.host_device, 0, None)
+    if isinstance(counts, tf.distribute.DistributedValues):
+      counts = counts.values[0]
+    counts = [int(c) for c in counts]
+    if len(set(counts)) > 1:
+      raise ValueError(
+          f"Every worker must replicate over as many devices; they have "
+          f"{', '.join(f'worker {i}: {n}' for i, n in enumerate(counts))}. "
+          f"Give each worker the same `devices` count (or the same number "
+          f"of GPUs / split_cpu devices).")
+
+  def ops_for(self, value, destinations):
+    del value, destinations
+    return self.cross_device_ops  # Only collectives reach every worker.
+
+  @property
+  def gather_ops(self):
+    return self.cross_device_ops
+
+  def reduce_plain(self, reduce_op, value, destinations, options):
+    return self._worker_reduce_ops.reduce(
+        reduce_op, value, destinations=destinations, options=options)
+
+  def gather_plain(self, value, destinations, axis, options):
+    return tfi.gather(self._worker_reduce_ops, value, destinations, axis,
+                      options)
+
+  def initial_value(self, initial_value, dtype):
+    """A callable giving the chief's `initial_value`: every worker starts equal."""
+    return self._broadcast.from_chief(initial_value, dtype)
+
+  def dataset_input_context(self):
+    return self.input_context()
+
+  def check_dataset(self, dataset):
+    policy = dataset.options().experimental_distribute.auto_shard_policy
+    if policy == tf.data.experimental.AutoShardPolicy.OFF:
+      logging.warning(
+          "The dataset given to ReplicatorStrategy.experimental_distribute_"
+          "dataset has AutoShardPolicy.OFF: each of the %d workers reads all "
+          "of it, so every example is seen %d times per epoch. Shard it "
+          "yourself (dataset.shard) or use AutoShardPolicy.DATA or FILE.",
+          self.num_workers, self.num_workers)
+
