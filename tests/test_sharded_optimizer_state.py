@@ -9,6 +9,8 @@ strategy. The small MLP's weights (8x16, 16, 16x3, 3) split evenly on 2 and
 
 import contextlib
 import functools
+import os
+import tempfile
 import unittest
 
 import keras
@@ -42,8 +44,11 @@ _OPTIMIZERS = {
 }
 _FIT_CASES = [(f"{n}_replicas_{name}", n, name)
               for n in topology.REPLICA_COUNTS for name in _OPTIMIZERS]
-_LOOP_CASES = [(f"{n}_replicas_{name}", n, name)
-               for n in topology.REPLICA_COUNTS for name in ("momentum", "adam")]
+# Built: `optimizer.build` under scope first. Lazy: the first
+# `apply_gradients`, inside the tf.function and `strategy.run`, builds it.
+_LOOP_CASES = [(f"{n}_replicas_{name}_built", n, name, True)
+               for n in topology.REPLICA_COUNTS for name in ("momentum", "adam")
+               ] + [(f"{n}_replicas_adam_lazy", n, "adam", False) for n in (2, 4)]
 
 
 def data():
@@ -59,13 +64,14 @@ def fresh_model():
   return model
 
 
-def fit(optimizer_name, strategy=None):
+def fit(optimizer_name, strategy=None, steps_per_execution=1):
   """A fresh model fitted; returns it, its optimizer and the losses."""
   with strategy.scope() if strategy else contextlib.nullcontext():
     keras.utils.set_random_seed(0)
     model = fresh_model()
     optimizer = _OPTIMIZERS[optimizer_name]()
-    model.compile(optimizer=optimizer, loss="mse", jit_compile=False)
+    model.compile(optimizer=optimizer, loss="mse", jit_compile=False,
+                  steps_per_execution=steps_per_execution)
     history = model.fit(*data(), batch_size=GLOBAL_BATCH, epochs=EPOCHS,
                         shuffle=False, verbose=0)
   return model, optimizer, history.history["loss"]
@@ -154,10 +160,14 @@ class SlotPlacementTest(unittest.TestCase):
 
 class FitTest(unittest.TestCase):
 
-  @parameterized.expand(_FIT_CASES)
-  def test_fit_matches_no_strategy(self, _, n, optimizer_name):
+  @parameterized.expand(_FIT_CASES + [
+      # 3 steps per execution put the step in a tf.while_loop.
+      ("4_replicas_adam_spe3", 4, "adam", 3)])
+  def test_fit_matches_no_strategy(self, _, n, optimizer_name,
+                                   steps_per_execution=1):
     strategy = sharding(n)
-    model, optimizer, losses = fit(optimizer_name, strategy)
+    model, optimizer, losses = fit(optimizer_name, strategy,
+                                   steps_per_execution)
     want_losses, want_weights, want_optimizer = reference_fit(optimizer_name)
 
     np.testing.assert_allclose(losses, want_losses, rtol=RTOL, atol=ATOL)
@@ -206,12 +216,13 @@ class CustomLoopTest(unittest.TestCase):
 
   @parameterized.expand(_LOOP_CASES)
   def test_apply_gradients_in_run_matches_one_device(self, _, n,
-                                                     optimizer_name):
+                                                     optimizer_name, prebuilt):
     strategy = sharding(n)
     with strategy.scope():
       model = fresh_model()
       optimizer = _OPTIMIZERS[optimizer_name]()
-      optimizer.build(model.trainable_variables)
+      if prebuilt:
+        optimizer.build(model.trainable_variables)
     step = make_step(model, optimizer)
 
     @tf.function
@@ -223,11 +234,50 @@ class CustomLoopTest(unittest.TestCase):
     want_losses, want_weights = reference_loop(optimizer_name)
     np.testing.assert_allclose(losses, want_losses, rtol=RTOL, atol=ATOL)
     self.assertEqual(int(optimizer.iterations.numpy()), STEPS)
+    self.assertTrue(slots(optimizer))
     for v, want in zip(model.weights, want_weights):
       for replica, got in enumerate(
           strategy.experimental_local_results(v.value)):
         np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL,
                                    err_msg=f"{v.path} on replica {replica}")
+
+
+class SavingTest(unittest.TestCase):
+  """Slots save whole, so any replica count (or none) restores them."""
+
+  @classmethod
+  def setUpClass(cls):
+    super().setUpClass()
+    cls.model, cls.optimizer, _ = fit("adam", sharding(4))
+    cls.saved = [v.numpy() for v in cls.optimizer.variables]
+    cls.directory = tempfile.mkdtemp()
+
+  def assert_restored(self, optimizer):
+    self.assertEqual(len(optimizer.variables), len(self.saved))
+    for v, want in zip(optimizer.variables, self.saved):
+      np.testing.assert_array_equal(v.numpy(), want, err_msg=v.path)
+
+  @parameterized.expand([("onto_2_replicas", 2), ("onto_no_strategy", None)])
+  def test_checkpoint_round_trip(self, _, n):
+    path = tf.train.Checkpoint(model=self.model, optimizer=self.optimizer).save(
+        os.path.join(self.directory, f"ckpt_{n}"))
+    strategy = sharding(n) if n else None
+    with strategy.scope() if strategy else contextlib.nullcontext():
+      model = fresh_model()
+      optimizer = keras.optimizers.Adam(learning_rate=0.01)
+      optimizer.build(model.trainable_variables)
+    tf.train.Checkpoint(model=model, optimizer=optimizer).restore(
+        path).assert_consumed()
+    self.assertEqual(bool(slots(optimizer)), bool(n))
+    self.assert_restored(optimizer)
+
+  def test_keras_save_and_load_onto_2_replicas(self):
+    path = os.path.join(self.directory, "model.keras")
+    self.model.save(path)
+    with sharding(2).scope():
+      loaded = keras.models.load_model(path)
+    self.assertTrue(slots(loaded.optimizer))
+    self.assert_restored(loaded.optimizer)
 
 
 class RefusalTest(unittest.TestCase):
