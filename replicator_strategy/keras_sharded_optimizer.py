@@ -96,11 +96,12 @@ def sharded_update_step(backend_update_step):
 def _step(strategy, optimizer, grads, weights, learning_rate, summed):
   """One sharded step for every weight, in cross-replica context."""
   devices = strategy.extended.worker_devices
+  exchange = sharded.exchange_for(devices)
   updates = []
   for grad, weight in zip(grads, weights):
     layout = sharded.Layout(tuple(weight.shape.as_list()), len(devices))
-    grad_shards = sharded.reduce_scatter(
-        layout, devices, strategy.experimental_local_results(grad), summed)
+    grad_shards = exchange.reduce_scatter(
+        layout, strategy.experimental_local_results(grad), summed)
 
     def update_shard(r, weight_shard, weight=weight, grad_shards=grad_shards):
       stand_in = WeightShard(weight, weight_shard)
@@ -110,7 +111,7 @@ def _step(strategy, optimizer, grads, weights, learning_rate, summed):
       return stand_in.value
 
     new_shards = sharded.update_shards(layout, weight, devices, update_shard)
-    updates.append(sharded.all_gather(layout, weight, new_shards))
+    updates.append(exchange.all_gather(layout, weight, new_shards))
   return tf.group(updates)
 
 

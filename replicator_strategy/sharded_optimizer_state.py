@@ -15,7 +15,8 @@ device both drop to about 1/N. A step then runs, per model weight:
    component) is overwritten with the concatenated new shards.
 
 This module holds the strategy side: the layout, the slot variable and the
-step's three parts (`reduce_scatter`, `update_shards`, `all_gather`).
+step's three parts (`ShardExchange.reduce_scatter`, `update_shards`,
+`ShardExchange.all_gather`).
 `keras_sharded_optimizer` connects Keras optimizers to it.
 
 Design after ZeRO (Rajbhandari et al., 2020, arXiv:1910.02054), stages 1 and
@@ -178,24 +179,72 @@ def create_slot(strategy, devices, next_creator, **kwargs):
       tfi.distribute_utils.VARIABLE_POLICY_MAPPING, **kwargs)
 
 
-# One step for one weight, in cross-replica context.
+# One step for one weight, in cross-replica context: reduce-scatter the
+# gradient, update the shards, all-gather the weight.
 
 
-def reduce_scatter(layout, devices, gradients, summed):
-  """Shard r of the summed gradient, on `devices[r]`, for every r.
+class ShardExchange:
+  """Moving shards between devices; `exchange_for` chooses one per topology.
 
-  `gradients` holds each replica's gradient (on its device), or, if
-  `summed`, each replica's copy of the already summed one. Each replica cuts
-  its own gradient, so only shards move between devices.
+  Between separate memories (GPUs) each device cuts its own gradient so
+  that only shards move: shard r of the sum is added up on device r, and
+  every device concatenates all the new shards.
   """
-  gradients = [tf.convert_to_tensor(g) for g in gradients]  # IndexedSlices.
-  if summed:
-    return [_on(device, layout.shard, gradients[r], r)
-            for r, device in enumerate(devices)]
-  pieces = [[_on(source, layout.shard, g, r) for r in range(len(devices))]
-            for source, g in zip(devices, gradients)]
-  return [_on(device, tf.add_n, [p[r] for p in pieces])
-          for r, device in enumerate(devices)]
+
+  def __init__(self, devices):
+    self.devices = tuple(devices)
+
+  def reduce_scatter(self, layout, gradients, summed):
+    """Shard r of the summed gradient, on `devices[r]`, for every r.
+
+    `gradients` holds each replica's gradient (on its device), or, if
+    `summed`, each replica's copy of the already summed one.
+    """
+    gradients = [tf.convert_to_tensor(g) for g in gradients]  # IndexedSlices.
+    if summed:
+      return [_on(device, layout.shard, gradients[r], r)
+              for r, device in enumerate(self.devices)]
+    pieces = [[_on(source, layout.shard, g, r)
+               for r in range(len(self.devices))]
+              for source, g in zip(self.devices, gradients)]
+    return [_on(device, tf.add_n, [p[r] for p in pieces])
+            for r, device in enumerate(self.devices)]
+
+  def all_gather(self, layout, weight, shards):
+    """Every component of `weight` (one per device) set from all new shards."""
+    return tf.group([
+        _on(c.device, lambda c=c: c.assign(layout.assemble(shards),
+                                           read_value=False))
+        for c in weight.values])
+
+
+class HostMemoryExchange(ShardExchange):
+  """For devices that share host memory (logical CPUs of one process).
+
+  A copy between them is a copy within one memory, so the fewest copies win:
+  the gradients are added once, on the first device, and cut there; the new
+  weight is assembled once and every component reads it.
+  """
+
+  def reduce_scatter(self, layout, gradients, summed):
+    gradients = [tf.convert_to_tensor(g) for g in gradients]  # IndexedSlices.
+    total = gradients[0] if summed else _on(self.devices[0], tf.add_n,
+                                            gradients)
+    return [_on(self.devices[0], layout.shard, total, r)
+            for r in range(len(self.devices))]
+
+  def all_gather(self, layout, weight, shards):
+    full = _on(self.devices[0], layout.assemble, shards)
+    return tf.group([
+        _on(c.device, lambda c=c: c.assign(full, read_value=False))
+        for c in weight.values])
+
+
+def exchange_for(devices):
+  """The `ShardExchange` for `devices`, this worker's, one per replica."""
+  if all(tf.DeviceSpec.from_string(d).device_type == "CPU" for d in devices):
+    return HostMemoryExchange(devices)
+  return ShardExchange(devices)
 
 
 def update_shards(layout, weight, devices, update_fn):
@@ -210,16 +259,6 @@ def update_shards(layout, weight, devices, update_fn):
         f"update_shard_{r}"):
       new_shards.append(update_fn(r, layout.shard(component.read_value(), r)))
   return new_shards
-
-
-def all_gather(layout, weight, shards):
-  """Every component of `weight` (one per device) set from all new shards."""
-  updates = []
-  for component in weight.values:
-    with tf.device(component.device):
-      updates.append(component.assign(layout.assemble(shards),
-                                      read_value=False))
-  return tf.group(updates)
 
 
 def _on(device, fn, *args):
