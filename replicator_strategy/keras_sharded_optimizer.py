@@ -85,9 +85,8 @@ def sharded_update_step(backend_update_step):
           "ReplicatorStrategy(shard_optimizer_state=True) updates the "
           "weights in one merge of all replicas, which is impossible inside "
           "control flow (a tf.cond or nested tf.function in the replica "
-          "function; Keras steps there for gradient accumulation and "
-          "LossScaleOptimizer). Received an optimizer step inside control "
-          "flow. Use shard_optimizer_state=False for these.")
+          "function). Received an optimizer step inside control flow. Step "
+          "outside it, or use shard_optimizer_state=False.")
     return ctx.merge_call(merge_fn, args=(list(grads), learning_rate))
 
   return wrapper

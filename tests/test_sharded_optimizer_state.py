@@ -41,6 +41,9 @@ _OPTIMIZERS = {
                                                    clipnorm=0.5),
     "rmsprop": lambda: keras.optimizers.RMSprop(learning_rate=0.01,
                                                 momentum=0.5),
+    # Steps the inner optimizer from a cross-replica tf.cond.
+    "loss_scale_adam": lambda: keras.optimizers.LossScaleOptimizer(
+        keras.optimizers.Adam(learning_rate=0.01)),
 }
 _FIT_CASES = [(f"{n}_replicas_{name}", n, name)
               for n in topology.REPLICA_COUNTS for name in _OPTIMIZERS]
@@ -333,6 +336,25 @@ class RefusalTest(unittest.TestCase):
         model = fresh_model()
         with self.assertRaisesRegex(NotImplementedError, feature):
           optimizer.build(model.trainable_variables)
+
+  def test_a_step_inside_a_replicas_control_flow_is_refused(self):
+    strategy = sharding(2)
+    with strategy.scope():
+      model = fresh_model()
+      optimizer = keras.optimizers.SGD(momentum=0.9)
+      optimizer.build(model.trainable_variables)
+    step = make_step(model, optimizer)
+
+    @tf.function
+    def train_step(batch):
+      return strategy.run(
+          lambda x, y: tf.cond(tf.constant(True), lambda: step(x, y),
+                               lambda: 0.0), args=batch)
+
+    with self.assertRaisesRegex(NotImplementedError,
+                                "impossible inside control flow"):
+      train_step(next(iter(strategy.experimental_distribute_dataset(
+          dataset()))))
 
   def test_option_must_be_a_bool(self):
     with self.assertRaisesRegex(
