@@ -19,6 +19,7 @@ from replicator_strategy import communicator as communicator_lib
 from replicator_strategy import packing
 from replicator_strategy import reduce_op as reduce_op_lib
 from replicator_strategy import replica_context
+from replicator_strategy import sharded_optimizer_state
 from replicator_strategy import variables
 
 _utils = tfi.distribute_utils
@@ -104,6 +105,9 @@ class ReplicatorExtended(tfi.StrategyExtendedV1):
   # Variables.
 
   def _create_variable(self, next_creator, **kwargs):
+    if sharded_optimizer_state.creating_slot():
+      return sharded_optimizer_state.create_slot(
+          tfi.container_strategy(self), self._devices, next_creator, **kwargs)
     return variables.create(tfi.container_strategy(self), self._devices,
                             next_creator, **kwargs)
 

@@ -57,14 +57,28 @@ class ReplicatorStrategy(tf.distribute.Strategy):
       start, to answer a heartbeat, to join a collective) before failing;
       within one worker, for a replica to join a collective inside control
       flow. A finite number of seconds, at most 1e9 (about 31 years).
+    shard_optimizer_state: hold each Keras optimizer slot once, a 1/N slice
+      on each replica, and update each slice on its replica (ZeRO stages 1
+      and 2, see `replicator_strategy.sharded_optimizer_state`). Default
+      False: every replica holds every slot. One worker only, for now.
   """
 
   def __init__(self, devices=None, all_reduce="auto", cluster_resolver=None,
-               timeout_seconds=collective_watchdog.DEFAULT_TIMEOUT_SECONDS):
+               timeout_seconds=collective_watchdog.DEFAULT_TIMEOUT_SECONDS,
+               shard_optimizer_state=False):
     _check_timeout(timeout_seconds)
+    if not isinstance(shard_optimizer_state, bool):
+      raise ValueError(
+          f"Expected `shard_optimizer_state` to be True or False. Received: "
+          f"shard_optimizer_state={shard_optimizer_state!r}.")
     cluster = (cluster_lib.from_resolver(cluster_resolver)
                if cluster_resolver is not None else
                cluster_lib.from_environment())
+    if cluster and shard_optimizer_state:
+      raise NotImplementedError(
+          f"shard_optimizer_state=True works within one worker for now. "
+          f"Received: a cluster of {cluster.num_workers} workers. Use "
+          f"shard_optimizer_state=False across workers.")
     if cluster:
       worker_runtime.start(cluster, timeout_seconds)
     if devices is None:
@@ -75,6 +89,7 @@ class ReplicatorStrategy(tf.distribute.Strategy):
       devices = devices_lib.resolve_devices(devices)
     super().__init__(extended_lib.ReplicatorExtended(
         self, devices, all_reduce, cluster, timeout_seconds))
+    self.shard_optimizer_state = shard_optimizer_state
 
   def reduce(self, reduce_op, value, axis):
     """`tf.distribute.Strategy.reduce`, also with "min" and "max".

@@ -4,7 +4,9 @@ The patches in `patches` wrap Keras functions, some private, and two
 wrappers call private Keras code. All of it is reached here and checked
 against the Keras versions this file was written for, as `_tf_internal` does
 for TensorFlow. Upgrading Keras means re-checking this file and the table in
-`patches`.
+`patches`, and one contract kept elsewhere: the TF optimizer finds a
+weight's slots through `_distributed_container()` (its `_var_key`), which
+`sharded_optimizer.WeightShard` provides to stand in for a weight.
 """
 
 import os

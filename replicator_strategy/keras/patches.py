@@ -24,6 +24,7 @@ from replicator_strategy.keras import _internal as ki
 from replicator_strategy.keras import chief_writes
 from replicator_strategy.keras import training
 from replicator_strategy.keras import preemption_saves
+from replicator_strategy.keras import sharded_optimizer
 
 @dataclasses.dataclass(frozen=True)
 class Patch:
@@ -41,6 +42,7 @@ _BOARD = keras.callbacks.TensorBoard
 _UNDER_US = "the strategy is a ReplicatorStrategy with several replicas"
 _NON_CHIEF = "on a non-chief worker of a ReplicatorStrategy cluster"
 _PREEMPTIBLE = "a ReplicatorStrategy cluster is running (SIGTERM agreed)"
+_SHARDING = "the strategy is a ReplicatorStrategy(shard_optimizer_state=True)"
 
 # In order: a later entry on the same name wraps an earlier one.
 PATCHES = (
@@ -63,6 +65,10 @@ PATCHES = (
     Patch(_OPTIMIZER, "_all_reduce_sum_gradients",
           training.skip_if_reduced,
           "the gradients were all-reduced before clipping"),
+    Patch(_OPTIMIZER, "add_variable_from_reference",
+          sharded_optimizer.shard_slots, _SHARDING),
+    Patch(_OPTIMIZER, "_backend_update_step",
+          sharded_optimizer.sharded_update_step, _SHARDING),
     Patch(ki.tf_trainer, "reduce_per_replica",
           training.concat_across_workers,
           "predict across several ReplicatorStrategy workers"),

@@ -1,0 +1,174 @@
+"""Keras optimizers over sharded optimizer state (`sharded_optimizer_state`).
+
+Two wrappers, entries of `replicator_strategy.keras.PATCHES`, act when the strategy is a
+`ReplicatorStrategy(shard_optimizer_state=True)`:
+
+- `add_variable_from_reference` (how every Keras optimizer makes a slot
+  shaped like a weight) creates a `ShardedSlot` instead of a mirrored one;
+- `_backend_update_step` (Keras's TF step: all-reduce, then `update_step`
+  per weight and per device) reduce-scatters the gradients instead, runs the
+  optimizer's own `update_step` once per shard, and all-gathers the weights.
+
+`update_step(gradient, variable, learning_rate)` is handed a `WeightShard`,
+which stands in for the weight: Keras finds the weight's slots from it, and
+its assignments collect the shard's new value. The slots read inside are
+shards too (`ShardedSlot` in an update context), so the optimizer's math is
+Keras's own, on 1/N of the elements per device. That holds for optimizers
+whose math is elementwise and whose slots all come from
+`add_variable_from_reference`: those in `SUPPORTED_OPTIMIZERS`. Others are
+refused when they build.
+
+>>> strategy = ReplicatorStrategy(shard_optimizer_state=True)
+>>> with strategy.scope():
+...   model.compile(keras.optimizers.Adam(), "mse")
+>>> model.fit(x, y)  # Adam's m and v: a quarter of each on each of 4 CPUs
+"""
+
+import functools
+
+import keras
+import tensorflow as tf
+
+from replicator_strategy import _tf_internal as tfi
+from replicator_strategy import replica_context
+from replicator_strategy import sharded_optimizer_state as sharded
+from replicator_strategy import strategy as strategy_lib
+
+SUPPORTED_OPTIMIZERS = (keras.optimizers.SGD, keras.optimizers.Adam,
+                        keras.optimizers.AdamW, keras.optimizers.RMSprop)
+
+
+def _sharding_strategy():
+  strategy = tf.distribute.get_strategy()
+  if (isinstance(strategy, strategy_lib.ReplicatorStrategy) and
+      strategy.shard_optimizer_state):
+    return strategy
+  return None
+
+
+def shard_slots(add_variable_from_reference):
+
+  @functools.wraps(add_variable_from_reference)
+  def wrapper(self, reference_variable, name=None, initializer="zeros"):
+    if _sharding_strategy() is None:
+      return add_variable_from_reference(self, reference_variable, name=name,
+                                         initializer=initializer)
+    _check_supported(self)
+    with sharded.creating_slots():
+      return add_variable_from_reference(self, reference_variable, name=name,
+                                         initializer=initializer)
+
+  return wrapper
+
+
+def sharded_update_step(backend_update_step):
+
+  @functools.wraps(backend_update_step)
+  def wrapper(self, grads, trainable_variables, learning_rate):
+    strategy = _sharding_strategy()
+    if strategy is None:
+      return backend_update_step(self, grads, trainable_variables,
+                                 learning_rate)
+    weights = [v.value if isinstance(v, keras.Variable) else v
+               for v in trainable_variables]
+    ctx = tf.distribute.get_replica_context()
+    if ctx is None:  # Called in cross-replica context: the gradients are global.
+      return _step(strategy, self, grads, weights, learning_rate, summed=True)
+    # keras.training sums the gradients first where the optimizer clips.
+    summed = getattr(self, "_gradients_reduced", False)
+
+    def merge_fn(strategy, grads, learning_rate):
+      return _step(strategy, self, grads, weights, learning_rate, summed)
+
+    if not replica_context.merge_call_possible():
+      raise NotImplementedError(
+          "ReplicatorStrategy(shard_optimizer_state=True) updates the "
+          "weights in one merge of all replicas, which is impossible inside "
+          "control flow (a tf.cond or nested tf.function in the replica "
+          "function). Received an optimizer step inside control flow. Step "
+          "outside it, or use shard_optimizer_state=False.")
+    return ctx.merge_call(merge_fn, args=(list(grads), learning_rate))
+
+  return wrapper
+
+
+def _step(strategy, optimizer, grads, weights, learning_rate, summed):
+  """One sharded step for every weight, in cross-replica context."""
+  devices = strategy.extended.worker_devices
+  exchange = sharded.exchange_for(devices)
+  updates = []
+  for grad, weight in zip(grads, weights):
+    layout = sharded.Layout(tuple(weight.shape.as_list()), len(devices))
+    grad_shards = exchange.reduce_scatter(
+        layout, strategy.experimental_local_results(grad), summed)
+
+    def update_shard(r, weight_shard, weight=weight, grad_shards=grad_shards):
+      stand_in = WeightShard(weight, weight_shard)
+      optimizer.update_step(
+          grad_shards[r], stand_in,
+          tfi.distribute_utils.select_replica(r, learning_rate))
+      return stand_in.value
+
+    new_shards = sharded.update_shards(layout, weight, devices, update_shard)
+    updates.append(exchange.all_gather(layout, weight, new_shards))
+  return tf.group(updates)
+
+
+class WeightShard:
+  """One shard of a model weight, standing in for it in `update_step`.
+
+  The optimizer finds the weight's slots from it (Keras keys them by the
+  distributed weight it belongs to) and its assignments collect the shard's
+  new value, which the all-gather then writes to every copy of the weight.
+  """
+
+  def __init__(self, weight, value):
+    self.weight = weight
+    self.value = value
+
+  @property
+  def dtype(self):
+    return self.value.dtype
+
+  @property
+  def shape(self):
+    return self.value.shape
+
+  def _distributed_container(self):
+    # Keras's TF optimizer keys slots by this container (its `_var_key`).
+    return self.weight
+
+  def __tf_tensor__(self, dtype=None, name=None):
+    return tf.convert_to_tensor(self.value, dtype=dtype, name=name)
+
+  def assign(self, value, use_locking=False, name=None, read_value=True):
+    del use_locking, name, read_value
+    self.value = tf.convert_to_tensor(value, dtype=self.dtype)
+    return self.value
+
+  def assign_add(self, delta, use_locking=False, name=None, read_value=True):
+    return self.assign(self.value + delta, use_locking, name, read_value)
+
+  def assign_sub(self, delta, use_locking=False, name=None, read_value=True):
+    return self.assign(self.value - delta, use_locking, name, read_value)
+
+
+def _check_supported(optimizer):
+  if type(optimizer) not in SUPPORTED_OPTIMIZERS:
+    raise NotImplementedError(
+        f"ReplicatorStrategy(shard_optimizer_state=True) supports the Keras "
+        f"optimizers {', '.join(o.__name__ for o in SUPPORTED_OPTIMIZERS)} "
+        f"(elementwise math, slots shaped like the weights). Received: "
+        f"optimizer={type(optimizer).__name__}. Use one of those, or "
+        f"shard_optimizer_state=False.")
+  unsupported = [feature for feature, used in (
+      ("use_ema", optimizer.use_ema),
+      ("gradient_accumulation_steps", optimizer.gradient_accumulation_steps))
+                 if used]
+  if unsupported:
+    raise NotImplementedError(
+        f"ReplicatorStrategy(shard_optimizer_state=True) does not support "
+        f"{' or '.join(unsupported)} yet: both update optimizer variables "
+        f"from inside the replicas. Received: {type(optimizer).__name__} "
+        f"with {', '.join(f'{f}={getattr(optimizer, f)}' for f in unsupported)}"
+        f". Use shard_optimizer_state=False for it.")

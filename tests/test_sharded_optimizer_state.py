@@ -1,0 +1,400 @@
+"""Sharded optimizer state: slots held once, a shard per replica, same training.
+
+`ReplicatorStrategy(shard_optimizer_state=True)` must train exactly as one
+device does: Keras `fit` and a custom loop on 1, 2 and 4 replicas, from the
+same weights on the same data and global batch, against the same run with no
+strategy. The small MLP's weights (8x16, 16, 16x3, 3) split evenly on 2 and
+4 replicas except the last bias, which is padded, so both cases run.
+"""
+
+import contextlib
+import functools
+import os
+import tempfile
+import unittest
+
+import keras
+import numpy as np
+from parameterized import parameterized
+import tensorflow as tf
+
+import models
+import topology
+from replicator_strategy import sharded_optimizer_state as sharded
+
+GLOBAL_BATCH = 16
+STEPS = 4
+EPOCHS = 2
+RTOL, ATOL = 1e-5, 1e-6
+
+_OPTIMIZERS = {
+    "momentum": lambda: keras.optimizers.SGD(learning_rate=0.1, momentum=0.9),
+    "nesterov": lambda: keras.optimizers.SGD(learning_rate=0.1, momentum=0.9,
+                                             nesterov=True),
+    "adam": lambda: keras.optimizers.Adam(learning_rate=0.01),
+    "amsgrad": lambda: keras.optimizers.Adam(learning_rate=0.01, amsgrad=True),
+    "adamw": lambda: keras.optimizers.AdamW(learning_rate=0.01,
+                                            weight_decay=0.1),
+    # Clipping sums the gradients before the step (keras.training), so
+    # the step cuts the summed gradient instead of reduce-scattering.
+    "adam_clipnorm": lambda: keras.optimizers.Adam(learning_rate=0.01,
+                                                   clipnorm=0.5),
+    "rmsprop": lambda: keras.optimizers.RMSprop(learning_rate=0.01,
+                                                momentum=0.5),
+    # Steps the inner optimizer from a cross-replica tf.cond.
+    "loss_scale_adam": lambda: keras.optimizers.LossScaleOptimizer(
+        keras.optimizers.Adam(learning_rate=0.01)),
+}
+_FIT_CASES = [(f"{n}_replicas_{name}", n, name)
+              for n in topology.REPLICA_COUNTS for name in _OPTIMIZERS]
+# Built: `optimizer.build` under scope first. Lazy: the first
+# `apply_gradients`, inside the tf.function and `strategy.run`, builds it.
+_LOOP_CASES = [(f"{n}_replicas_{name}_built", n, name, True)
+               for n in topology.REPLICA_COUNTS for name in ("momentum", "adam")
+               ] + [(f"{n}_replicas_adam_lazy", n, "adam", False) for n in (2, 4)]
+
+
+def data():
+  rng = np.random.default_rng(0)
+  x = rng.normal(size=(GLOBAL_BATCH * STEPS, 8)).astype(np.float32)
+  y = rng.normal(size=(GLOBAL_BATCH * STEPS, 3)).astype(np.float32)
+  return x, y
+
+
+def fresh_model():
+  model = models.small_mlp()
+  model.set_weights(models.initial_weights())
+  return model
+
+
+def fit(optimizer_name, strategy=None, steps_per_execution=1):
+  """A fresh model fitted; returns it, its optimizer and the losses."""
+  with strategy.scope() if strategy else contextlib.nullcontext():
+    keras.utils.set_random_seed(0)
+    model = fresh_model()
+    optimizer = _OPTIMIZERS[optimizer_name]()
+    model.compile(optimizer=optimizer, loss="mse", jit_compile=False,
+                  steps_per_execution=steps_per_execution)
+    history = model.fit(*data(), batch_size=GLOBAL_BATCH, epochs=EPOCHS,
+                        shuffle=False, verbose=0)
+  return model, optimizer, history.history["loss"]
+
+
+@functools.cache
+def reference_fit(optimizer_name):
+  model, optimizer, losses = fit(optimizer_name)
+  return (losses, [w.numpy() for w in model.weights],
+          [v.numpy() for v in optimizer.variables])
+
+
+def sharding(n):
+  return topology.strategy_over(n, shard_optimizer_state=True)
+
+
+def slots(optimizer):
+  return [v for v in optimizer.variables
+          if isinstance(v.value, sharded.ShardedSlot)]
+
+
+class LayoutTest(unittest.TestCase):
+
+  def test_shards_are_equal_contiguous_and_padded_at_the_end(self):
+    layout = sharded.Layout((2, 5), 4)
+    self.assertEqual(layout.shard_size, 3)
+    x = tf.reshape(tf.range(1.0, 11.0), (2, 5))
+    shards = [layout.shard(x, r).numpy().tolist() for r in range(4)]
+    self.assertEqual(shards, [[1, 2, 3], [4, 5, 6], [7, 8, 9], [10, 0, 0]])
+    np.testing.assert_array_equal(
+        layout.assemble([layout.shard(x, r) for r in range(4)]), x)
+
+  def test_fewer_elements_than_shards_and_scalars(self):
+    layout = sharded.Layout((), 4)
+    shards = [layout.shard(tf.constant(7.0), r).numpy().tolist()
+              for r in range(4)]
+    self.assertEqual(shards, [[7], [0], [0], [0]])
+    self.assertEqual(float(layout.assemble(
+        [tf.constant([7.0]), *[tf.zeros([1])] * 3])), 7.0)
+
+
+class ShardExchangeTest(unittest.TestCase):
+  """Both exchanges; the strategy picks the host one for logical CPUs."""
+
+  @parameterized.expand([("per_device", sharded.ShardExchange),
+                         ("host_memory", sharded.HostMemoryExchange)])
+  def test_reduce_scatter_then_all_gather(self, _, exchange_class):
+    strategy = sharding(4)
+    devices = strategy.extended.worker_devices
+    exchange = exchange_class(devices)
+    layout = sharded.Layout((3, 3), 4)
+    each = [tf.fill((3, 3), float(r + 1)) for r in range(4)]
+    total = [tf.fill((3, 3), 10.0)] * 4  # Every replica's copy of the sum.
+    for grads, summed in ((each, False), (total, True)):
+      shards = exchange.reduce_scatter(layout, grads, summed)
+      self.assertEqual([s.shape for s in shards], [(3,)] * 4)
+      np.testing.assert_array_equal(tf.concat(shards, 0), [10.0] * 9 + [0] * 3)
+    with strategy.scope():
+      weight = tf.Variable(tf.zeros((3, 3)))
+    exchange.all_gather(layout, weight,
+                        [tf.range(3.0) + 3 * r for r in range(4)])
+    for component in weight.values:
+      np.testing.assert_array_equal(component, np.arange(9.0).reshape(3, 3))
+
+  def test_logical_cpus_share_host_memory(self):
+    devices = sharding(2).extended.worker_devices
+    self.assertIsInstance(sharded.exchange_for(devices),
+                          sharded.HostMemoryExchange)
+    self.assertIs(type(sharded.exchange_for(["/gpu:0", "/gpu:1"])),
+                  sharded.ShardExchange)
+
+
+class SlotPlacementTest(unittest.TestCase):
+
+  @parameterized.expand(topology.NAMED_REPLICA_COUNTS)
+  def test_every_slot_is_one_shard_per_device(self, _, n):
+    strategy = sharding(n)
+    with strategy.scope():
+      model = fresh_model()
+      optimizer = keras.optimizers.Adam()
+      optimizer.build(model.trainable_variables)
+    self.assertEqual(len(slots(optimizer)), 2 * len(model.trainable_variables))
+    for slot, weight in zip(slots(optimizer),
+                            [w for w in model.trainable_variables
+                             for _ in range(2)]):
+      components = slot.value.values
+      self.assertEqual(
+          [c.device for c in components], list(strategy.extended.worker_devices))
+      size = int(np.prod(weight.shape))
+      self.assertEqual([int(c.shape.num_elements()) for c in components],
+                       [-(-size // n)] * n, slot.path)
+      self.assertEqual(slot.shape, weight.shape)
+      self.assertEqual(slot.value.shape, weight.shape)
+      np.testing.assert_array_equal(slot.numpy(), np.zeros(weight.shape))
+
+  def test_full_value_assigns_and_reads_back_across_shards(self):
+    strategy = sharding(4)
+    with strategy.scope():
+      optimizer = keras.optimizers.SGD(momentum=0.9)
+      weight = keras.Variable(np.zeros((3, 3), np.float32))
+      optimizer.build([weight])
+    (slot,) = slots(optimizer)
+    value = np.arange(9, dtype=np.float32).reshape(3, 3)
+    slot.assign(value)
+    np.testing.assert_array_equal(slot.numpy(), value)
+    np.testing.assert_array_equal(slot.value.values[3].numpy(), [0, 0, 0])
+    np.testing.assert_array_equal(slot.value.values[2].numpy(), [6, 7, 8])
+
+  def test_every_read_outside_run_is_the_whole_slot(self):
+    strategy = sharding(4)
+    with strategy.scope():
+      optimizer = keras.optimizers.SGD(momentum=0.9)
+      weight = keras.Variable(np.zeros((3, 3), np.float32))
+      optimizer.build([weight])
+    (slot,) = slots(optimizer)
+    value = np.arange(9, dtype=np.float32).reshape(3, 3)
+    slot.assign(value)
+    reads = {
+        "value()": lambda: slot.value.value(),
+        "read_value()": lambda: slot.value.read_value(),
+        "convert_to_tensor": lambda: tf.convert_to_tensor(slot.value),
+        "np.asarray": lambda: np.asarray(slot.value),
+        "in a tf.function": tf.function(lambda: slot.value + 0.0),
+    }
+    for name, read in reads.items():
+      with self.subTest(name):
+        np.testing.assert_array_equal(np.asarray(read()), value)
+      with self.subTest(name + " in the scope"), strategy.scope():
+        np.testing.assert_array_equal(np.asarray(read()), value)
+
+  def test_a_read_inside_run_is_refused_not_a_shard(self):
+    strategy = sharding(2)
+    with strategy.scope():
+      optimizer = keras.optimizers.SGD(momentum=0.9)
+      weight = keras.Variable(np.zeros((4,), np.float32))
+      optimizer.build([weight])
+    (slot,) = slots(optimizer)
+    with self.assertRaisesRegex(ValueError,
+                                "sharded over the replicas.*strategy.run"):
+      strategy.run(tf.function(lambda: slot.value * 2.0))
+
+  def test_without_the_option_slots_are_mirrored(self):
+    strategy = topology.strategy_over(2)
+    with strategy.scope():
+      model = fresh_model()
+      optimizer = keras.optimizers.Adam()
+      optimizer.build(model.trainable_variables)
+    self.assertEqual(slots(optimizer), [])
+
+
+class FitTest(unittest.TestCase):
+
+  @parameterized.expand(_FIT_CASES + [
+      # 3 steps per execution put the step in a tf.while_loop.
+      ("4_replicas_adam_spe3", 4, "adam", 3)])
+  def test_fit_matches_no_strategy(self, _, n, optimizer_name,
+                                   steps_per_execution=1):
+    strategy = sharding(n)
+    model, optimizer, losses = fit(optimizer_name, strategy,
+                                   steps_per_execution)
+    want_losses, want_weights, want_optimizer = reference_fit(optimizer_name)
+
+    np.testing.assert_allclose(losses, want_losses, rtol=RTOL, atol=ATOL)
+    self.assertTrue(slots(optimizer))
+    for v, want, start in zip(model.weights, want_weights,
+                              models.initial_weights()):
+      self.assertGreater(np.abs(want - start).max(), 1e-3)  # it trained
+      for replica, got in enumerate(
+          strategy.experimental_local_results(v.value)):
+        np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL,
+                                   err_msg=f"{v.path} on replica {replica}")
+    # The slots read back whole (assembled from their shards).
+    self.assertEqual(len(optimizer.variables), len(want_optimizer))
+    for v, want in zip(optimizer.variables, want_optimizer):
+      np.testing.assert_allclose(v.numpy(), want, rtol=RTOL, atol=ATOL,
+                                 err_msg=v.path)
+
+
+def make_step(model, optimizer):
+  def step(x, y):
+    with tf.GradientTape() as tape:
+      per_example = tf.reduce_mean(tf.square(model(x, training=True) - y),
+                                   axis=-1)
+      loss = tf.nn.compute_average_loss(per_example,
+                                        global_batch_size=GLOBAL_BATCH)
+    grads = tape.gradient(loss, model.trainable_variables)
+    optimizer.apply_gradients(zip(grads, model.trainable_variables))
+    return loss
+  return step
+
+
+def dataset():
+  return tf.data.Dataset.from_tensor_slices(data()).batch(GLOBAL_BATCH)
+
+
+@functools.cache
+def reference_loop(optimizer_name):
+  model = fresh_model()
+  optimizer = _OPTIMIZERS[optimizer_name]()
+  train_step = tf.function(make_step(model, optimizer))
+  losses = [float(train_step(x, y)) for x, y in dataset()]
+  return losses, model.get_weights()
+
+
+class CustomLoopTest(unittest.TestCase):
+
+  @parameterized.expand(_LOOP_CASES)
+  def test_apply_gradients_in_run_matches_one_device(self, _, n,
+                                                     optimizer_name, prebuilt):
+    strategy = sharding(n)
+    with strategy.scope():
+      model = fresh_model()
+      optimizer = _OPTIMIZERS[optimizer_name]()
+      if prebuilt:
+        optimizer.build(model.trainable_variables)
+    step = make_step(model, optimizer)
+
+    @tf.function
+    def train_step(batch):
+      return strategy.reduce("sum", strategy.run(step, args=batch), axis=None)
+
+    losses = [float(train_step(batch)) for batch in
+              strategy.experimental_distribute_dataset(dataset())]
+    want_losses, want_weights = reference_loop(optimizer_name)
+    np.testing.assert_allclose(losses, want_losses, rtol=RTOL, atol=ATOL)
+    self.assertEqual(int(optimizer.iterations.numpy()), STEPS)
+    self.assertTrue(slots(optimizer))
+    for v, want in zip(model.weights, want_weights):
+      for replica, got in enumerate(
+          strategy.experimental_local_results(v.value)):
+        np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL,
+                                   err_msg=f"{v.path} on replica {replica}")
+
+
+class SavingTest(unittest.TestCase):
+  """Slots save whole, so any replica count (or none) restores them."""
+
+  @classmethod
+  def setUpClass(cls):
+    super().setUpClass()
+    cls.model, cls.optimizer, _ = fit("adam", sharding(4))
+    cls.saved = [v.numpy() for v in cls.optimizer.variables]
+    cls.directory = tempfile.mkdtemp()
+
+  def assert_restored(self, optimizer):
+    self.assertEqual(len(optimizer.variables), len(self.saved))
+    for v, want in zip(optimizer.variables, self.saved):
+      np.testing.assert_array_equal(v.numpy(), want, err_msg=v.path)
+
+  @parameterized.expand([("onto_2_replicas", 2), ("onto_no_strategy", None)])
+  def test_checkpoint_round_trip(self, _, n):
+    path = tf.train.Checkpoint(model=self.model, optimizer=self.optimizer).save(
+        os.path.join(self.directory, f"ckpt_{n}"))
+    strategy = sharding(n) if n else None
+    with strategy.scope() if strategy else contextlib.nullcontext():
+      model = fresh_model()
+      optimizer = keras.optimizers.Adam(learning_rate=0.01)
+      optimizer.build(model.trainable_variables)
+    tf.train.Checkpoint(model=model, optimizer=optimizer).restore(
+        path).assert_consumed()
+    self.assertEqual(bool(slots(optimizer)), bool(n))
+    self.assert_restored(optimizer)
+
+  def test_keras_save_and_load_onto_2_replicas(self):
+    path = os.path.join(self.directory, "model.keras")
+    self.model.save(path)
+    with sharding(2).scope():
+      loaded = keras.models.load_model(path)
+    self.assertTrue(slots(loaded.optimizer))
+    self.assert_restored(loaded.optimizer)
+
+
+class RefusalTest(unittest.TestCase):
+
+  def test_unsupported_optimizer_is_refused_when_it_builds(self):
+    strategy = sharding(2)
+    with strategy.scope():
+      model = fresh_model()
+      optimizer = keras.optimizers.Adafactor()
+      with self.assertRaisesRegex(
+          NotImplementedError, r"supports the Keras optimizers SGD, Adam.*"
+          r"Received: optimizer=Adafactor"):
+        optimizer.build(model.trainable_variables)
+
+  def test_ema_and_accumulation_are_refused_when_they_build(self):
+    strategy = sharding(2)
+    for optimizer, feature in (
+        (keras.optimizers.Adam(use_ema=True), "use_ema=True"),
+        (keras.optimizers.SGD(gradient_accumulation_steps=2),
+         "gradient_accumulation_steps=2")):
+      with self.subTest(feature), strategy.scope():
+        model = fresh_model()
+        with self.assertRaisesRegex(NotImplementedError, feature):
+          optimizer.build(model.trainable_variables)
+
+  def test_a_step_inside_a_replicas_control_flow_is_refused(self):
+    strategy = sharding(2)
+    with strategy.scope():
+      model = fresh_model()
+      optimizer = keras.optimizers.SGD(momentum=0.9)
+      optimizer.build(model.trainable_variables)
+    step = make_step(model, optimizer)
+
+    @tf.function
+    def train_step(batch):
+      return strategy.run(
+          lambda x, y: tf.cond(tf.constant(True), lambda: step(x, y),
+                               lambda: 0.0), args=batch)
+
+    with self.assertRaisesRegex(NotImplementedError,
+                                "impossible inside control flow"):
+      train_step(next(iter(strategy.experimental_distribute_dataset(
+          dataset()))))
+
+  def test_option_must_be_a_bool(self):
+    with self.assertRaisesRegex(
+        ValueError, r"Expected `shard_optimizer_state` to be True or False\. "
+        r"Received: shard_optimizer_state='yes'"):
+      topology.strategy_over(2, shard_optimizer_state="yes")
+
+
+if __name__ == "__main__":
+  unittest.main()
