@@ -338,12 +338,41 @@ class SavingTest(unittest.TestCase):
     self.assertEqual(bool(slots(optimizer)), bool(n))
     self.assert_restored(optimizer)
 
-  def test_keras_save_and_load_onto_2_replicas(self):
-    path = os.path.join(self.directory, "model.keras")
+  @parameterized.expand([("no_strategy", None), ("mirrored_strategy", "mirrored")])
+  def test_checkpoint_from_unsharded_into_4_shards(self, _, source):
+    source_strategy = (tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+                       if source else None)
+    with (source_strategy.scope() if source_strategy else
+          contextlib.nullcontext()):
+      model = fresh_model()
+      optimizer = keras.optimizers.Adam(learning_rate=0.01)
+      optimizer.build(model.trainable_variables)
+    for v, value in zip(optimizer.variables, self.saved):
+      v.assign(value)
+    path = tf.train.Checkpoint(model=model, optimizer=optimizer).save(
+        os.path.join(self.directory, f"from_{source}"))
+    with sharding(4).scope():
+      model = fresh_model()
+      optimizer = keras.optimizers.Adam(learning_rate=0.01)
+      optimizer.build(model.trainable_variables)
+    tf.train.Checkpoint(model=model, optimizer=optimizer).restore(
+        path).assert_consumed()
+    self.assertTrue(slots(optimizer))
+    self.assert_restored(optimizer)
+
+  @parameterized.expand([("onto_2_shards", "sharded"),
+                         ("onto_mirrored_strategy", "mirrored"),
+                         ("onto_no_strategy", None)])
+  def test_keras_save_and_load(self, _, target):
+    path = os.path.join(self.directory, f"model_{target}.keras")
     self.model.save(path)
-    with sharding(2).scope():
+    strategy = {"sharded": lambda: sharding(2),
+                "mirrored": lambda: tf.distribute.MirroredStrategy(
+                    ["/cpu:0", "/cpu:1"]),
+                None: lambda: None}[target]()
+    with strategy.scope() if strategy else contextlib.nullcontext():
       loaded = keras.models.load_model(path)
-    self.assertTrue(slots(loaded.optimizer))
+    self.assertEqual(bool(slots(loaded.optimizer)), target == "sharded")
     self.assert_restored(loaded.optimizer)
 
 
