@@ -376,6 +376,38 @@ class SavingTest(unittest.TestCase):
     self.assert_restored(loaded.optimizer)
 
 
+class _InterruptAtSecondEpoch(keras.callbacks.Callback):
+
+  def on_epoch_begin(self, epoch, logs=None):
+    if epoch == 1:
+      raise RuntimeError("interrupted")
+
+
+class BackupAndRestoreTest(unittest.TestCase):
+
+  def test_resumed_fit_ends_as_an_uninterrupted_one(self):
+    backup_dir = tempfile.mkdtemp()
+
+    def fit_with(callbacks):
+      with sharding(4).scope():
+        keras.utils.set_random_seed(0)
+        model = fresh_model()
+        model.compile(_OPTIMIZERS["adam"](), loss="mse", jit_compile=False)
+        model.fit(*data(), batch_size=GLOBAL_BATCH, epochs=EPOCHS,
+                  shuffle=False, verbose=0, callbacks=callbacks)
+      return model
+
+    with self.assertRaisesRegex(RuntimeError, "interrupted"):
+      fit_with([keras.callbacks.BackupAndRestore(backup_dir),
+                _InterruptAtSecondEpoch()])
+    resumed = fit_with([keras.callbacks.BackupAndRestore(backup_dir)])
+    want, want_optimizer, _ = fit("adam", sharding(4))
+    for got, expected in zip(resumed.weights + resumed.optimizer.variables,
+                             want.weights + want_optimizer.variables):
+      np.testing.assert_allclose(got.numpy(), expected.numpy(), rtol=RTOL,
+                                 atol=ATOL, err_msg=got.path)
+
+
 class RefusalTest(unittest.TestCase):
 
   def test_unsupported_optimizer_is_refused_when_it_builds(self):
