@@ -113,9 +113,17 @@ class Communicator:
     """Slice r (of N along `axis`) of per-replica `value` reduced with `op`,
     on replica r, as a `PerReplica`.
 
-    Each replica cuts its own value, and slice r is reduced on replica r's
-    device: only slices move, each once.
+    Logical CPUs share one memory, so the fewest passes win: the parts are
+    reduced once, on the first device, and cut there (measured faster than
+    cutting on every device). Separate memories cut each part on its own
+    device and reduce slice r on device r, so only slices move, each once.
     """
+    if all(tf.DeviceSpec.from_string(d).device_type == "CPU"
+           for d in self.devices):
+      with tf.device(self.devices[0]):
+        reduced = tf.split(reduce_op_lib.reduce_parts(op, _local_parts(value)),
+                           self.num_replicas, axis=axis)
+      return _per_replica(self.devices, lambda r: tf.identity(reduced[r]))
     pieces = self._cut(value, axis)
     return _per_replica(
         self.devices, lambda r: reduce_op_lib.reduce_parts(
