@@ -23,6 +23,7 @@ import tensorflow as tf
 from replicator_strategy import _tf_internal as tfi
 from replicator_strategy import all_reduce as all_reduce_lib
 from replicator_strategy import collective_watchdog
+from replicator_strategy import reduce_op as reduce_op_lib
 from replicator_strategy import replica_collectives
 from replicator_strategy import worker_collectives
 
@@ -108,6 +109,43 @@ class Communicator:
     del destinations, axis, options
     return value
 
+  def reduce_scatter(self, op, value, axis):
+    """Slice r (of N along `axis`) of per-replica `value` reduced with `op`,
+    on replica r, as a `PerReplica`.
+
+    Logical CPUs share one memory, so the fewest passes win: the parts are
+    reduced once, on the first device, and cut there (measured faster than
+    cutting on every device). Separate memories cut each part on its own
+    device and reduce slice r on device r, so only slices move, each once.
+    """
+    if all(tf.DeviceSpec.from_string(d).device_type == "CPU"
+           for d in self.devices):
+      with tf.device(self.devices[0]):
+        reduced = tf.split(reduce_op_lib.reduce_parts(op, _local_parts(value)),
+                           self.num_replicas, axis=axis)
+      return _per_replica(self.devices, lambda r: tf.identity(reduced[r]))
+    pieces = self._cut(value, axis)
+    return _per_replica(
+        self.devices, lambda r: reduce_op_lib.reduce_parts(
+            op, [p[r] for p in pieces]))
+
+  def all_to_all(self, value, split_axis, concat_axis):
+    """Slice j (of N along `split_axis`) of replica r's value to replica j,
+    which concatenates what it receives in replica order along `concat_axis`;
+    a `PerReplica`."""
+    pieces = self._cut(value, split_axis)
+    return _per_replica(
+        self.devices,
+        lambda j: tf.concat([p[j] for p in pieces], axis=concat_axis))
+
+  def _cut(self, value, axis):
+    """Each local replica's part of `value` in N slices, on its own device."""
+    pieces = []
+    for device, part in zip(self.devices, _local_parts(value)):
+      with tf.device(device):
+        pieces.append(tf.split(part, self.num_replicas, axis=axis))
+    return pieces
+
   def initial_value(self, initial_value, dtype):
     """`initial_value` (a tensor or callable) of a new variable, unchanged."""
     del dtype
@@ -189,6 +227,48 @@ class ClusterCommunicator(Communicator):
     return tfi.gather(self._worker_reduce_ops, value, destinations, axis,
                       options)
 
+  def reduce_scatter(self, op, value, axis):
+    """As one process's, from a reduction that reaches every worker.
+
+    SUM and MEAN all-reduce (hierarchically); MIN and MAX reduce a gather of
+    every replica's value. Each local replica then keeps its own slice.
+    """
+    value = _wrapped(value)
+    if op.is_extremum:
+      reduced = [reduce_op_lib.reduce_along(op, stack, 0)
+                 for stack in self._every_replicas(value)]
+    else:
+      reduced = _local_parts(self.cross_device_ops.reduce(
+          op.to_tf(), value, destinations=value))
+    return _per_replica(
+        self.devices, lambda i: tf.split(
+            reduced[i], self.num_replicas,
+            axis=axis)[self.first_replica_id + i])
+
+  def all_to_all(self, value, split_axis, concat_axis):
+    """As one process's, from a gather of every replica's value.
+
+    The gather reaches every worker but moves N times what an all-to-all
+    needs; the run-time collectives (inside control flow) move only slices.
+    """
+    stacks = self._every_replicas(_wrapped(value))
+
+    def received(i):
+      j = self.first_replica_id + i
+      return tf.concat(
+          [tf.split(part, self.num_replicas, axis=split_axis)[j]
+           for part in tf.unstack(stacks[i], num=self.num_replicas)],
+          axis=concat_axis)
+
+    return _per_replica(self.devices, received)
+
+  def _every_replicas(self, value):
+    """[N, ...] on each local replica: every replica's part, in replica order."""
+    stacked = tfi.distribute_utils.regroup(
+        [tf.expand_dims(p, 0) for p in value.values], always_wrap=True)
+    return _local_parts(tfi.gather(self.cross_device_ops, stacked,
+                                   destinations=value, axis=0))
+
   def initial_value(self, initial_value, dtype):
     """A callable giving the chief's `initial_value`: every worker starts equal."""
     return self._broadcast.from_chief(initial_value, dtype)
@@ -206,3 +286,24 @@ class ClusterCommunicator(Communicator):
           "yourself (dataset.shard) or use AutoShardPolicy.DATA or FILE.",
           self.num_workers, self.num_workers)
 
+
+def _local_parts(value):
+  """This worker's parts of a distributed `value` (a plain tensor: one)."""
+  if isinstance(value, tf.distribute.DistributedValues):
+    return value.values
+  return (value,)
+
+
+def _wrapped(value):
+  """`value` as a distributed value, even with one local replica."""
+  return tfi.distribute_utils.regroup(list(_local_parts(value)),
+                                      always_wrap=True)
+
+
+def _per_replica(devices, part_for):
+  """A `PerReplica` of `part_for(i)`, each made on `devices[i]`."""
+  parts = []
+  for i, device in enumerate(devices):
+    with tf.device(device):
+      parts.append(part_for(i))
+  return tfi.distribute_utils.regroup(parts, always_wrap=True)

@@ -60,7 +60,7 @@ def parse(op):
 
 
 def reduce_parts(op, parts):
-  """One tensor from several of the same shape: SUM, MIN or MAX of `parts`."""
+  """One tensor from several of the same shape: `op` over `parts`."""
   parts = [tf.convert_to_tensor(p) for p in parts]
   if op == ReduceOp.SUM:
     return tf.add_n(parts)
@@ -74,10 +74,19 @@ def extremum_gradient(xs, ys, dys, sum_over_replicas):
   the extremum, split evenly among ties. `sum_over_replicas(tensors)` is the
   SUM all-reduce of a list of tensors.
   """
-  summed = sum_over_replicas(dys)
-  masks = [tf.cast(tf.equal(x, y), dy.dtype) for x, y, dy in zip(xs, ys, dys)]
+  return route_to_extremum(xs, ys, sum_over_replicas(dys), sum_over_replicas)
+
+
+def route_to_extremum(xs, ys, gradients, sum_over_replicas):
+  """Sends `gradients` of MIN/MAX `ys` to the replicas whose `xs` equal them.
+
+  `gradients` are every replica's upstream gradients of `ys`, already summed;
+  ties split them evenly.
+  """
+  masks = [tf.cast(tf.equal(x, y), g.dtype)
+           for x, y, g in zip(xs, ys, gradients)]
   ties = sum_over_replicas(masks)
-  return [g * m / t for g, m, t in zip(summed, masks, ties)]
+  return [g * m / t for g, m, t in zip(gradients, masks, ties)]
 
 
 def reduce_along(op, tensor, axis):

@@ -17,8 +17,9 @@ use, so a collective of a static shape takes its key from a cycle of
 stays bounded however long the run. Only a collective whose shape is unknown
 when traced (a gather of a partial batch) takes a fresh key each launch,
 about half a KiB of TF's memory each. Each kind of collective (sum, mean,
-min, max, gather) has its own group, so replicas that call different kinds
-at the same point wait instead of mixing; the watchdog then says so.
+min, max, gather, all-to-all) has its own group, so replicas that call
+different kinds at the same point wait instead of mixing; the watchdog then
+says so.
 
 >>> collectives = ReplicaCollectives(("/cpu:0",), group_size=1)
 >>> @tf.function
@@ -50,8 +51,10 @@ _FRESH_KEYS = 2**30
 _group_keys = itertools.count(start=1_000_000, step=1_000_000)
 
 _GATHER = "gather"
+_ALL_TO_ALL = "all_to_all"
 # Each kind of collective meets in its own group (an offset from the base).
-_GROUP_OFFSETS = {kind: i for i, kind in enumerate((*ReduceOp, _GATHER))}
+_GROUP_OFFSETS = {kind: i for i, kind in
+                  enumerate((*ReduceOp, _GATHER, _ALL_TO_ALL))}
 
 
 # Keys one all_gather takes per tensor: one for the sizes, one for the data.
@@ -147,10 +150,54 @@ class ReplicaCollectives:
           tf.boolean_mask(gathered, rows), 0, axis))
     return out
 
+  def all_to_all(self, local_index, tensors, split_axes, concat_axes, keys):
+    """Slice j (of N along its split axis) of each tensor to replica j.
+
+    Each replica concatenates the slices it receives, in replica order, along
+    the concat axis. One key per tensor.
+    """
+    return [
+        tf.concat(tf.unstack(self._exchange_slices(local_index, t, split,
+                                                   key)), axis=concat)
+        for t, split, concat, key in zip(tensors, split_axes, concat_axes,
+                                         keys)
+    ]
+
+  def reduce_scatter(self, local_index, op, tensors, axes, keys):
+    """Slice r (of N along its axis) of each tensor reduced over replicas, on r.
+
+    Built as an all-to-all, then a local reduction of the N slices received:
+    TF has no reduce-scatter kernel on CPU, and this moves (N-1)/N of a
+    tensor per replica, half of what an all-reduce (then a slice) moves.
+    One key per tensor.
+    """
+    return [
+        reduce_op_lib.reduce_along(
+            op, self._exchange_slices(local_index, t, axis, key), 0)
+        for t, axis, key in zip(tensors, axes, keys)
+    ]
+
+  def _exchange_slices(self, local_index, tensor, axis, key):
+    """[N, ...]: slice r (of N along `axis`) of every replica's `tensor`, here
+    on replica r, stacked in replica order."""
+    n = self._group_size
+    moved = tf.experimental.numpy.moveaxis(tf.convert_to_tensor(tensor),
+                                           axis, 0)
+    if moved.shape.is_fully_defined():
+      shape = [n, moved.shape[0] // n, *moved.shape[1:]]
+    else:
+      shape = tf.concat([[n, -1], tf.shape(moved)[1:]], 0)
+    # CollectiveAllToAllV2 sends row i of its input to replica i.
+    received = self._launch(local_index, _ALL_TO_ALL,
+                            tfi.collective_ops.all_to_all_v2,
+                            tf.reshape(moved, shape), key)
+    return tf.experimental.numpy.moveaxis(received, 1, axis + 1)
+
 
 def _signature(kind, tensor):
   """What a launch is, as the watchdog reports it: "all_reduce SUM float32[10]"."""
-  name = "all_gather" if kind == _GATHER else f"all_reduce {kind.value}"
+  name = ({_GATHER: "all_gather", _ALL_TO_ALL: "all_to_all"}.get(kind) or
+          f"all_reduce {kind.value}")
   shape = tensor.shape.as_list() if tensor.shape.rank is not None else "[?]"
   return f"{name} {tensor.dtype.name}{shape}"
 
@@ -161,11 +208,12 @@ def check_not_in_replica_loop(home_graph):
   while graph is not home_graph and graph is not None:
     if isinstance(graph, tfi.WHILE_LOOP_GRAPHS):
       raise NotImplementedError(
-          "A cross-replica collective (all_reduce, all_gather, broadcast, or "
-          "a variable update that aggregates) was called inside a "
-          "tf.while_loop written inside the function passed to strategy.run. "
-          "Each replica runs its own copy of such a loop, and TensorFlow's "
-          "collective ops only meet within one loop. Put the loop around "
-          "strategy.run instead (call strategy.run in each iteration), or "
+          "A cross-replica collective (all_reduce, all_gather, broadcast, "
+          "reduce_scatter, all_to_all, or a variable update that "
+          "aggregates) was called inside a tf.while_loop written inside the "
+          "function passed to strategy.run. Each replica runs its own copy "
+          "of such a loop, and TensorFlow's collective ops only meet within "
+          "one loop. Put the loop around strategy.run instead (call "
+          "strategy.run in each iteration), or "
           "all-reduce once after the loop.")
     graph = getattr(graph, "outer_graph", None)

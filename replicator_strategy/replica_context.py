@@ -6,8 +6,9 @@ where all replicas meet. Inside control flow (a `tf.cond` or `tf.while_loop`
 branch, a nested `tf.function`) the replicas trace separate graphs and cannot
 meet, so there collectives are launched per replica instead
 (`replica_collectives`).
-On top of `tf.distribute.ReplicaContext` this adds MIN/MAX all-reduce and
-`broadcast`, all differentiable, on both paths.
+On top of `tf.distribute.ReplicaContext` this adds MIN/MAX all-reduce,
+`broadcast`, `reduce_scatter` and `all_to_all`, all differentiable, on both
+paths.
 
 >>> import replicator_strategy as rs
 >>> strategy = rs.ReplicatorStrategy()
@@ -33,7 +34,8 @@ from replicator_strategy import reduce_op as reduce_op_lib
 
 
 class ReplicaContext(tfi.ThreadReplicaContext):
-  """`tf.distribute.ReplicaContext` with MIN/MAX all-reduce and broadcast."""
+  """`tf.distribute.ReplicaContext` with MIN/MAX all-reduce, broadcast,
+  reduce-scatter and all-to-all."""
 
   def __init__(self, strategy, replica_id_in_sync_group, inputs=()):
     super().__init__(strategy, replica_id_in_sync_group)
@@ -173,6 +175,112 @@ class ReplicaContext(tfi.ThreadReplicaContext):
         flat, grad=None, keys_per_tensor=replica_collectives.GATHER_KEYS)
     return tf.nest.pack_sequence_as(value, ys)
 
+  def reduce_scatter(self, reduce_op, value, axis=0):
+    """Replica r gets slice r (of N along `axis`) of `value` reduced over replicas.
+
+    `value` is a nested structure; every tensor's size along `axis` must be
+    a multiple of N, the replicas in sync. Gradients: SUM gathers the
+    upstream gradients (MEAN divides them by N); MIN/MAX route them as
+    `all_reduce` does. Inside control flow: an all-to-all of the slices and
+    a local reduction (TF has no reduce-scatter on CPU; this moves half of
+    what an all-reduce does).
+
+    >>> strategy = ReplicatorStrategy(devices=["/cpu:0", "/cpu:1"])
+    >>> def step():
+    ...   ctx = tf.distribute.get_replica_context()
+    ...   x = tf.range(4.0) * tf.cast(ctx.replica_id_in_sync_group + 1, tf.float32)
+    ...   return ctx.reduce_scatter("sum", x)
+    >>> [t.numpy() for t in strategy.experimental_local_results(strategy.run(step))]
+    [array([0., 3.], dtype=float32), array([6., 9.], dtype=float32)]
+    """
+    self._require_replica_context("reduce_scatter")
+    op = reduce_op_lib.parse(reduce_op)
+    value, flat, axes = self._slicing(value, axis, "reduce_scatter", "axis")
+    n = self.num_replicas_in_sync
+
+    def grad(xs, ys, dys):
+      full_dys = [self.all_gather(dy, a) for dy, a in zip(dys, axes)]
+      if op == reduce_op_lib.ReduceOp.SUM:
+        return full_dys
+      if op == reduce_op_lib.ReduceOp.MEAN:
+        return [g / n for g in full_dys]
+      full_ys = [self.all_gather(y, a) for y, a in zip(ys, axes)]
+      return reduce_op_lib.route_to_extremum(
+          xs, full_ys, full_dys, lambda ts: self.all_reduce("sum", ts))
+
+    ys = self._exchange(
+        lambda strategy, *values: [
+            strategy.extended.communicator.reduce_scatter(op, v, a)
+            for v, a in zip(values, axes)],
+        lambda keys, values: self._collectives.reduce_scatter(
+            self.local_index, op, values, axes, keys),
+        flat, grad=grad)
+    return tf.nest.pack_sequence_as(value, ys)
+
+  def all_to_all(self, value, split_axis=0, concat_axis=0):
+    """Slice j (of N along `split_axis`) of this replica's value goes to replica j.
+
+    Each replica concatenates the N slices it receives, in replica order,
+    along `concat_axis`. `value` is a nested structure; sizes along
+    `split_axis` must be multiples of N. The gradient is the all-to-all of
+    the upstream gradients with the axes swapped.
+
+    >>> strategy = ReplicatorStrategy(devices=["/cpu:0", "/cpu:1"])
+    >>> def step():
+    ...   ctx = tf.distribute.get_replica_context()
+    ...   r = tf.cast(ctx.replica_id_in_sync_group, tf.float32)
+    ...   return ctx.all_to_all(tf.constant([0.0, 1.0]) + 10.0 * r)
+    >>> [t.numpy() for t in strategy.experimental_local_results(strategy.run(step))]
+    [array([ 0., 10.], dtype=float32), array([ 1., 11.], dtype=float32)]
+    """
+    self._require_replica_context("all_to_all")
+    value, flat, splits = self._slicing(value, split_axis, "all_to_all",
+                                        "split_axis")
+    concats = [_normalized_axis(x, concat_axis, "all_to_all", "concat_axis")
+               for x in flat]
+
+    def grad(xs, ys, dys):
+      del xs, ys
+      return [self.all_to_all(dy, split_axis=c, concat_axis=s)
+              for dy, s, c in zip(dys, splits, concats)]
+
+    ys = self._exchange(
+        lambda strategy, *values: [
+            strategy.extended.communicator.all_to_all(v, s, c)
+            for v, s, c in zip(values, splits, concats)],
+        lambda keys, values: self._collectives.all_to_all(
+            self.local_index, values, splits, concats, keys),
+        flat, grad=grad)
+    return tf.nest.pack_sequence_as(value, ys)
+
+  def _slicing(self, value, axis, api, argument):
+    """(`value` as own tensors, its leaves, each leaf's axis) for a collective
+    that cuts every leaf into N equal slices along `axis`."""
+    reject_none(value, "value", f"ReplicaContext.{api}")
+    value = _own_tensors(value)
+    n = self.num_replicas_in_sync
+    flat, axes = [], []
+    for path, x in tfi.nest.flatten_with_tuple_paths(value):
+      a = _normalized_axis(x, axis, api, argument)
+      size = x.shape[a]
+      where = "value" + "".join(f"[{key!r}]" for key in path)
+      message = (
+          f"ReplicaContext.{api} cuts each tensor of `value` into {n} equal "
+          f"slices along {argument}={axis}, one per replica, so its size "
+          f"there must be a multiple of {n}. Received: {where} of shape "
+          f"{x.shape}, size {{}} along axis {a}. Pad it along that axis to "
+          f"a multiple of {n} (tf.pad) and drop the padding afterwards.")
+      if size is not None and size % n:
+        raise ValueError(message.format(size))
+      if size is None:
+        check = tf.debugging.assert_equal(
+            tf.shape(x)[a] % n, 0, message=message.format("not a multiple"))
+        with tf.control_dependencies([check]):
+          x = tf.identity(x)
+      flat.append(x)
+      axes.append(a)
+    return value, flat, axes
+
   def local_batch_share(self):
     """This replica's rows over all replicas' rows, or None if unknown.
 
@@ -252,6 +360,17 @@ def _own_tensors(value):
   one part). A copy per replica keeps each replica's part its own.
   """
   return tf.nest.map_structure(tf.identity, value)
+
+
+def _normalized_axis(tensor, axis, api, argument):
+  """`axis` of `tensor` as a non-negative int; a ValueError if it has none."""
+  rank = tensor.shape.rank
+  if not isinstance(axis, int) or rank is None or not -rank <= axis < rank:
+    raise ValueError(
+        f"Expected `{argument}` given to ReplicaContext.{api} to be an int "
+        f"in [-{rank}, {rank}) for a value of shape {tensor.shape}. "
+        f"Received: {argument}={axis!r}")
+  return axis % rank
 
 
 def _merge_signature(fn):

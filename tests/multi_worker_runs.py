@@ -123,6 +123,52 @@ def primitives(strategy):
   return results
 
 
+def slicing_collectives(strategy):
+  """reduce_scatter (every op) and all_to_all, with gradients, by global replica.
+
+  Eager and traced through merge_call, and traced inside a tf.cond (run-time
+  collectives; no gradients there).
+  """
+  n = strategy.num_replicas_in_sync
+  ops = ("sum", "mean", "min", "max")
+  values = np.random.default_rng(5).normal(size=(n, 4, 8)).astype("float32")
+  weights = np.random.default_rng(6).normal(
+      size=(n, 4, 8 // n)).astype("float32")
+
+  def replica_fn(in_cond):
+    ctx = tf.distribute.get_replica_context()
+    rid = ctx.replica_id_in_sync_group
+    x = tf.gather(tf.constant(values), rid)
+    w = tf.gather(tf.constant(weights), rid)
+    if in_cond:
+      call = lambda f: tf.cond(rid >= 0, f, f)
+    else:
+      call = lambda f: f()
+    out = {op: call(lambda op=op: ctx.reduce_scatter(op, {"x": x}, 1))["x"]
+           for op in ops}
+    out["all_to_all"] = call(lambda: ctx.all_to_all(x, 1, 0))
+    if not in_cond:
+      with tf.GradientTape(persistent=True) as tape:
+        tape.watch(x)
+        losses = {op: tf.reduce_sum(ctx.reduce_scatter(op, x, 1) * w)
+                  for op in ops}
+        losses["all_to_all"] = tf.reduce_sum(
+            ctx.all_to_all(x, 1, 0) * tf.tile(w, [n, 1]))
+      out["gradients"] = {k: tape.gradient(v, x) for k, v in losses.items()}
+    return out
+
+  results = {}
+  for mode, fn in (("eager", lambda: replica_fn(False)),
+                   ("function", tf.function(lambda: replica_fn(False))),
+                   ("in_cond", tf.function(lambda: replica_fn(True)))):
+    local = strategy.experimental_local_results(strategy.run(fn))
+    results[mode] = {
+        str(strategy.extended.first_replica_id + i):
+            tf.nest.map_structure(lambda t: np.asarray(t).tolist(), r)
+        for i, r in enumerate(local)}
+  return results
+
+
 def keras_fit(strategy, steps_per_execution=1):
   """fit / evaluate / predict with an uneven final batch; every number."""
   x, y = data()
@@ -379,7 +425,8 @@ RUNS = {"custom_loop": custom_loop, "primitives": primitives,
         "peer_gets_sigterm": functools.partial(peer_dies, fate=signal.SIGTERM),
         "keras_until_stopped": keras_until_stopped,
         "custom_loop_preempted": custom_loop_preempted,
-        "listening_addresses": listening_addresses}
+        "listening_addresses": listening_addresses,
+        "slicing_collectives": slicing_collectives}
 # Runs that take the output directory as their working directory.
 TAKES_WORKDIR = ("keras_files", "keras_backup_and_restore", "keras_preempted",
                  "keras_killed", "keras_until_stopped",

@@ -174,6 +174,21 @@ class OneDevicePerWorkerTest(unittest.TestCase):
 
 
 @pytest.mark.slow
+class SlicingCollectivesTest(unittest.TestCase):
+  """reduce_scatter and all_to_all over 2 workers x 2 replicas equal 4 in one process."""
+
+  def test_every_replica_gets_what_it_gets_in_one_process(self):
+    with tempfile.TemporaryDirectory() as out:
+      workers = results_of(["slicing_collectives"], out)
+    expected = multi_worker_runs.slicing_collectives(topology.strategy_over(4))
+    for mode, by_replica in expected.items():
+      got = {}
+      for worker in workers:
+        got.update(worker["slicing_collectives"][mode])
+      assert_close_nested(self, got, by_replica)
+
+
+@pytest.mark.slow
 class FilesTest(unittest.TestCase):
   """Checkpoints, SavedModels, logs: written once; a restart resumes."""
 
