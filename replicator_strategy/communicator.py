@@ -129,6 +129,11 @@ class Communicator:
         self.devices, lambda r: reduce_op_lib.reduce_parts(
             op, [p[r] for p in pieces]))
 
+  def all_gather(self, value, axis):
+    """Every replica's part of per-replica `value`, concatenated in global
+    replica order along `axis`, on every local replica; a `Mirrored`."""
+    return tfi.gather(self.gather_ops, _wrapped(value), _wrapped(value), axis)
+
   def all_to_all(self, value, split_axis, concat_axis):
     """Slice j (of N along `split_axis`) of replica r's value to replica j,
     which concatenates what it receives in replica order along `concat_axis`;

@@ -2,25 +2,25 @@
 
 With `ReplicatorStrategy(shard_optimizer_state=True)`, every optimizer slot
 (SGD momentum, Adam's m and v, ...) is one `ShardedSlot`: the slot flattened,
-padded to a multiple of N and cut into N equal contiguous shards, shard r on
-replica device r. A 784x512 kernel's momentum is spread over all replicas
+padded to a multiple of N and cut into N equal contiguous shards, shard g on
+the device of global replica g (across workers, each worker holds its
+replicas' shards). A 784x512 kernel's momentum is spread over all replicas
 rather than landing whole on one, so optimizer memory and optimizer math per
 device both drop to about 1/N. A step then runs, per model weight:
 
-1. reduce-scatter: shard r of the summed gradient is added up on device r
-   from shard r of each replica's gradient (each replica cuts its own);
+1. reduce-scatter: replica r gets shard r of the summed gradient (the
+   communicator's `reduce_scatter`, chosen for the topology);
 2. the update: device r runs the optimizer's own math on shard r of the
    weight and of the gradient, against shard r of the slots;
 3. all-gather: every replica's copy of the weight (a `MirroredVariable`
    component) is overwritten with the concatenated new shards.
 
 This module holds the strategy side: the layout, the slot variable and the
-step's three parts (`ShardExchange.reduce_scatter`, `update_shards`,
-`ShardExchange.all_gather`).
+step's three parts (`reduce_scatter`, `update_shards`, `all_gather`).
 `replicator_strategy.keras.sharded_optimizer` connects Keras optimizers to it.
 
 Design after ZeRO (Rajbhandari et al., 2020, arXiv:1910.02054), stages 1 and
-2, within one process for now.
+2.
 
 >>> strategy = ReplicatorStrategy(shard_optimizer_state=True)
 >>> with strategy.scope():
@@ -39,6 +39,7 @@ import numpy as np
 import tensorflow as tf
 
 from replicator_strategy import _tf_internal as tfi
+from replicator_strategy import reduce_op as reduce_op_lib
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +65,11 @@ class Layout:
       piece = tf.pad(piece, [[0, self.shard_size - (stop - start)]])
     return piece
 
+  def padded_flat(self, tensor):
+    """`tensor` flat, zero-padded to `num_shards` shards: what reduce-scatter cuts."""
+    flat = tf.reshape(tensor, [-1])
+    return tf.pad(flat, [[0, self.shard_size * self.num_shards - self.size]])
+
   def assemble(self, shards):
     """The full-shaped tensor from all `shards` (padding dropped)."""
     flat = tf.concat(list(shards), axis=0) if len(shards) > 1 else shards[0]
@@ -71,7 +77,10 @@ class Layout:
 
 
 class ShardedSlot(tfi.values.DistributedVariable):
-  """An optimizer slot held once: component r is shard r, on device r.
+  """An optimizer slot held once: component r is shard `first_shard + r`, on device r.
+
+  Across workers, each worker holds the shards of its own replicas; the
+  global replica g holds shard g.
 
   Inside the optimizer's update for replica r (an `UpdateContext(r)`), reads
   and assignments reach shard r, so the optimizer's own math runs unchanged
@@ -81,8 +90,9 @@ class ShardedSlot(tfi.values.DistributedVariable):
   EMA step) it would read as the replica's shard: not supported.
   """
 
-  def __init__(self, strategy, values, aggregation, layout):
+  def __init__(self, strategy, values, aggregation, layout, first_shard):
     self.layout = layout
+    self.first_shard = first_shard
     super().__init__(strategy, values, aggregation)
 
   @property
@@ -97,7 +107,12 @@ class ShardedSlot(tfi.values.DistributedVariable):
     return tuple(component.device for component in self.values)
 
   def _get_cross_replica(self):
-    return self.layout.assemble([c.read_value() for c in self.values])
+    shards = [c.read_value() for c in self.values]
+    if len(shards) < self.layout.num_shards:  # Others are on other workers.
+      gathered = self.distribute_strategy.extended.communicator.all_gather(
+          _per_replica(shards), axis=0)
+      shards = [_parts(gathered)[0]]
+    return self.layout.assemble(shards)
 
   def _get(self):
     """Shard r in the optimizer's update for replica r, else the whole slot."""
@@ -132,8 +147,9 @@ class ShardedSlot(tfi.values.DistributedVariable):
     updates = []
     for index, component in enumerate(self.values):
       with tf.device(component.device):
-        updates.append(update_fn(component, self.layout.shard(value, index),
-                                 **kwargs))
+        updates.append(update_fn(
+            component, self.layout.shard(value, self.first_shard + index),
+            **kwargs))
     return tf.group(updates)
 
   def _update_replica(self, update_fn, value, **kwargs):
@@ -173,21 +189,23 @@ def creating_slot():
 
 
 def create_slot(strategy, devices, next_creator, **kwargs):
-  """A `ShardedSlot` with one shard per device in `devices`."""
+  """A `ShardedSlot` with one shard per device in `devices`, this worker's."""
   kwargs.pop("colocate_with", None)  # Its shards go to every device.
+  communicator = strategy.extended.communicator
   initial_value = kwargs["initial_value"]
   with tf.init_scope(), tf.device(devices[0]):
     full = tf.convert_to_tensor(
         initial_value() if callable(initial_value) else initial_value,
         dtype=kwargs.get("dtype"))
-  layout = Layout(tuple(full.shape.as_list()), len(devices))
+  layout = Layout(tuple(full.shape.as_list()), communicator.num_replicas)
+  first_shard = communicator.first_replica_id
   kwargs.pop("shape", None)
 
   def create_shards(**kwargs):
     shards = []
     for index, device in enumerate(devices):
       with tf.device(device):
-        kwargs["initial_value"] = layout.shard(full, index)
+        kwargs["initial_value"] = layout.shard(full, first_shard + index)
         if index:
           kwargs["name"] = "%s/shard_%d/" % (
               shards[0].name.split(":")[0], index)
@@ -197,7 +215,7 @@ def create_slot(strategy, devices, next_creator, **kwargs):
     return shards
 
   def sharded_slot(strategy, values, aggregation):
-    return ShardedSlot(strategy, values, aggregation, layout)
+    return ShardedSlot(strategy, values, aggregation, layout, first_shard)
 
   return tfi.distribute_utils.create_mirrored_variable(
       strategy, create_shards,
@@ -209,82 +227,57 @@ def create_slot(strategy, devices, next_creator, **kwargs):
 # gradient, update the shards, all-gather the weight.
 
 
-class ShardExchange:
-  """Moving shards between devices; `exchange_for` chooses one per topology.
+def reduce_scatter(communicator, layout, gradients, summed):
+  """This worker's shards of the summed gradient, shard `first + r` on device r.
 
-  Between separate memories (GPUs) each device cuts its own gradient so
-  that only shards move: shard r of the sum is added up on device r, and
-  every device concatenates all the new shards.
+  `gradients` holds each local replica's gradient (on its device), or, if
+  `summed`, each one's copy of the already summed gradient.
   """
-
-  def __init__(self, devices):
-    self.devices = tuple(devices)
-
-  def reduce_scatter(self, layout, gradients, summed):
-    """Shard r of the summed gradient, on `devices[r]`, for every r.
-
-    `gradients` holds each replica's gradient (on its device), or, if
-    `summed`, each replica's copy of the already summed one.
-    """
-    gradients = [tf.convert_to_tensor(g) for g in gradients]  # IndexedSlices.
-    if summed:
-      return [_on(device, layout.shard, gradients[r], r)
-              for r, device in enumerate(self.devices)]
-    pieces = [[_on(source, layout.shard, g, r)
-               for r in range(len(self.devices))]
-              for source, g in zip(self.devices, gradients)]
-    return [_on(device, tf.add_n, [p[r] for p in pieces])
-            for r, device in enumerate(self.devices)]
-
-  def all_gather(self, layout, weight, shards):
-    """Every component of `weight` (one per device) set from all new shards."""
-    return tf.group([
-        _on(c.device, lambda c=c: c.assign(layout.assemble(shards),
-                                           read_value=False))
-        for c in weight.values])
+  gradients = [tf.convert_to_tensor(g) for g in gradients]  # IndexedSlices.
+  first = communicator.first_replica_id
+  if summed:
+    return [_on(device, layout.shard, g, first + r)
+            for r, (device, g) in enumerate(zip(communicator.devices,
+                                                gradients))]
+  padded = [_on(device, layout.padded_flat, g)
+            for device, g in zip(communicator.devices, gradients)]
+  return list(_parts(communicator.reduce_scatter(
+      reduce_op_lib.ReduceOp.SUM, _per_replica(padded), axis=0)))
 
 
-class HostMemoryExchange(ShardExchange):
-  """For devices that share host memory (logical CPUs of one process).
+def update_shards(layout, weight, first_shard, update_fn):
+  """New shards of `weight`: `update_fn(r, shard)` in `UpdateContext(r)`.
 
-  A copy between them is a copy within one memory, so the fewest copies win:
-  the gradients are added once, on the first device, and cut there; the new
-  weight is assembled once and every component reads it.
-  """
-
-  def reduce_scatter(self, layout, gradients, summed):
-    gradients = [tf.convert_to_tensor(g) for g in gradients]  # IndexedSlices.
-    total = gradients[0] if summed else _on(self.devices[0], tf.add_n,
-                                            gradients)
-    return [_on(self.devices[0], layout.shard, total, r)
-            for r in range(len(self.devices))]
-
-  def all_gather(self, layout, weight, shards):
-    full = _on(self.devices[0], layout.assemble, shards)
-    return tf.group([
-        _on(c.device, lambda c=c: c.assign(full, read_value=False))
-        for c in weight.values])
-
-
-def exchange_for(devices):
-  """The `ShardExchange` for `devices`, this worker's, one per replica."""
-  if all(tf.DeviceSpec.from_string(d).device_type == "CPU" for d in devices):
-    return HostMemoryExchange(devices)
-  return ShardExchange(devices)
-
-
-def update_shards(layout, weight, devices, update_fn):
-  """New shards of `weight`: `update_fn(r, shard_r)` in `UpdateContext(r)`.
-
-  `update_fn` returns the new value of weight shard r; slots read inside it
-  are shard r too.
+  `update_fn` returns the new value of weight shard `first_shard + r`; slots
+  read inside it are that shard too.
   """
   new_shards = []
-  for r, (device, component) in enumerate(zip(devices, weight.values)):
-    with tf.device(device), tfi.UpdateContext(r), tf.name_scope(
+  for r, component in enumerate(weight.values):
+    with tf.device(component.device), tfi.UpdateContext(r), tf.name_scope(
         f"update_shard_{r}"):
-      new_shards.append(update_fn(r, layout.shard(component.read_value(), r)))
+      new_shards.append(update_fn(
+          r, layout.shard(component.read_value(), first_shard + r)))
   return new_shards
+
+
+def all_gather(communicator, layout, weight, new_shards):
+  """Every component of `weight` set from every replica's new shard."""
+  gathered = communicator.all_gather(_per_replica(new_shards), axis=0)
+  return tf.group([
+      _on(c.device, lambda c=c, g=g: c.assign(layout.assemble([g]),
+                                               read_value=False))
+      for c, g in zip(weight.values, _parts(gathered))])
+
+
+def _per_replica(parts):
+  return tfi.distribute_utils.regroup(list(parts), always_wrap=True)
+
+
+def _parts(value):
+  """This worker's parts of a distributed value (one alone, unwrapped)."""
+  if isinstance(value, tf.distribute.DistributedValues):
+    return value.values
+  return (value,)
 
 
 def _on(device, fn, *args):

@@ -58,9 +58,9 @@ class ReplicatorStrategy(tf.distribute.Strategy):
       within one worker, for a replica to join a collective inside control
       flow. A finite number of seconds, at most 1e9 (about 31 years).
     shard_optimizer_state: hold each Keras optimizer slot once, a 1/N slice
-      on each replica, and update each slice on its replica (ZeRO stages 1
-      and 2, see `replicator_strategy.sharded_optimizer_state`). Default
-      False: every replica holds every slot. One worker only, for now.
+      on each replica (across workers too), and update each slice on its
+      replica (ZeRO stages 1 and 2, see docs/sharding.md). Default False:
+      every replica holds every slot.
   """
 
   def __init__(self, devices=None, all_reduce="auto", cluster_resolver=None,
@@ -74,11 +74,6 @@ class ReplicatorStrategy(tf.distribute.Strategy):
     cluster = (cluster_lib.from_resolver(cluster_resolver)
                if cluster_resolver is not None else
                cluster_lib.from_environment())
-    if cluster and shard_optimizer_state:
-      raise NotImplementedError(
-          f"shard_optimizer_state=True works within one worker for now. "
-          f"Received: a cluster of {cluster.num_workers} workers. Use "
-          f"shard_optimizer_state=False across workers.")
     if cluster:
       worker_runtime.start(cluster, timeout_seconds)
     if devices is None:

@@ -183,6 +183,19 @@ def keras_fit(strategy, steps_per_execution=1):
           "predict": prediction.tolist(), "weights": _weights(model)}
 
 
+def sharded_state(strategy):
+  """After `fit`: each slot's shard sizes on this worker, and its whole value."""
+  model = _model(strategy, lambda: keras.optimizers.Adam(0.01), loss="mse")
+  x, y = data()
+  model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=2, shuffle=False, verbose=0)
+  slots = [v for v in model.optimizer.variables if v.shape == v.value.shape
+           and v.path.split("/")[-1] not in ("iteration", "learning_rate")]
+  return {"shard_sizes": [[int(c.shape.num_elements())
+                           for c in strategy.experimental_local_results(
+                               s.value)] for s in slots],
+          "slots": [s.numpy().tolist() for s in slots]}
+
+
 def peer_dies(strategy, fate=signal.SIGKILL):
   """Trains step after step; worker 1 gets `fate` after two steps.
 
@@ -426,7 +439,8 @@ RUNS = {"custom_loop": custom_loop, "primitives": primitives,
         "keras_until_stopped": keras_until_stopped,
         "custom_loop_preempted": custom_loop_preempted,
         "listening_addresses": listening_addresses,
-        "slicing_collectives": slicing_collectives}
+        "slicing_collectives": slicing_collectives,
+        "sharded_state": sharded_state}
 # Runs that take the output directory as their working directory.
 TAKES_WORKDIR = ("keras_files", "keras_backup_and_restore", "keras_preempted",
                  "keras_killed", "keras_until_stopped",

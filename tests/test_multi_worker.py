@@ -189,6 +189,39 @@ class SlicingCollectivesTest(unittest.TestCase):
 
 
 @pytest.mark.slow
+class ShardedOptimizerStateTest(unittest.TestCase):
+  """shard_optimizer_state=True on 2 workers x 2 equals one process with 4."""
+
+  @classmethod
+  def setUpClass(cls):
+    with tempfile.TemporaryDirectory() as out:
+      cls.workers = results_of(
+          ["custom_loop", "keras_fit", "keras_fit_steps_per_execution",
+           "sharded_state"], out,
+          env={"MULTI_WORKER_SHARD_OPTIMIZER_STATE": "1"})
+
+  def test_training_equals_one_process_with_four_replicas(self):
+    custom_loop = multi_worker_runs.custom_loop(topology.strategy_over(4))
+    keras_fit = multi_worker_runs.keras_fit(topology.strategy_over(4))
+    for worker in self.workers:
+      assert_close_nested(self, worker["custom_loop"], custom_loop)
+      assert_close_nested(self, worker["keras_fit"], keras_fit)
+      assert_close_nested(self, worker["keras_fit_steps_per_execution"],
+                          keras_fit)
+
+  def test_each_worker_holds_its_replicas_shards_and_reads_whole_slots(self):
+    expected = multi_worker_runs.sharded_state(
+        topology.strategy_over(4, shard_optimizer_state=True))
+    self.assertEqual(len(expected["shard_sizes"]), 8)  # Adam: m, v x 4.
+    for worker in self.workers:
+      got = worker["sharded_state"]
+      # 4 shards of each slot in all, 2 on each worker.
+      self.assertEqual(got["shard_sizes"],
+                       [sizes[:2] for sizes in expected["shard_sizes"]])
+      assert_close_nested(self, got["slots"], expected["slots"])
+
+
+@pytest.mark.slow
 class FilesTest(unittest.TestCase):
   """Checkpoints, SavedModels, logs: written once; a restart resumes."""
 

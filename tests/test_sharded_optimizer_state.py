@@ -116,35 +116,28 @@ class LayoutTest(unittest.TestCase):
         [tf.constant([7.0]), *[tf.zeros([1])] * 3])), 7.0)
 
 
-class ShardExchangeTest(unittest.TestCase):
-  """Both exchanges; the strategy picks the host one for logical CPUs."""
+class ExchangeTest(unittest.TestCase):
 
-  @parameterized.expand([("per_device", sharded.ShardExchange),
-                         ("host_memory", sharded.HostMemoryExchange)])
-  def test_reduce_scatter_then_all_gather(self, _, exchange_class):
-    strategy = sharding(4)
-    devices = strategy.extended.worker_devices
-    exchange = exchange_class(devices)
-    layout = sharded.Layout((3, 3), 4)
-    each = [tf.fill((3, 3), float(r + 1)) for r in range(4)]
-    total = [tf.fill((3, 3), 10.0)] * 4  # Every replica's copy of the sum.
+  @parameterized.expand(topology.NAMED_REPLICA_COUNTS)
+  def test_reduce_scatter_then_all_gather(self, _, n):
+    strategy = sharding(n)
+    communicator = strategy.extended.communicator
+    layout = sharded.Layout((3, 3), n)
+    each = [tf.fill((3, 3), float(r + 1)) for r in range(n)]
+    total = [tf.fill((3, 3), n * (n + 1) / 2)] * n  # Each replica's sum.
     for grads, summed in ((each, False), (total, True)):
-      shards = exchange.reduce_scatter(layout, grads, summed)
-      self.assertEqual([s.shape for s in shards], [(3,)] * 4)
-      np.testing.assert_array_equal(tf.concat(shards, 0), [10.0] * 9 + [0] * 3)
+      shards = sharded.reduce_scatter(communicator, layout, grads, summed)
+      self.assertEqual([s.shape for s in shards], [(layout.shard_size,)] * n)
+      np.testing.assert_array_equal(
+          tf.concat(shards, 0),
+          [n * (n + 1) / 2] * 9 + [0] * (layout.shard_size * n - 9))
     with strategy.scope():
       weight = tf.Variable(tf.zeros((3, 3)))
-    exchange.all_gather(layout, weight,
-                        [tf.range(3.0) + 3 * r for r in range(4)])
+    new_shards = [layout.shard(tf.reshape(tf.range(9.0), (3, 3)), r)
+                  for r in range(n)]
+    sharded.all_gather(communicator, layout, weight, new_shards)
     for component in weight.values:
       np.testing.assert_array_equal(component, np.arange(9.0).reshape(3, 3))
-
-  def test_logical_cpus_share_host_memory(self):
-    devices = sharding(2).extended.worker_devices
-    self.assertIsInstance(sharded.exchange_for(devices),
-                          sharded.HostMemoryExchange)
-    self.assertIs(type(sharded.exchange_for(["/gpu:0", "/gpu:1"])),
-                  sharded.ShardExchange)
 
 
 class SlotPlacementTest(unittest.TestCase):

@@ -94,13 +94,14 @@ def sharded_update_step(backend_update_step):
 
 def _step(strategy, optimizer, grads, weights, learning_rate, summed):
   """One sharded step for every weight, in cross-replica context."""
-  devices = strategy.extended.worker_devices
-  exchange = sharded.exchange_for(devices)
+  communicator = strategy.extended.communicator
   updates = []
   for grad, weight in zip(grads, weights):
-    layout = sharded.Layout(tuple(weight.shape.as_list()), len(devices))
-    grad_shards = exchange.reduce_scatter(
-        layout, strategy.experimental_local_results(grad), summed)
+    layout = sharded.Layout(tuple(weight.shape.as_list()),
+                            communicator.num_replicas)
+    grad_shards = sharded.reduce_scatter(
+        communicator, layout, strategy.experimental_local_results(grad),
+        summed)
 
     def update_shard(r, weight_shard, weight=weight, grad_shards=grad_shards):
       stand_in = WeightShard(weight, weight_shard)
@@ -109,8 +110,11 @@ def _step(strategy, optimizer, grads, weights, learning_rate, summed):
           tfi.distribute_utils.select_replica(r, learning_rate))
       return stand_in.value
 
-    new_shards = sharded.update_shards(layout, weight, devices, update_shard)
-    updates.append(exchange.all_gather(layout, weight, new_shards))
+    new_shards = sharded.update_shards(layout, weight,
+                                       communicator.first_replica_id,
+                                       update_shard)
+    updates.append(sharded.all_gather(communicator, layout, weight,
+                                      new_shards))
   return tf.group(updates)
 
 
