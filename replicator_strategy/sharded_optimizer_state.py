@@ -153,13 +153,15 @@ class ShardedSlot(tfi.values.DistributedVariable):
     return tf.group(updates)
 
   def _update_replica(self, update_fn, value, **kwargs):
-    del update_fn, value, kwargs
+    shard = tfi.distribute_lib.get_update_replica_id()
+    if shard is not None:  # The optimizer's step, run by each replica.
+      return update_fn(self.values[shard], value, **kwargs)
     raise NotImplementedError(
         f"The sharded optimizer slot {self.name} can be updated only by its "
         f"optimizer's step, or in cross-replica context (outside "
         f"`strategy.run`). Received an update from inside a replica. Create "
         f"the strategy with shard_optimizer_state=False to update optimizer "
-        f"slots from replicas (EMA, gradient accumulation).")
+        f"slots from replicas.")
 
   def _serialize_to_tensors(self):
     return {"VARIABLE_VALUE": self._get_cross_replica()}

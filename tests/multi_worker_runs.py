@@ -169,11 +169,12 @@ def slicing_collectives(strategy):
   return results
 
 
-def keras_fit(strategy, steps_per_execution=1):
+def keras_fit(strategy, steps_per_execution=1, accumulation_steps=None):
   """fit / evaluate / predict with an uneven final batch; every number."""
   x, y = data()
   xv, yv = data(rows=27, seed=2)
-  model = _model(strategy, lambda: keras.optimizers.Adam(0.01), loss="mse",
+  model = _model(strategy, lambda: keras.optimizers.Adam(
+      0.01, gradient_accumulation_steps=accumulation_steps), loss="mse",
                  metrics=["mae"], steps_per_execution=steps_per_execution)
   history = model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=3, shuffle=False,
                       validation_data=(xv, yv), verbose=0)
@@ -432,6 +433,8 @@ RUNS = {"custom_loop": custom_loop, "primitives": primitives,
         "keras_backup_and_restore": keras_backup_and_restore,
         "keras_fit_steps_per_execution": functools.partial(
             keras_fit, steps_per_execution=3),
+        "keras_fit_accumulation": functools.partial(keras_fit,
+                                                    accumulation_steps=2),
         "input_pipelines": input_pipelines,
         "keras_preempted": keras_preempted,
         "keras_killed": functools.partial(keras_preempted, sig=signal.SIGKILL),

@@ -197,7 +197,7 @@ class ShardedOptimizerStateTest(unittest.TestCase):
     with tempfile.TemporaryDirectory() as out:
       cls.workers = results_of(
           ["custom_loop", "keras_fit", "keras_fit_steps_per_execution",
-           "sharded_state"], out,
+           "keras_fit_accumulation", "sharded_state"], out,
           env={"MULTI_WORKER_SHARD_OPTIMIZER_STATE": "1"})
 
   def test_training_equals_one_process_with_four_replicas(self):
@@ -208,6 +208,13 @@ class ShardedOptimizerStateTest(unittest.TestCase):
       assert_close_nested(self, worker["keras_fit"], keras_fit)
       assert_close_nested(self, worker["keras_fit_steps_per_execution"],
                           keras_fit)
+
+  def test_gradient_accumulation_equals_one_process_with_four_replicas(self):
+    # The step runs inside each replica's tf.cond: run-time collectives.
+    expected = multi_worker_runs.keras_fit(topology.strategy_over(4),
+                                           accumulation_steps=2)
+    for worker in self.workers:
+      assert_close_nested(self, worker["keras_fit_accumulation"], expected)
 
   def test_each_worker_holds_its_replicas_shards_and_reads_whole_slots(self):
     expected = multi_worker_runs.sharded_state(

@@ -44,6 +44,16 @@ _OPTIMIZERS = {
     # Steps the inner optimizer from a cross-replica tf.cond.
     "loss_scale_adam": lambda: keras.optimizers.LossScaleOptimizer(
         keras.optimizers.Adam(learning_rate=0.01)),
+    "adam_global_clipnorm": lambda: keras.optimizers.Adam(
+        learning_rate=0.01, global_clipnorm=0.5),
+    # The EMA copy stays mirrored; Keras overwrites the weights from it in a
+    # tf.cond inside each replica.
+    "adam_ema": lambda: keras.optimizers.Adam(
+        learning_rate=0.01, use_ema=True, ema_momentum=0.5,
+        ema_overwrite_frequency=3),
+    # The step runs inside a tf.cond in each replica: the replica path.
+    "momentum_accumulation": lambda: keras.optimizers.SGD(
+        learning_rate=0.1, momentum=0.9, gradient_accumulation_steps=2),
 }
 _FIT_CASES = [(f"{n}_replicas_{name}", n, name)
               for n in topology.REPLICA_COUNTS for name in _OPTIMIZERS]
@@ -302,6 +312,40 @@ class CustomLoopTest(unittest.TestCase):
                                    err_msg=f"{v.path} on replica {replica}")
 
 
+class ReplicaPathTest(unittest.TestCase):
+  """A step inside control flow: each replica steps its own shard."""
+
+  @parameterized.expand([(f"{n}_replicas_{name}", n, name)
+                         for n in topology.REPLICA_COUNTS
+                         for name in ("momentum", "adam", "adam_clipnorm")])
+  def test_a_step_inside_a_tf_cond_matches_one_device(self, _, n,
+                                                      optimizer_name):
+    strategy = sharding(n)
+    with strategy.scope():
+      model = fresh_model()
+      optimizer = _OPTIMIZERS[optimizer_name]()
+      optimizer.build(model.trainable_variables)
+    step = make_step(model, optimizer)
+
+    @tf.function
+    def train_step(batch):
+      per_replica = strategy.run(
+          lambda x, y: tf.cond(tf.size(x) >= 0, lambda: step(x, y),
+                               lambda: 0.0), args=batch)
+      return strategy.reduce("sum", per_replica, axis=None)
+
+    losses = [float(train_step(batch)) for batch in
+              strategy.experimental_distribute_dataset(dataset())]
+    want_losses, want_weights = reference_loop(optimizer_name)
+    np.testing.assert_allclose(losses, want_losses, rtol=RTOL, atol=ATOL)
+    self.assertTrue(slots(optimizer))
+    for v, want in zip(model.weights, want_weights):
+      for replica, got in enumerate(
+          strategy.experimental_local_results(v.value)):
+        np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL,
+                                   err_msg=f"{v.path} on replica {replica}")
+
+
 class SavingTest(unittest.TestCase):
   """Slots save whole, so any replica count (or none) restores them."""
 
@@ -412,36 +456,6 @@ class RefusalTest(unittest.TestCase):
           NotImplementedError, r"supports the Keras optimizers SGD, Adam.*"
           r"Received: optimizer=Adafactor"):
         optimizer.build(model.trainable_variables)
-
-  def test_ema_and_accumulation_are_refused_when_they_build(self):
-    strategy = sharding(2)
-    for optimizer, feature in (
-        (keras.optimizers.Adam(use_ema=True), "use_ema=True"),
-        (keras.optimizers.SGD(gradient_accumulation_steps=2),
-         "gradient_accumulation_steps=2")):
-      with self.subTest(feature), strategy.scope():
-        model = fresh_model()
-        with self.assertRaisesRegex(NotImplementedError, feature):
-          optimizer.build(model.trainable_variables)
-
-  def test_a_step_inside_a_replicas_control_flow_is_refused(self):
-    strategy = sharding(2)
-    with strategy.scope():
-      model = fresh_model()
-      optimizer = keras.optimizers.SGD(momentum=0.9)
-      optimizer.build(model.trainable_variables)
-    step = make_step(model, optimizer)
-
-    @tf.function
-    def train_step(batch):
-      return strategy.run(
-          lambda x, y: tf.cond(tf.constant(True), lambda: step(x, y),
-                               lambda: 0.0), args=batch)
-
-    with self.assertRaisesRegex(NotImplementedError,
-                                "impossible inside control flow"):
-      train_step(next(iter(strategy.experimental_distribute_dataset(
-          dataset()))))
 
   def test_option_must_be_a_bool(self):
     with self.assertRaisesRegex(

@@ -38,6 +38,12 @@ SUPPORTED_OPTIMIZERS = (keras.optimizers.SGD, keras.optimizers.Adam,
                         keras.optimizers.AdamW, keras.optimizers.RMSprop)
 
 
+# Optimizer variables that stay mirrored: EMA copies of the weights, which
+# Keras updates from each replica, and gradient accumulators, which hold each
+# replica's own sum (accumulation steps move no data, as DDP's `no_sync`).
+_KEPT_WHOLE = ("average", "gradient_accumulator")
+
+
 def _sharding_strategy():
   strategy = tf.distribute.get_strategy()
   if (isinstance(strategy, strategy_lib.ReplicatorStrategy) and
@@ -54,6 +60,9 @@ def shard_slots(add_variable_from_reference):
       return add_variable_from_reference(self, reference_variable, name=name,
                                          initializer=initializer)
     _check_supported(self)
+    if name in _KEPT_WHOLE:
+      return add_variable_from_reference(self, reference_variable, name=name,
+                                         initializer=initializer)
     with sharded.creating_slots():
       return add_variable_from_reference(self, reference_variable, name=name,
                                          initializer=initializer)
@@ -81,12 +90,10 @@ def sharded_update_step(backend_update_step):
       return _step(strategy, self, grads, weights, learning_rate, summed)
 
     if not replica_context.merge_call_possible():
-      raise NotImplementedError(
-          "ReplicatorStrategy(shard_optimizer_state=True) updates the "
-          "weights in one merge of all replicas, which is impossible inside "
-          "control flow (a tf.cond or nested tf.function in the replica "
-          "function). Received an optimizer step inside control flow. Step "
-          "outside it, or use shard_optimizer_state=False.")
+      # Inside control flow (gradient accumulation's tf.cond): each replica
+      # steps its own shard through run-time collectives.
+      return _replica_step(strategy, self, grads, weights, learning_rate,
+                           summed)
     return ctx.merge_call(merge_fn, args=(list(grads), learning_rate))
 
   return wrapper
@@ -115,6 +122,30 @@ def _step(strategy, optimizer, grads, weights, learning_rate, summed):
                                        update_shard)
     updates.append(sharded.all_gather(communicator, layout, weight,
                                       new_shards))
+  return tf.group(updates)
+
+
+def _replica_step(strategy, optimizer, grads, weights, learning_rate, summed):
+  """One sharded step for every weight, run by each replica on its own shard."""
+  communicator = strategy.extended.communicator
+  ctx = tf.distribute.get_replica_context()
+  local = ctx.local_index
+  shard = communicator.first_replica_id + local
+  updates = []
+  for grad, weight in zip(grads, weights):
+    layout = sharded.Layout(tuple(weight.shape.as_list()),
+                            communicator.num_replicas)
+    grad = tf.convert_to_tensor(grad)  # IndexedSlices.
+    if summed:
+      grad_shard = layout.shard(grad, shard)
+    else:
+      grad_shard = ctx.reduce_scatter("sum", layout.padded_flat(grad), axis=0)
+    component = tfi.component(weight, local)
+    stand_in = WeightShard(weight, layout.shard(component.read_value(), shard))
+    with tfi.UpdateContext(local):
+      optimizer.update_step(grad_shard, stand_in, learning_rate)
+    new_weight = layout.assemble([ctx.all_gather(stand_in.value, axis=0)])
+    updates.append(component.assign(new_weight, read_value=False))
   return tf.group(updates)
 
 
@@ -165,14 +196,3 @@ def _check_supported(optimizer):
         f"(elementwise math, slots shaped like the weights). Received: "
         f"optimizer={type(optimizer).__name__}. Use one of those, or "
         f"shard_optimizer_state=False.")
-  unsupported = [feature for feature, used in (
-      ("use_ema", optimizer.use_ema),
-      ("gradient_accumulation_steps", optimizer.gradient_accumulation_steps))
-                 if used]
-  if unsupported:
-    raise NotImplementedError(
-        f"ReplicatorStrategy(shard_optimizer_state=True) does not support "
-        f"{' or '.join(unsupported)} yet: both update optimizer variables "
-        f"from inside the replicas. Received: {type(optimizer).__name__} "
-        f"with {', '.join(f'{f}={getattr(optimizer, f)}' for f in unsupported)}"
-        f". Use shard_optimizer_state=False for it.")
