@@ -61,7 +61,7 @@ SIZES = {  # name: (full run, --quick)
     "allreduce_repeats": (15, 3),
     "first_epoch_runs": (3, 1),  # fresh processes per contender
     # The memory-bound MLP: input, hidden width, hidden layers; 50.4 M
-    # parameters in full (200 MB a copy in float32).
+    # parameters in full (192 MiB a copy in float32).
     "big_mlp": ((4096, 4096, 3), (64, 64, 2)),
     "big_mlp_batch": (16, 8),  # global; small, so that the state dominates
     "big_mlp_steps": (3, 2),
@@ -446,7 +446,7 @@ def replicas_child(n):
 def first_epoch_child(spec):
   """Runs in a child: one fit epoch of the MLP; prints seconds and peak RSS."""
   name, n = spec.split(":")
-  strategy = dict(contenders(int(n)))[name]
+  strategy = contender(name, int(n))
   weights = initial_weights("mlp")
   x, y = data("mlp", SIZE["fit_steps"])
   start = time.perf_counter()
