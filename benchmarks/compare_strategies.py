@@ -20,7 +20,15 @@ keys clash between instances over different device counts.)
    fresh processes (the median of three).
 5. Multi-worker: 2 workers x 2 devices against one process x 4 (fit step).
 6. Where the MLP custom-loop step's time goes, at the most replicas: forward,
-   then adding backward, the gradient all-reduce, and the optimizer update.
+   then adding backward, the gradient all-reduce, and the optimizer update;
+   with one more contender, "sharded" (ReplicatorStrategy with
+   shard_optimizer_state=True), whose update reduce-scatters the gradients,
+   updates 1/N of every slot per replica and all-gathers the weights.
+7. Sharded optimizer state, at the most replicas: optimizer-state and weight
+   bytes per device and peak resident memory for an MLP of 50 M parameters
+   with Adam, MirroredStrategy, ReplicatorStrategy and ReplicatorStrategy
+   with shard_optimizer_state=True each in a fresh process; and the MLP fit
+   step (SGD with momentum, and Adam) of those three, side by side.
 
 Every contender starts from the same weights and data; the run also checks
 that their losses and all-reduce results agree ("agree" column).
@@ -52,6 +60,11 @@ SIZES = {  # name: (full run, --quick)
     "allreduce_many": ((200, 4096), (10, 256)),  # tensors, bytes each
     "allreduce_repeats": (15, 3),
     "first_epoch_runs": (3, 1),  # fresh processes per contender
+    # The memory-bound MLP: input, hidden width, hidden layers; 50.4 M
+    # parameters in full (192 MiB a copy in float32).
+    "big_mlp": ((4096, 4096, 3), (64, 64, 2)),
+    "big_mlp_batch": (16, 8),  # global; small, so that the state dominates
+    "big_mlp_steps": (3, 2),
 }
 
 
@@ -63,9 +76,10 @@ def parse_args(argv=None):
   parser.add_argument("--devices", type=int, default=4,
                       help="logical CPU devices when there is no GPU (default 4)")
   parser.add_argument("--sections",
-                      default="fit,custom,allreduce,parts,first,multi",
+                      default="fit,custom,allreduce,parts,first,multi,"
+                      "sharding",
                       help="comma-separated subset of fit,custom,allreduce,"
-                      "parts,first,multi")
+                      "parts,first,multi,sharding")
   parser.add_argument("--child", help=argparse.SUPPRESS)
   return parser.parse_args(argv)
 
@@ -110,6 +124,20 @@ def contenders(num_replicas):
           ("replicator", rs.ReplicatorStrategy(devices=chosen))]
 
 
+@functools.cache
+def sharded(num_replicas):
+  """ReplicatorStrategy with shard_optimizer_state=True (one per process)."""
+  return rs.ReplicatorStrategy(devices=list(devices()[:num_replicas]),
+                               shard_optimizer_state=True)
+
+
+def contender(name, num_replicas):
+  """The strategy named `name`: one of `contenders`, or "sharded"."""
+  if name == "sharded":
+    return sharded(num_replicas)
+  return dict(contenders(num_replicas))[name]
+
+
 def scope(strategy):
   return strategy.scope() if strategy else tf.device(devices()[0])
 
@@ -148,9 +176,8 @@ PER_REPLICA_STATISTICS = ("convnet",)
 
 def losses_agree(model_name, losses):
   """Contenders' losses agree (with no strategy only where it can)."""
-  names = ["replicator", "mirrored"]
-  if model_name not in PER_REPLICA_STATISTICS:
-    names += [name for name in losses if name.startswith("none")]
+  names = [name for name in losses if not name.startswith("none") or
+           model_name not in PER_REPLICA_STATISTICS]
   return agree((losses[name] for name in names), rtol=1e-4)
 
 
@@ -169,12 +196,16 @@ def initial_weights(model_name):
   return MODELS[model_name]().get_weights()
 
 
-def compiled(model_name, strategy, weights):
+OPTIMIZERS = {"sgd": lambda: keras.optimizers.SGD(0.01, momentum=0.9),
+              "adam": lambda: keras.optimizers.Adam(1e-3)}
+
+
+def compiled(model_name, strategy, weights, optimizer="sgd"):
   with scope(strategy):
     model = MODELS[model_name]()
     model.set_weights(weights)
     model.compile(
-        optimizer=keras.optimizers.SGD(0.01, momentum=0.9),
+        optimizer=OPTIMIZERS[optimizer](),
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
   return model
 
@@ -210,14 +241,17 @@ def agree(values, rtol):
 
 # 1. Keras fit.
 
-def bench_fit(n):
+def bench_fit(n, model_names=tuple(MODELS), names=("none", "mirrored",
+                                                    "replicator"),
+              optimizer="sgd"):
   rows = []
-  for model_name in MODELS:
+  for model_name in model_names:
     weights = initial_weights(model_name)
     x, y = data(model_name, SIZE["fit_steps"])
-    runs = {name: {"model": compiled(model_name, strategy, weights),
+    runs = {name: {"model": compiled(model_name, contender(name, n), weights,
+                                     optimizer),
                    "times": [], "losses": []}
-            for name, strategy in contenders(n)}
+            for name in names}
     for round_index in range(SIZE["rounds"] + 1):
       for run in runs.values():
         timer = StepTimer()
@@ -282,7 +316,7 @@ def custom_step(model, optimizer, strategy, part="+ update", slices=1):
 
 
 def bench_custom(n, model_names=tuple(MODELS), parts=("+ update",),
-                 sliced=False):
+                 sliced=False, names=("none", "mirrored", "replicator")):
   """Custom-loop step times; with several `parts`, one row per part.
 
   `sliced` adds the contender "none, sliced": no strategy, the batch in `n`
@@ -296,7 +330,7 @@ def bench_custom(n, model_names=tuple(MODELS), parts=("+ update",),
         SIZE["global_batch"]).cache()
     runs = {}
     for name, strategy, slices in (
-        [(name, strategy, 1) for name, strategy in contenders(n)] +
+        [(name, contender(name, n), 1) for name in names] +
         ([("none, sliced", None, n)] if sliced else [])):
       with scope(strategy):
         model = MODELS[model_name]()
@@ -337,7 +371,19 @@ def bench_custom(n, model_names=tuple(MODELS), parts=("+ update",),
 def bench_parts(n):
   if n != replica_counts()[-1]:
     return []
-  return bench_custom(n, model_names=("mlp",), parts=STEP_PARTS, sliced=True)
+  return bench_custom(n, model_names=("mlp",), parts=STEP_PARTS, sliced=True,
+                      names=("none", "mirrored", "replicator", "sharded"))
+
+
+def update_ms(parts_rows, name):
+  """The optimizer update alone, from the parts' rows.
+
+  A mirrored update follows the all-reduce; the sharded one has none before
+  it (it reduce-scatters inside), so its exchange is counted in its update.
+  """
+  ms = {r["part"]: r["ms"][name] for r in parts_rows}
+  before = "+ backward" if name == "sharded" else "+ all-reduce"
+  return ms["+ update"] - ms[before]
 
 
 # 3. All-reduce latency.
@@ -390,8 +436,8 @@ def _all_reduce_fn(strategy, inputs):
 def replicas_child(n):
   """In a child: every in-process section for one replica count, as JSON."""
   n = int(n)
-  print(json.dumps({section: SECTIONS[section](n)
-                    for section in IN_PROCESS_SECTIONS
+  print(json.dumps({section: bench(n)
+                    for section, bench in IN_PROCESS_SECTIONS.items()
                     if section in ARGS.sections.split(",")}))
 
 
@@ -400,7 +446,7 @@ def replicas_child(n):
 def first_epoch_child(spec):
   """Runs in a child: one fit epoch of the MLP; prints seconds and peak RSS."""
   name, n = spec.split(":")
-  strategy = dict(contenders(int(n)))[name]
+  strategy = contender(name, int(n))
   weights = initial_weights("mlp")
   x, y = data("mlp", SIZE["fit_steps"])
   start = time.perf_counter()
@@ -473,6 +519,92 @@ def bench_multi_worker():
   return [row]
 
 
+# 7. Sharded optimizer state.
+
+SHARDING_CONTENDERS = ("mirrored", "replicator", "sharded")
+
+
+def bench_sharding_fit(n):
+  """In-process part: the MLP fit step, state sharded or not, at most replicas."""
+  if n != replica_counts()[-1]:
+    return []
+  rows = []
+  for optimizer in OPTIMIZERS:
+    row, = bench_fit(n, model_names=("mlp",), names=SHARDING_CONTENDERS,
+                     optimizer=optimizer)
+    rows.append(dict(row, measure="fit step", optimizer=optimizer))
+  return rows
+
+
+def big_mlp():
+  inputs, width, layers = SIZE["big_mlp"]
+  return keras.Sequential(
+      [keras.Input((inputs,))] +
+      [keras.layers.Dense(width, activation="relu") for _ in range(layers)] +
+      [keras.layers.Dense(10)])
+
+
+def bytes_by_device(variables):
+  """Bytes of every variable's components (copies, or shards), per device."""
+  by_device = {}
+  for variable in variables:
+    value = getattr(variable, "value", variable)  # A Keras variable's tf one.
+    for component in getattr(value, "values", (value,)):
+      by_device[component.device] = by_device.get(component.device, 0) + (
+          component.shape.num_elements() * component.dtype.size)
+  return by_device
+
+
+def sharding_memory_child(spec):
+  """In a child: the big MLP with Adam under one strategy; prints its bytes.
+
+  Builds the model and the optimizer, then fits a few steps of a small
+  batch; the peak resident memory is the whole process's.
+  """
+  name, n = spec.split(":")
+  strategy = contender(name, int(n))
+  with strategy.scope():
+    keras.utils.set_random_seed(0)  # The same weights under every strategy.
+    model = big_mlp()
+    model.compile(
+        optimizer=keras.optimizers.Adam(1e-4),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model.optimizer.build(model.trainable_variables)
+  optimizer_bytes = bytes_by_device(model.optimizer.variables)
+  weight_bytes = bytes_by_device(model.weights)
+  rng = np.random.default_rng(0)
+  rows = SIZE["big_mlp_batch"] * SIZE["big_mlp_steps"]
+  x = rng.normal(size=(rows, SIZE["big_mlp"][0])).astype("float32")
+  y = rng.integers(0, 10, size=rows).astype("int32")
+  history = model.fit(x, y, batch_size=SIZE["big_mlp_batch"], epochs=1,
+                      shuffle=False, verbose=0)
+  print(json.dumps({
+      "params": model.count_params(),
+      "optimizer_bytes": optimizer_bytes, "weight_bytes": weight_bytes,
+      "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+      "loss": history.history["loss"]}))
+
+
+def bench_sharding_memory():
+  """Fresh-process part: one child per contender, so peaks don't mix."""
+  n = replica_counts()[-1]
+  runs = {name: _child(f"sharding:{name}:{n}") for name in SHARDING_CONTENDERS}
+  params = runs["mirrored"]["params"]
+  row = {"measure": "memory", "replicas": n, "params": params,
+         "adam_slot_mb": params * 4 / 2 ** 20,
+         "agree": agree([r["loss"] for r in runs.values()], rtol=1e-4)}
+  for key in ("optimizer_bytes", "weight_bytes"):
+    row[key.replace("bytes", "mb_per_device_max")] = {
+        name: max(r[key].values()) / 2 ** 20 for name, r in runs.items()}
+    row[key.replace("bytes", "mb_total")] = {
+        name: sum(r[key].values()) / 2 ** 20 for name, r in runs.items()}
+    row[key.replace("bytes", "devices")] = {
+        name: len(r[key]) for name, r in runs.items()}
+  row["peak_rss_mb"] = {name: r["peak_rss_mb"] for name, r in runs.items()}
+  print_progress("sharding", row)
+  return [row]
+
+
 # Output.
 
 def print_progress(section, row):
@@ -496,20 +628,32 @@ def table(results):
           f"{ms['replicator'] / ms['none']:>7.2f} "
           f"{ms['replicator'] / ms['mirrored']:>10.2f}  {r['agree']}")
   if results.get("parts"):
-    lines += ["", f"MLP custom-loop step by part, {results['parts'][0]['replicas']}"
+    parts = results["parts"]
+    lines += ["", f"MLP custom-loop step by part, {parts[0]['replicas']}"
               f" replicas, ms (median; each part adds a stage to the one above;"
-              f" sliced = no strategy, the batch in as many slices in turn)",
+              f" sliced = no strategy, the batch in as many slices in turn;"
+              f" sharded = replicator with shard_optimizer_state=True)",
               f"{'part':14} {'none':>8} {'sliced':>8} {'mirrored':>9} "
-              f"{'replicator':>11} {'R/none':>7} {'R/sliced':>8} "
-              f"{'R/mirrored':>10}  agree"]
-    for r in results["parts"]:
+              f"{'replicator':>11} {'sharded':>8} {'R/none':>7} "
+              f"{'R/sliced':>8} {'R/mirrored':>10}  agree"]
+    for r in parts:
       ms = r["ms"]
       lines.append(
           f"{r['part']:14} {ms['none']:>8.2f} {ms['none, sliced']:>8.2f} "
           f"{ms['mirrored']:>9.2f} {ms['replicator']:>11.2f} "
+          f"{ms['sharded']:>8.2f} "
           f"{ms['replicator'] / ms['none']:>7.2f} "
           f"{ms['replicator'] / ms['none, sliced']:>8.2f} "
           f"{ms['replicator'] / ms['mirrored']:>10.2f}  {r['agree']}")
+    update = {name: update_ms(parts, name)
+              for name in ("mirrored", "replicator", "sharded")}
+    lines += [f"update alone (+ update minus + all-reduce; sharded: minus "
+              f"+ backward, its reduce-scatter and all-gather included): "
+              f"mirrored {update['mirrored']:.2f}, replicator "
+              f"{update['replicator']:.2f}, sharded {update['sharded']:.2f}; "
+              f"sharded/replicator {update['sharded'] / update['replicator']:.2f}"
+              f", sharded/mirrored {update['sharded'] / update['mirrored']:.2f}"]
+  lines += sharding_table(results.get("sharding", []))
   if "allreduce" in results:
     lines += ["", "All-reduce in replica context, ms (median)",
               f"{'tensors':14} {'replicas':>8} {'add_n floor':>11} "
@@ -545,6 +689,49 @@ def table(results):
   return "\n".join(lines)
 
 
+def sharding_table(rows):
+  """The sharding section's two tables: memory, then fit step."""
+  lines = []
+  names = SHARDING_CONTENDERS
+  header = (f"{'':22} {'mirrored':>9} {'replicator':>11} {'sharded':>9} "
+            f"{'S/mirrored':>10}")
+  for r in (r for r in rows if r["measure"] == "memory"):
+    inputs, width, layers = SIZE["big_mlp"]
+    lines += ["", f"Sharded optimizer state: MLP {inputs}-{width}x{layers}-10 "
+              f"({r['params'] / 1e6:.1f} M parameters), Adam, {r['replicas']} "
+              f"replicas, global batch {SIZE['big_mlp_batch']}, MB (each "
+              f"contender in a fresh process; one Adam slot = "
+              f"{r['adam_slot_mb']:.1f} MB)", header]
+    for key, label in (("optimizer_mb_per_device_max", "optimizer/device max"),
+                       ("optimizer_mb_total", "optimizer, all devices"),
+                       ("weight_mb_per_device_max", "weights/device max"),
+                       ("weight_mb_total", "weights, all devices"),
+                       ("peak_rss_mb", "peak RSS")):
+      v = r[key]
+      lines.append(f"{label:22} " + " ".join(
+          f"{v[name]:>{w}.1f}" for name, w in zip(names, (9, 11, 9))) +
+                   f" {v['sharded'] / v['mirrored']:>10.2f}")
+    rss = r["peak_rss_mb"]
+    lines.append(f"{'peak RSS - mirrored':22} " + " ".join(
+        f"{rss[name] - rss['mirrored']:>{w}.1f}"
+        for name, w in zip(names, (9, 11, 9))) + f"   losses agree "
+                 f"{r['agree']}")
+  fit_rows = [r for r in rows if r["measure"] == "fit step"]
+  if fit_rows:
+    lines += ["", f"Keras fit step with sharded optimizer state, MLP, "
+              f"{fit_rows[0]['replicas']} replicas, ms (median)",
+              f"{'optimizer':22} {'mirrored':>9} {'replicator':>11} "
+              f"{'sharded':>9} {'S/mirrored':>10} {'S/replicator':>12}  agree"]
+    for r in fit_rows:
+      ms = r["ms"]
+      lines.append(
+          f"{r['optimizer']:22} " + " ".join(
+              f"{ms[name]:>{w}.2f}" for name, w in zip(names, (9, 11, 9))) +
+          f" {ms['sharded'] / ms['mirrored']:>10.2f} "
+          f"{ms['sharded'] / ms['replicator']:>12.2f}  {r['agree']}")
+  return lines
+
+
 def machine():
   return {"python": platform.python_version(), "tensorflow": tf.__version__,
           "keras": keras.__version__, "cpus": os.cpu_count(),
@@ -552,18 +739,23 @@ def machine():
           "platform": platform.platform()}
 
 
-SECTIONS = {"fit": bench_fit, "custom": bench_custom,
-            "allreduce": bench_allreduce, "parts": bench_parts,
-            "first": bench_first_epoch, "multi": bench_multi_worker}
-# Sections measured per replica count, in one child process each.
-IN_PROCESS_SECTIONS = ("fit", "custom", "allreduce", "parts")
+# Sections (or their parts) measured per replica count, in one child process
+# for each count.
+IN_PROCESS_SECTIONS = {"fit": bench_fit, "custom": bench_custom,
+                       "allreduce": bench_allreduce, "parts": bench_parts,
+                       "sharding": bench_sharding_fit}
+# Sections (or their parts) that start fresh processes of their own.
+FRESH_PROCESS_SECTIONS = {"first": bench_first_epoch,
+                          "multi": bench_multi_worker,
+                          "sharding": bench_sharding_memory}
 
 
 def main():
   if ARGS.child:
     kind, _, spec = ARGS.child.partition(":")
     return {"first": first_epoch_child, "replicas": replicas_child,
-            "fit_step": fit_step_child}[kind](spec)
+            "fit_step": fit_step_child,
+            "sharding": sharding_memory_child}[kind](spec)
   start = time.perf_counter()
   sections = ARGS.sections.split(",")
   results = {s: [] for s in sections}
@@ -571,8 +763,9 @@ def main():
     if set(IN_PROCESS_SECTIONS) & set(sections):
       for section, rows in _child(f"replicas:{n}").items():
         results[section] += rows
-  for section in {"first", "multi"} & set(sections):
-    results[section] = SECTIONS[section]()
+  for section, bench in FRESH_PROCESS_SECTIONS.items():
+    if section in sections:
+      results[section] += bench()
   results["machine"] = machine()
   results["seconds"] = time.perf_counter() - start
   print(table(results))

@@ -47,14 +47,32 @@ class BenchmarkSmokeTest(unittest.TestCase):
         [(part, 4) for part in
          ("forward", "+ backward", "+ all-reduce", "+ update")])
     for row in results["parts"]:
-      self.assertEqual(sorted(row["ms"]),
-                       ["mirrored", "none", "none, sliced", "replicator"])
+      self.assertEqual(sorted(row["ms"]), ["mirrored", "none", "none, sliced",
+                                           "replicator", "sharded"])
       self.assertTrue(row["agree"], row)
     first = results["first"][0]
     for key in ("first_epoch_s", "peak_rss_mb"):
       self.assertEqual(sorted(first[key]), ["mirrored", "none", "replicator"])
       self.assertTrue(all(v > 0 for v in first[key].values()))
     self.assertTrue(results["multi"][0]["agree"], results["multi"])
+    sharding, = [r for r in results["sharding"] if r["measure"] == "memory"]
+    contenders = ["mirrored", "replicator", "sharded"]
+    for key in ("optimizer_mb_per_device_max", "weight_mb_per_device_max",
+                "peak_rss_mb"):
+      self.assertEqual(sorted(sharding[key]), contenders)
+      self.assertTrue(all(v > 0 for v in sharding[key].values()), sharding)
+    self.assertEqual(set(sharding["optimizer_devices"].values()), {4})
+    # Bytes are counted, not timed: each device holds a quarter of the slots.
+    optimizer = sharding["optimizer_mb_per_device_max"]
+    self.assertLess(optimizer["sharded"], 0.3 * optimizer["mirrored"])
+    self.assertTrue(sharding["agree"], sharding)
+    fit_steps = [r for r in results["sharding"] if r["measure"] == "fit step"]
+    self.assertEqual([(r["optimizer"], r["replicas"]) for r in fit_steps],
+                     [("sgd", 4), ("adam", 4)])
+    for row in fit_steps:
+      self.assertEqual(sorted(row["ms"]), contenders)
+      self.assertTrue(row["agree"], row)
+    self.assertIn("Sharded optimizer state", done.stdout)
     self.assertIn("Keras fit step, ms (median)", done.stdout)
 
 
