@@ -20,6 +20,7 @@ import tensorflow as tf
 
 import models
 import topology
+from test_custom_loop import make_step
 from replicator_strategy import sharded_optimizer_state as sharded
 
 GLOBAL_BATCH = 16
@@ -173,8 +174,8 @@ class SlotPlacementTest(unittest.TestCase):
       self.assertEqual(slot.value.shape, weight.shape)
       np.testing.assert_array_equal(slot.numpy(), np.zeros(weight.shape))
 
-  def test_full_value_assigns_and_reads_back_across_shards(self):
-    strategy = sharding(4)
+  def momentum_of_a_3x3_weight(self, strategy):
+    """The one slot of SGD with momentum for a 3x3 weight, assigned 0..8."""
     with strategy.scope():
       optimizer = keras.optimizers.SGD(momentum=0.9)
       weight = keras.Variable(np.zeros((3, 3), np.float32))
@@ -182,19 +183,17 @@ class SlotPlacementTest(unittest.TestCase):
     (slot,) = slots(optimizer)
     value = np.arange(9, dtype=np.float32).reshape(3, 3)
     slot.assign(value)
+    return slot, value
+
+  def test_full_value_assigns_and_reads_back_across_shards(self):
+    slot, value = self.momentum_of_a_3x3_weight(sharding(4))
     np.testing.assert_array_equal(slot.numpy(), value)
     np.testing.assert_array_equal(slot.value.values[3].numpy(), [0, 0, 0])
     np.testing.assert_array_equal(slot.value.values[2].numpy(), [6, 7, 8])
 
   def test_every_read_outside_run_is_the_whole_slot(self):
     strategy = sharding(4)
-    with strategy.scope():
-      optimizer = keras.optimizers.SGD(momentum=0.9)
-      weight = keras.Variable(np.zeros((3, 3), np.float32))
-      optimizer.build([weight])
-    (slot,) = slots(optimizer)
-    value = np.arange(9, dtype=np.float32).reshape(3, 3)
-    slot.assign(value)
+    slot, value = self.momentum_of_a_3x3_weight(strategy)
     reads = {
         "value()": lambda: slot.value.value(),
         "read_value()": lambda: slot.value.read_value(),
@@ -254,19 +253,6 @@ class FitTest(unittest.TestCase):
     for v, want in zip(optimizer.variables, want_optimizer):
       np.testing.assert_allclose(v.numpy(), want, rtol=RTOL, atol=ATOL,
                                  err_msg=v.path)
-
-
-def make_step(model, optimizer):
-  def step(x, y):
-    with tf.GradientTape() as tape:
-      per_example = tf.reduce_mean(tf.square(model(x, training=True) - y),
-                                   axis=-1)
-      loss = tf.nn.compute_average_loss(per_example,
-                                        global_batch_size=GLOBAL_BATCH)
-    grads = tape.gradient(loss, model.trainable_variables)
-    optimizer.apply_gradients(zip(grads, model.trainable_variables))
-    return loss
-  return step
 
 
 def dataset():
