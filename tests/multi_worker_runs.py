@@ -184,11 +184,17 @@ def keras_fit(strategy, steps_per_execution=1, accumulation_steps=None):
           "predict": prediction.tolist(), "weights": _weights(model)}
 
 
-def sharded_state(strategy):
-  """After `fit`: each slot's shard sizes on this worker, and its whole value."""
+def sharded_state(strategy, workdir=None):
+  """After `fit`: each slot's shard sizes on this worker, and its whole value.
+
+  With a `workdir`, every worker also saves the model there (the chief's file
+  is kept).
+  """
   model = _model(strategy, lambda: keras.optimizers.Adam(0.01), loss="mse")
   x, y = data()
   model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=2, shuffle=False, verbose=0)
+  if workdir:
+    model.save(pathlib.Path(workdir) / "sharded.keras")
   slots = [v for v in model.optimizer.variables if v.shape == v.value.shape
            and v.path.split("/")[-1] not in ("iteration", "learning_rate")]
   return {"shard_sizes": [[int(c.shape.num_elements())
@@ -447,4 +453,4 @@ RUNS = {"custom_loop": custom_loop, "primitives": primitives,
 # Runs that take the output directory as their working directory.
 TAKES_WORKDIR = ("keras_files", "keras_backup_and_restore", "keras_preempted",
                  "keras_killed", "keras_until_stopped",
-                 "custom_loop_preempted")
+                 "custom_loop_preempted", "sharded_state")

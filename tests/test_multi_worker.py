@@ -17,6 +17,7 @@ import tempfile
 import time
 import unittest
 
+import keras
 import numpy as np
 import pytest
 
@@ -194,11 +195,15 @@ class ShardedOptimizerStateTest(unittest.TestCase):
 
   @classmethod
   def setUpClass(cls):
-    with tempfile.TemporaryDirectory() as out:
-      cls.workers = results_of(
-          ["custom_loop", "keras_fit", "keras_fit_steps_per_execution",
-           "keras_fit_accumulation", "sharded_state"], out,
-          env={"MULTI_WORKER_SHARD_OPTIMIZER_STATE": "1"})
+    cls.out = tempfile.TemporaryDirectory()
+    cls.workers = results_of(
+        ["custom_loop", "keras_fit", "keras_fit_steps_per_execution",
+         "keras_fit_accumulation", "sharded_state"], cls.out.name,
+        env={"MULTI_WORKER_SHARD_OPTIMIZER_STATE": "1"})
+
+  @classmethod
+  def tearDownClass(cls):
+    cls.out.cleanup()
 
   def test_training_equals_one_process_with_four_replicas(self):
     custom_loop = multi_worker_runs.custom_loop(topology.strategy_over(4))
@@ -226,6 +231,13 @@ class ShardedOptimizerStateTest(unittest.TestCase):
       self.assertEqual(got["shard_sizes"],
                        [sizes[:2] for sizes in expected["shard_sizes"]])
       assert_close_nested(self, got["slots"], expected["slots"])
+
+  def test_the_chiefs_saved_model_holds_the_whole_slots(self):
+    loaded = keras.models.load_model(
+        pathlib.Path(self.out.name) / "sharded.keras")
+    slots = [v.numpy().tolist() for v in loaded.optimizer.variables
+             if v.path.split("/")[-1] not in ("iteration", "learning_rate")]
+    assert_close_nested(self, slots, self.workers[0]["sharded_state"]["slots"])
 
 
 @pytest.mark.slow
