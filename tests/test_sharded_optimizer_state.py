@@ -440,8 +440,30 @@ class RefusalTest(unittest.TestCase):
       optimizer = keras.optimizers.Adafactor()
       with self.assertRaisesRegex(
           NotImplementedError, r"supports the Keras optimizers SGD, Adam.*"
-          r"Received: optimizer=Adafactor"):
+          r"Received: optimizer=Adafactor, whose update_step is Adafactor's"):
         optimizer.build(model.trainable_variables)
+
+  def test_a_subclass_keeping_the_update_step_is_sharded(self):
+
+    class LoggedAdam(keras.optimizers.Adam):
+
+      def get_config(self):
+        return {**super().get_config(), "logged": True}
+
+    class OwnStepAdam(keras.optimizers.Adam):
+
+      def update_step(self, gradient, variable, learning_rate):
+        super().update_step(gradient, variable, learning_rate)
+
+    strategy = sharding(2)
+    with strategy.scope():
+      model = fresh_model()
+      optimizer = LoggedAdam()
+      optimizer.build(model.trainable_variables)
+      self.assertTrue(slots(optimizer))
+      with self.assertRaisesRegex(NotImplementedError,
+                                  "whose update_step is OwnStepAdam's"):
+        OwnStepAdam().build(model.trainable_variables)
 
   def test_option_must_be_a_bool(self):
     with self.assertRaisesRegex(

@@ -189,10 +189,19 @@ class WeightShard:
 
 
 def _check_supported(optimizer):
-  if type(optimizer) not in SUPPORTED_OPTIMIZERS:
+  """Refuses an optimizer whose `update_step` is not one known to be elementwise.
+
+  Subclasses that keep a supported class's `update_step` (changing a schedule
+  or a config, say) are accepted.
+  """
+  owner = next(cls for cls in type(optimizer).__mro__
+               if "update_step" in vars(cls))
+  if owner not in SUPPORTED_OPTIMIZERS:
     raise NotImplementedError(
         f"ReplicatorStrategy(shard_optimizer_state=True) supports the Keras "
         f"optimizers {', '.join(o.__name__ for o in SUPPORTED_OPTIMIZERS)} "
-        f"(elementwise math, slots shaped like the weights). Received: "
-        f"optimizer={type(optimizer).__name__}. Use one of those, or "
+        f"and subclasses that keep their update_step (elementwise math, "
+        f"slots shaped like the weights). Received: "
+        f"optimizer={type(optimizer).__name__}, whose update_step is "
+        f"{owner.__name__}'s. Use one of those, or "
         f"shard_optimizer_state=False.")
