@@ -29,6 +29,11 @@ keys clash between instances over different device counts.)
    with Adam, MirroredStrategy, ReplicatorStrategy and ReplicatorStrategy
    with shard_optimizer_state=True each in a fresh process; and the MLP fit
    step (SGD with momentum, and Adam) of those three, side by side.
+8. `ReplicaContext.reduce_scatter` against `all_reduce` of the same 16 MB
+   tensor on 2 and 4 replicas, through merge_call and inside a `tf.cond`
+   (run-time collectives). MirroredStrategy has no reduce_scatter in replica
+   context and refuses a collective inside `tf.cond`, so its merge_call
+   all_reduce of the same tensor stands beside ours as the reference.
 
 Every contender starts from the same weights and data; the run also checks
 that their losses and all-reduce results agree ("agree" column).
@@ -59,6 +64,7 @@ SIZES = {  # name: (full run, --quick)
     "allreduce_mb": ((1, 16, 64), (0.0625,)),
     "allreduce_many": ((200, 4096), (10, 256)),  # tensors, bytes each
     "allreduce_repeats": (15, 3),
+    "reduce_scatter_mb": (16, 0.0625),
     "first_epoch_runs": (3, 1),  # fresh processes per contender
     # The memory-bound MLP: input, hidden width, hidden layers; 50.4 M
     # parameters in full (192 MiB a copy in float32).
@@ -76,10 +82,10 @@ def parse_args(argv=None):
   parser.add_argument("--devices", type=int, default=4,
                       help="logical CPU devices when there is no GPU (default 4)")
   parser.add_argument("--sections",
-                      default="fit,custom,allreduce,parts,first,multi,"
-                      "sharding",
+                      default="fit,custom,allreduce,reducescatter,parts,"
+                      "first,multi,sharding",
                       help="comma-separated subset of fit,custom,allreduce,"
-                      "parts,first,multi,sharding")
+                      "reducescatter,parts,first,multi,sharding")
   parser.add_argument("--child", help=argparse.SUPPRESS)
   return parser.parse_args(argv)
 
@@ -433,6 +439,73 @@ def _all_reduce_fn(strategy, inputs):
   return lambda: strategy.experimental_local_results(run()[0])[-1]
 
 
+# 8. reduce_scatter against all_reduce.
+
+SCATTER_PATHS = ("merge_call", "in tf.cond")
+
+
+def bench_reduce_scatter(n):
+  """One row per path: ours both ways, MirroredStrategy's all_reduce beside.
+
+  Replica r holds (r + 1) + i / size at element i, so slice r of the sum
+  starts with n (n + 1) / 2 + r: each contender returns that one number per
+  replica (the reduce_scatter's first element, the all_reduce's element at
+  slice r's start), which times the exchange, not a copy out, and checks
+  that reduce_scatter's slices are the all_reduce's.
+  """
+  if n < 2:
+    return []
+  size = int(SIZE["reduce_scatter_mb"] * 2 ** 20 / 4) // n * n
+  runs = {}
+  for path in SCATTER_PATHS:
+    for name in ("reduce_scatter", "all_reduce"):
+      runs[path, name] = _collective_fn(contender("replicator", n), size, name,
+                                        in_cond=path == "in tf.cond")
+  runs["merge_call", "mirrored all_reduce"] = _collective_fn(
+      contender("mirrored", n), size, "all_reduce", in_cond=False)
+  firsts = {key: fn() for key, fn in runs.items()}  # Traces them too.
+  times = {key: [] for key in runs}
+  for _ in range(SIZE["allreduce_repeats"]):
+    for key, fn in runs.items():
+      start = time.perf_counter()
+      fn()
+      times[key].append(time.perf_counter() - start)
+  rows = []
+  for path in SCATTER_PATHS:
+    of_path = [key for key in runs if key[0] == path]
+    rows.append({"path": path, "replicas": n,
+                 "mb": size * 4 / 2 ** 20,
+                 "ms": {name: median_ms(times[path, name])
+                        for _, name in of_path},
+                 "agree": agree([firsts[key] for key in of_path] +
+                                [[n * (n + 1) / 2 + r for r in range(n)]],
+                                rtol=1e-6)})
+    print_progress("reducescatter", rows[-1])
+  return rows
+
+
+def _collective_fn(strategy, size, collective, in_cond):
+  """A traced `strategy.run` of one collective; returns a number per replica."""
+  # Made once, outside the trace, so that nothing is constant-folded.
+  inputs = strategy.experimental_distribute_values_from_function(
+      lambda ctx: float(ctx.replica_id_in_sync_group + 1) +
+      tf.range(size, dtype=tf.float32) / size)
+
+  def replica_fn(x):
+    ctx = tf.distribute.get_replica_context()
+    if collective == "reduce_scatter":
+      call = lambda: ctx.reduce_scatter("sum", x)[0]
+    else:
+      start = ctx.replica_id_in_sync_group * (size // ctx.num_replicas_in_sync)
+      call = lambda: tf.gather(ctx.all_reduce("sum", x), start)
+    if in_cond:
+      return tf.cond(ctx.replica_id_in_sync_group >= 0, call, call)
+    return call()
+
+  run = tf.function(lambda: strategy.run(replica_fn, (inputs,)))
+  return lambda: [float(v) for v in strategy.experimental_local_results(run())]
+
+
 def replicas_child(n):
   """In a child: every in-process section for one replica count, as JSON."""
   n = int(n)
@@ -667,6 +740,26 @@ def table(results):
           f"{ms['mirrored']:>9.2f} {ms['replicator']:>11.2f} "
           f"{ms['replicator'] / floor:>8.2f} {ms['mirrored'] / floor:>8.2f}  "
           f"{r['agree']}")
+  if results.get("reducescatter"):
+    rows = results["reducescatter"]
+    lines += ["", f"reduce_scatter vs all_reduce in replica context, "
+              f"{rows[0]['mb']:g} MB float32 per replica, ms (median; "
+              f"MirroredStrategy has no reduce_scatter in replica context and "
+              f"refuses a collective inside tf.cond: its merge_call all_reduce "
+              f"is the reference)",
+              f"{'path':12} {'replicas':>8} {'R scatter':>10} "
+              f"{'R all_reduce':>12} {'M all_reduce':>12} "
+              f"{'scatter/R':>9} {'scatter/M':>9}  agree"]
+    for r in rows:
+      ms = r["ms"]
+      reference = ms.get("mirrored all_reduce")
+      lines.append(
+          f"{r['path']:12} {r['replicas']:>8} {ms['reduce_scatter']:>10.2f} "
+          f"{ms['all_reduce']:>12.2f} "
+          + (f"{reference:>12.2f}" if reference else f"{'-':>12}") +
+          f" {ms['reduce_scatter'] / ms['all_reduce']:>9.2f} "
+          + (f"{ms['reduce_scatter'] / reference:>9.2f}" if reference
+             else f"{'-':>9}") + f"  {r['agree']}")
   if "first" in results:
     r = results["first"][0]
     lines += ["", f"First epoch (tracing included) and peak memory, MLP, "
@@ -742,7 +835,9 @@ def machine():
 # Sections (or their parts) measured per replica count, in one child process
 # for each count.
 IN_PROCESS_SECTIONS = {"fit": bench_fit, "custom": bench_custom,
-                       "allreduce": bench_allreduce, "parts": bench_parts,
+                       "allreduce": bench_allreduce,
+                       "reducescatter": bench_reduce_scatter,
+                       "parts": bench_parts,
                        "sharding": bench_sharding_fit}
 # Sections (or their parts) that start fresh processes of their own.
 FRESH_PROCESS_SECTIONS = {"first": bench_first_epoch,

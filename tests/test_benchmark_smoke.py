@@ -43,6 +43,14 @@ class BenchmarkSmokeTest(unittest.TestCase):
       self.assertTrue(row["agree"], row)
     self.assertEqual({r["replicas"] for r in results["allreduce"]}, {2, 4})
     self.assertEqual(
+        [(r["path"], r["replicas"]) for r in results["reducescatter"]],
+        [(path, n) for n in (2, 4) for path in ("merge_call", "in tf.cond")])
+    for row in results["reducescatter"]:
+      # MirroredStrategy's reference all_reduce has no tf.cond path.
+      self.assertEqual(set(row["ms"]), {"all_reduce", "reduce_scatter"} | (
+          {"mirrored all_reduce"} if row["path"] == "merge_call" else set()))
+      self.assertTrue(row["agree"], row)
+    self.assertEqual(
         [(r["part"], r["replicas"]) for r in results["parts"]],
         [(part, 4) for part in
          ("forward", "+ backward", "+ all-reduce", "+ update")])
