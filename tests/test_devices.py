@@ -1,7 +1,8 @@
 """Which devices a strategy replicates over: listing, validating, splitting the CPU.
 
 conftest split the CPU into 4 logical devices; other device kinds are
-simulated by replacing TensorFlow's device listing.
+simulated by replacing TensorFlow's device listing. On a machine with GPUs,
+the real listing has them too.
 """
 
 import re
@@ -52,8 +53,12 @@ class SplitCpuTest(unittest.TestCase):
 
 class LocalDevicesTest(unittest.TestCase):
 
-  def test_every_logical_cpu_when_there_is_no_gpu(self):
-    self.assertEqual(devices.local_devices(), ALL_CPUS)
+  def test_every_gpu_else_every_logical_cpu(self):
+    gpus = len(tf.config.list_logical_devices("GPU"))
+    self.assertEqual(devices.local_devices(),
+                     tuple(GPU % i for i in range(gpus)) or ALL_CPUS)
+    with listing(*((d, "CPU") for d in ALL_CPUS)):
+      self.assertEqual(devices.local_devices(), ALL_CPUS)
 
   def test_gpus_when_there_are_any(self):
     with listing((CPU % 0, "CPU"), (GPU % 0, "GPU"), (GPU % 1, "GPU")):
@@ -95,7 +100,7 @@ class ResolveDevicesTest(unittest.TestCase):
   @parameterized.expand([
       ("missing", ["/cpu:0", "/cpu:9"], r"^Device '/cpu:9' in `devices` does "
        "not exist on this machine"),
-      ("gpu_absent", ["/gpu:0"], "'/gpu:0'.*does not exist"),
+      ("gpu_absent", ["/gpu:9"], "'/gpu:9'.*does not exist"),
       ("other_worker", ["/job:worker/replica:0/task:1/cpu:0"],
        "'/job:worker/replica:0/task:1/cpu:0'.*does not exist"),
       ("duplicate", ["/cpu:1", "/device:CPU:1"], r"Device '/device:CPU:1' "
@@ -130,8 +135,11 @@ class ResolveDevicesTest(unittest.TestCase):
   def test_bad_lists_name_the_entry_and_what_exists(self, _, given, pattern):
     with self.assertRaisesRegex(ValueError, pattern) as raised:
       devices.resolve_devices(given)
+    # TF lists this process's devices without its task: "/device:CPU:0".
+    existing = sorted(TASK + d.name for d in tf.config.list_logical_devices())
+    self.assertIn(CPU % 0, existing)
     self.assertTrue(str(raised.exception).endswith(
-        "Devices that exist: " + ", ".join(ALL_CPUS)), str(raised.exception))
+        "Devices that exist: " + ", ".join(existing)), str(raised.exception))
 
   def test_mixed_device_types_are_refused(self):
     with listing((CPU % 0, "CPU"), (GPU % 0, "GPU")):

@@ -26,7 +26,7 @@ class ConstructionTest(unittest.TestCase):
   def test_default_takes_every_local_device(self):
     strategy = rs.ReplicatorStrategy()
     self.assertEqual(strategy.extended.worker_devices, rs.local_devices())
-    self.assertEqual(strategy.num_replicas_in_sync, 4)
+    self.assertEqual(strategy.num_replicas_in_sync, len(rs.local_devices()))
 
   def test_explicit_devices_are_resolved_and_bad_ones_refused(self):
     strategy = rs.ReplicatorStrategy(devices=["/cpu:2", "CPU:0"])
