@@ -9,6 +9,7 @@ trained once and shared by the replica counts compared with it.
 """
 
 import functools
+import gc
 import unittest
 
 import keras
@@ -261,6 +262,14 @@ def one_device_zero_rows():
 
 
 class InputParityTest(unittest.TestCase):
+
+  @classmethod
+  def tearDownClass(cls):
+    # Frees the generator runs' iterators while Python still runs: freed at
+    # interpreter exit, a from_generator iterator can wait for ever on a
+    # thread that needs the GIL, and the test process never ends.
+    gc.collect()
+    super().tearDownClass()
 
   @parameterized.expand(topology.NAMED_REPLICA_COUNTS)
   def test_sparse_x(self, _, n):
