@@ -1,4 +1,4 @@
-"""Which devices a strategy replicates over: listing, validating, splitting the CPU.
+"""Which devices a strategy uses: listing, validating, splitting the CPU.
 
 conftest split the CPU into 4 logical devices; other device kinds are
 simulated by replacing TensorFlow's device listing. On a machine with GPUs,

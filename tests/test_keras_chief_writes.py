@@ -1,4 +1,4 @@
-"""Keras writes on a non-chief worker go to scratch and are removed; others write.
+"""A non-chief worker's Keras files go to scratch, then removed; others stay.
 
 In one process: a ReplicatorStrategy is made to answer as a non-chief worker
 of a cluster does (`extended.is_chief` False), which is all the wrappers ask.
@@ -29,9 +29,9 @@ import topology
 # The module moves to replicator_strategy.keras.chief_writes. The old name
 # first: an editable install can resolve the new one from another checkout.
 try:
-  from replicator_strategy import keras_chief_writes as chief_writes  # pylint: disable=g-import-not-at-top
+  from replicator_strategy import keras_chief_writes as chief_writes
 except ImportError:
-  from replicator_strategy.keras import chief_writes  # pylint: disable=g-import-not-at-top
+  from replicator_strategy.keras import chief_writes
 
 BATCH = 8
 

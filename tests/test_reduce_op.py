@@ -1,4 +1,4 @@
-"""Reduce ops: parsing every accepted spelling, reducing as NumPy does, to_tf."""
+"""Reduce ops: every accepted spelling parsed, reducing as NumPy does, to_tf."""
 
 import unittest
 
