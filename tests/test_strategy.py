@@ -144,8 +144,8 @@ class CrossReplicaTest(unittest.TestCase):
         r"dataset.batch\(global_batch_size\)"):
       strategy.experimental_distribute_dataset(features)
     batched = strategy.experimental_distribute_dataset(features.batch(4))
-    first = strategy.experimental_local_results(next(iter(batched))["label"])
-    self.assertEqual([p.numpy().tolist() for p in first], [[0, 1], [2, 3]])
+    assert_per_replica(self, strategy, next(iter(batched))["label"],
+                       [np.array([0, 1]), np.array([2, 3])])
 
   def test_one_replica_takes_an_unbatched_dataset_as_no_strategy_does(self):
     # Nothing is split, so elements pass as they are, batched or not.
