@@ -265,9 +265,10 @@ class InputParityTest(unittest.TestCase):
 
   @classmethod
   def tearDownClass(cls):
-    # Frees the generator runs' iterators while Python still runs: freed at
-    # interpreter exit, a from_generator iterator can wait for ever on a
-    # thread that needs the GIL, and the test process never ends.
+    # Frees the distributed generator runs' iterators, left in reference
+    # cycles, while Python still runs. Freeing one has taken minutes; at
+    # interpreter exit it never ended (its from_generator thread waits for
+    # the GIL), so the test process hung after its last test.
     gc.collect()
     super().tearDownClass()
 
