@@ -29,7 +29,8 @@ def gpu_machine(physical_gpus, nccl):
           for i in range(physical_gpus)]
   registered = mock.Mock(kernel=["NcclAllReduce kernel"] if nccl else [])
   with mock.patch.object(tf.config, "list_physical_devices",
-                         lambda device_type=None: list(gpus)), \
+                         lambda device_type=None: list(gpus)
+                         if device_type in (None, "GPU") else []), \
        mock.patch("tensorflow.python.framework.kernels."
                   "get_registered_kernels_for_op",
                   lambda op: registered if op == "NcclAllReduce" else
