@@ -11,12 +11,8 @@ import numpy as np
 from parameterized import parameterized
 import tensorflow as tf
 
+from assertions import assert_per_replica
 import topology
-
-
-def local(strategy, per_replica):
-  return [tf.nest.map_structure(np.asarray, r)
-          for r in strategy.experimental_local_results(per_replica)]
 
 
 class ControlFlowTest(unittest.TestCase):
@@ -47,17 +43,15 @@ class ControlFlowTest(unittest.TestCase):
 
     step = tf.function(lambda flag: strategy.run(fn, args=(flag,)))
     ids = np.arange(1, n + 1, dtype=np.float32)
-    for result in local(strategy, step(tf.constant(True))):
-      self.assertEqual(result["sum"], ids.sum())
-      self.assertEqual(result["mean"], ids.mean())
-      self.assertEqual((result["min"], result["max"]), (1.0, n))
-      self.assertEqual(result["broadcast"], n)
-      np.testing.assert_array_equal(result["gather"], ids)
+    collected = {"sum": ids.sum(), "mean": ids.mean(), "min": 1.0, "max": n,
+                 "broadcast": n, "gather": ids}
+    assert_per_replica(self, strategy, step(tf.constant(True)),
+                       [collected] * n)
     # The branch not taken launches nothing; the next call still agrees.
-    self.assertEqual([r["sum"] for r in local(strategy, step(tf.constant(False)))],
-                     list(ids))
-    self.assertEqual([r["sum"] for r in local(strategy, step(tf.constant(True)))],
-                     [ids.sum()] * n)
+    assert_per_replica(self, strategy, step(tf.constant(False))["sum"],
+                       list(ids))
+    assert_per_replica(self, strategy, step(tf.constant(True)),
+                       [collected] * n)
 
   @parameterized.expand([("sum", lambda ctx, x: ctx.all_reduce("sum", x)),
                          ("max", lambda ctx, x: ctx.all_reduce("max", x)),
@@ -150,9 +144,8 @@ class ControlFlowTest(unittest.TestCase):
     ids = np.arange(1, n + 1, dtype=np.float32)
     want = {"sum": 2 * ids.sum(), "mean": 2 * ids.mean(), "first": 2.0}
     for name, v in variables.items():
-      self.assertEqual([float(c) for c in local(strategy, v)], [want[name]] * n,
-                       name)
-    self.assertEqual([int(c) for c in local(strategy, counter)], [2] * n)
+      assert_per_replica(self, strategy, v, [want[name]] * n, what=name)
+    assert_per_replica(self, strategy, counter, [2] * n, what="counter")
 
 
 if __name__ == "__main__":

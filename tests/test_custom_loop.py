@@ -15,6 +15,7 @@ import numpy as np
 from parameterized import parameterized
 import tensorflow as tf
 
+from assertions import assert_per_replica
 import models
 import topology
 
@@ -97,11 +98,8 @@ class CustomLoopTest(unittest.TestCase):
     self.assertEqual(int(optimizer.iterations.numpy()), STEPS)
     for v, want, start in zip(model.weights, want_weights, models.initial_weights()):
       self.assertGreater(np.abs(want - start).max(), 1e-3)  # it trained
-      for replica, got in enumerate(
-          strategy.experimental_local_results(v.value)):
-        np.testing.assert_allclose(
-            got, want, rtol=RTOL, atol=ATOL,
-            err_msg=f"{v.path} on replica {replica}")
+      assert_per_replica(self, strategy, v.value, [want] * n, rtol=RTOL,
+                         atol=ATOL, what=v.path)
 
 
 if __name__ == "__main__":

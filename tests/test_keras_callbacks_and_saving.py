@@ -20,6 +20,7 @@ import numpy as np
 from parameterized import parameterized
 import tensorflow as tf
 
+from assertions import assert_per_replica
 import models
 import topology
 
@@ -78,12 +79,12 @@ class SameValuesMixin:
     """Every replica's copy of each of `model`'s `variables` equals `want`."""
     self.assertEqual(len(variables), len(want), what)
     # Without a strategy this is the default one: a single copy.
-    local_results = model.distribute_strategy.experimental_local_results
+    strategy = model.distribute_strategy
     for variable, expected in zip(variables, want):
-      for replica, got in enumerate(local_results(variable.value)):
-        np.testing.assert_allclose(
-            got, expected, rtol=RTOL, atol=ATOL,
-            err_msg=f"{what}: {variable.path} on replica {replica}")
+      assert_per_replica(self, strategy, variable.value,
+                         [expected] * strategy.num_replicas_in_sync,
+                         rtol=RTOL, atol=ATOL,
+                         what=f"{what}: {variable.path}")
 
   def assert_arrays_equal(self, got, want, what):
     self.assertEqual(len(got), len(want), what)

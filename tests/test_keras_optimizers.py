@@ -20,6 +20,7 @@ import keras
 import numpy as np
 from parameterized import parameterized
 
+from assertions import assert_per_replica
 import models
 import topology
 
@@ -135,11 +136,8 @@ class KerasOptimizersTest(unittest.TestCase):
     start_weights = models.initial_weights("relu")
     for v, want, start in zip(model.weights, want_weights, start_weights):
       self.assertGreater(np.abs(want - start).max(), 1e-3)  # it trained
-      for replica, got in enumerate(
-          strategy.experimental_local_results(v.value)):
-        np.testing.assert_allclose(
-            got, want, rtol=rtol, atol=atol,
-            err_msg=f"{v.path} on replica {replica}")
+      assert_per_replica(self, strategy, v.value, [want] * n, rtol=rtol,
+                         atol=atol, what=v.path)
     # Moments, EMA averages, loss scale; the gradient accumulators are back
     # at zero after an even number of steps. (Paths differ in the optimizer's
     # uniquified name; the order is the same.)

@@ -4,9 +4,12 @@ Four model families (MLP, conv net with synchronized batch norm, embedding,
 RNN), the MLP also through `tf.keras`, and the input kinds Keras accepts.
 No data set is a multiple of the global batch: the last batch splits
 unevenly, yet must train as on one device, every example must be counted
-once and every row returned once, in order.
+once and every row returned once, in order. Each one-device reference is
+trained once and shared by the replica counts compared with it.
 """
 
+import functools
+import gc
 import unittest
 
 import keras
@@ -86,11 +89,16 @@ def build(model_name, strategy):
   return model
 
 
-def train_and_measure(model_name, strategy, fit_input, encode=lambda x: x):
-  """Trains, evaluates and predicts; `encode` turns every x into its input."""
+def train_and_measure(model_name, strategy, fit_name="numpy",
+                      encoding="dense"):
+  """Trains with `FITS[fit_name]`, evaluates and predicts.
+
+  `ENCODINGS[encoding]` turns every x into the model's input.
+  """
+  encode = ENCODINGS[encoding]
   model = build(model_name, strategy)
   x, y = make_data(model_name, TRAIN_ROWS, seed=0)
-  history = fit_input(model, encode(x), y).history
+  history = FITS[fit_name](model, encode(x), y).history
   xe, ye = make_data(model_name, EVAL_ROWS, seed=1)
   xe = encode(xe)
   return {
@@ -99,6 +107,13 @@ def train_and_measure(model_name, strategy, fit_input, encode=lambda x: x):
       "predict": model.predict(xe, batch_size=GLOBAL_BATCH, verbose=0),
       "weights": model.get_weights(),
   }
+
+
+@functools.cache
+def one_device(model_name, fit_name="numpy", encoding="dense"):
+  """`train_and_measure` with no strategy; callers must not change it."""
+  return train_and_measure(model_name, tf.distribute.get_strategy(), fit_name,
+                           encoding)
 
 
 def fit_numpy(model, x, y):
@@ -116,6 +131,7 @@ def assert_same_results(test, got, want):
   test.assertEqual(got["predict"].shape, (EVAL_ROWS, 3))
   np.testing.assert_allclose(got["predict"], want["predict"], rtol=RTOL,
                              atol=ATOL)
+  test.assertEqual(len(got["weights"]), len(want["weights"]))
   for g, w in zip(got["weights"], want["weights"]):
     np.testing.assert_allclose(g, w, rtol=RTOL, atol=ATOL)
 
@@ -125,10 +141,8 @@ class ModelParityTest(unittest.TestCase):
   @parameterized.expand([(f"{m}_{n}_replicas", m, n) for m in MODELS
                          for n in topology.REPLICA_COUNTS])
   def test_fit_evaluate_predict_and_weights(self, _, model_name, n):
-    want = train_and_measure(model_name, tf.distribute.get_strategy(),
-                             fit_numpy)
-    got = train_and_measure(model_name, topology.strategy_over(n), fit_numpy)
-    assert_same_results(self, got, want)
+    got = train_and_measure(model_name, topology.strategy_over(n))
+    assert_same_results(self, got, one_device(model_name))
 
 
 def fit_dataset(model, x, y):
@@ -206,6 +220,8 @@ INPUTS = {
     "validation_split": fit_validation_split,
     "steps_per_execution": fit_steps_per_execution,
 }
+FITS = {"numpy": fit_numpy, "distributed_dataset": fit_distributed_dataset,
+        **INPUTS}
 
 
 def sparse(x):
@@ -213,15 +229,54 @@ def sparse(x):
   return tf.sparse.from_dense(np.where(np.abs(x) > 0.7, x, 0.0))
 
 
+ENCODINGS = {"dense": lambda x: x, "sparse": sparse}
+
+
+def _outcome(call):
+  try:
+    result = call()
+  except Exception as e:  # pylint: disable=broad-except
+    return "raises", type(e)
+  return "returns", tf.nest.map_structure(np.shape, result)
+
+
+def zero_row_outcomes(strategy):
+  """What fit, evaluate and predict on no rows return, or raise."""
+  model = build("mlp", strategy)
+  x, y = make_data("mlp", 0, seed=0)
+  dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL_BATCH)
+  return [
+      _outcome(lambda: model.fit(x, y, batch_size=GLOBAL_BATCH,
+                                 verbose=0).history),
+      _outcome(lambda: model.evaluate(x, y, batch_size=GLOBAL_BATCH,
+                                      verbose=0)),
+      _outcome(lambda: model.predict(x, batch_size=GLOBAL_BATCH, verbose=0)),
+      _outcome(lambda: model.fit(dataset, verbose=0).history),
+      _outcome(lambda: model.evaluate(dataset, verbose=0)),
+  ]
+
+
+@functools.cache
+def one_device_zero_rows():
+  return zero_row_outcomes(tf.distribute.get_strategy())
+
+
 class InputParityTest(unittest.TestCase):
+
+  @classmethod
+  def tearDownClass(cls):
+    # Frees the distributed generator runs' iterators, left in reference
+    # cycles, while Python still runs. Freeing one has taken minutes; at
+    # interpreter exit it never ended (its from_generator thread waits for
+    # the GIL), so the test process hung after its last test.
+    gc.collect()
+    super().tearDownClass()
 
   @parameterized.expand(topology.NAMED_REPLICA_COUNTS)
   def test_sparse_x(self, _, n):
-    want = train_and_measure("mlp", tf.distribute.get_strategy(), fit_numpy,
-                             encode=sparse)
-    got = train_and_measure("mlp", topology.strategy_over(n), fit_numpy,
-                            encode=sparse)
-    assert_same_results(self, got, want)
+    got = train_and_measure("mlp", topology.strategy_over(n),
+                            encoding="sparse")
+    assert_same_results(self, got, one_device("mlp", encoding="sparse"))
 
   # Not the generator on one replica: Keras's pre-build takes the first batch
   # of a generator and, with a one-device strategy (MirroredStrategy too),
@@ -230,49 +285,22 @@ class InputParityTest(unittest.TestCase):
                          for name in INPUTS for n in topology.REPLICA_COUNTS
                          if (name, n) != ("generator", 1)])
   def test_every_input_kind(self, _, input_name, n):
-    want = train_and_measure("mlp", tf.distribute.get_strategy(),
-                             INPUTS[input_name])
-    got = train_and_measure("mlp", topology.strategy_over(n),
-                            INPUTS[input_name])
-    assert_same_results(self, got, want)
+    got = train_and_measure("mlp", topology.strategy_over(n), input_name)
+    assert_same_results(self, got, one_device("mlp", input_name))
 
   @parameterized.expand(topology.NAMED_REPLICA_COUNTS)
   def test_zero_rows_do_what_they_do_without_a_strategy(self, _, n):
-
-    def outcome(call):
-      try:
-        result = call()
-      except Exception as e:  # pylint: disable=broad-except
-        return "raises", type(e)
-      return "returns", tf.nest.map_structure(np.shape, result)
-
-    def outcomes(strategy):
-      model = build("mlp", strategy)
-      x, y = make_data("mlp", 0, seed=0)
-      dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL_BATCH)
-      return [
-          outcome(lambda: model.fit(x, y, batch_size=GLOBAL_BATCH,
-                                    verbose=0).history),
-          outcome(lambda: model.evaluate(x, y, batch_size=GLOBAL_BATCH,
-                                         verbose=0)),
-          outcome(lambda: model.predict(x, batch_size=GLOBAL_BATCH,
-                                        verbose=0)),
-          outcome(lambda: model.fit(dataset, verbose=0).history),
-          outcome(lambda: model.evaluate(dataset, verbose=0)),
-      ]
-
-    want = outcomes(tf.distribute.get_strategy())
+    want = one_device_zero_rows()
     # Without a strategy, fit and evaluate do nothing and return empty logs.
     self.assertEqual(want[0], ("returns", {}))
     self.assertEqual(want[1], ("returns", []))
-    self.assertEqual(outcomes(topology.strategy_over(n)), want)
+    self.assertEqual(zero_row_outcomes(topology.strategy_over(n)), want)
 
   @parameterized.expand(topology.NAMED_REPLICA_COUNTS)
   def test_distributed_dataset_from_the_strategy(self, _, n):
-    want = train_and_measure("mlp", tf.distribute.get_strategy(), fit_dataset)
     got = train_and_measure("mlp", topology.strategy_over(n),
-                            fit_distributed_dataset)
-    assert_same_results(self, got, want)
+                            "distributed_dataset")
+    assert_same_results(self, got, one_device("mlp", "dataset"))
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ import numpy as np
 from parameterized import parameterized
 import tensorflow as tf
 
+from assertions import assert_per_replica
 from replicator_strategy import packing
 import topology
 
@@ -30,14 +31,10 @@ class PackingTest(unittest.TestCase):
                           .all_reduce("sum", vs), (per_replica,))
 
     total = n * (n + 1) / 2
-    for replica_result in strategy.experimental_local_results(batched()):
-      want = [np.full([3, 2], total), total, np.full([big], total),
-              np.full([5], int(total)), np.full([4], 2 * total),
-              np.full([2], int(total))]
-      self.assertEqual(len(replica_result), len(want))
-      for got, expected in zip(replica_result, want):
-        np.testing.assert_allclose(got, expected)
-        self.assertEqual(np.asarray(got).shape, np.asarray(expected).shape)
+    want = [np.full([3, 2], total), total, np.full([big], total),
+            np.full([5], int(total)), np.full([4], 2 * total),
+            np.full([2], int(total))]
+    assert_per_replica(self, strategy, batched(), [want] * n)
 
   def test_only_several_small_dense_values_of_a_dtype_are_packed(self):
     strategy = topology.strategy_over(2)

@@ -6,6 +6,7 @@ import numpy as np
 from parameterized import parameterized
 import tensorflow as tf
 
+from assertions import assert_per_replica
 import replicator_strategy as rs
 import topology
 
@@ -14,13 +15,10 @@ _CASES = [(f"{n}_replicas_{mode}", n, traced)
           for n in topology.REPLICA_COUNTS for mode, traced in _MODES]
 
 
-def run_per_replica(strategy, fn, traced):
-  """strategy.run(fn), returning the per-replica results as numpy."""
-  run = lambda: strategy.run(fn)
-  if traced:
-    run = tf.function(run)
-  return [tf.nest.map_structure(np.asarray, r)
-          for r in strategy.experimental_local_results(run())]
+def run(strategy, fn, traced):
+  """strategy.run(fn), eagerly or inside a tf.function."""
+  call = lambda: strategy.run(fn)
+  return tf.function(call)() if traced else call()
 
 
 def replica_value(offset=0.0):
@@ -42,28 +40,29 @@ class AllReduceTest(unittest.TestCase):
               for op in ("sum", "mean", "min", "max")}
 
     ids = np.arange(1, n + 1, dtype=np.float32)
-    expected = {"sum": ids.sum(), "mean": ids.mean(), "min": ids.min(),
-                "max": ids.max()}
-    expected_vec = {"sum": [ids.sum(), -ids.sum()],
-                    "mean": [ids.mean(), -ids.mean()],
-                    "min": [ids.min(), -ids.max()],
-                    "max": [ids.max(), -ids.min()]}
-    for result in run_per_replica(strategy, fn, traced):
-      for op in expected:
-        np.testing.assert_allclose(result[op]["s"], expected[op])
-        np.testing.assert_allclose(result[op]["v"][0], expected_vec[op])
+    scalar = {"sum": ids.sum(), "mean": ids.mean(), "min": ids.min(),
+              "max": ids.max()}
+    vector = {"sum": [ids.sum(), -ids.sum()],
+              "mean": [ids.mean(), -ids.mean()],
+              "min": [ids.min(), -ids.max()],
+              "max": [ids.max(), -ids.min()]}
+    expected = {op: {"s": scalar[op], "v": [np.array(vector[op])]}
+                for op in scalar}
+    assert_per_replica(self, strategy, run(strategy, fn, traced),
+                       [expected] * n, rtol=1e-7)
 
-  @parameterized.expand([(str(op), op) for op in (
-      tf.distribute.ReduceOp.SUM, tf.distribute.ReduceOp.MEAN, rs.ReduceOp.SUM,
-      rs.ReduceOp.MIN, rs.ReduceOp.MAX, "SUM", "Max")])
-  def test_accepts_tf_and_own_reduce_ops(self, _, op):
+  # Every spelling of an op is parsed alike (test_reduce_op); these are the
+  # op objects, which take other paths than names into the reduction.
+  @parameterized.expand([(str(op), op, want) for op, want in (
+      (tf.distribute.ReduceOp.SUM, 6.0), (tf.distribute.ReduceOp.MEAN, 1.5),
+      (rs.ReduceOp.SUM, 6.0), (rs.ReduceOp.MEAN, 1.5), (rs.ReduceOp.MIN, 0.0),
+      (rs.ReduceOp.MAX, 3.0))])
+  def test_accepts_tf_and_own_reduce_ops(self, _, op, want):
     strategy = topology.strategy_over(4)
     fn = lambda: tf.distribute.get_replica_context().all_reduce(
         op, replica_value())
-    name = rs.ReduceOp[op.name if hasattr(op, "name") else op.upper()]
-    expected = {"SUM": 6.0, "MEAN": 1.5, "MIN": 0.0, "MAX": 3.0}[name.value]
-    for result in run_per_replica(strategy, fn, traced=True):
-      self.assertEqual(result, expected)
+    assert_per_replica(self, strategy, run(strategy, fn, traced=True),
+                       [want] * 4)
 
   def test_unknown_op_names_the_choices(self):
     strategy = topology.strategy_over(2)
@@ -91,7 +90,7 @@ class AllReduceTest(unittest.TestCase):
     with self.assertRaisesRegex(
         ValueError, f"`value` given to ReplicaContext.{api} .*Received: "
         r"value\['aux'\]\[1\]=None"):
-      run_per_replica(strategy, fn, traced)
+      run(strategy, fn, traced)
 
   @parameterized.expand(_CASES)
   def test_gradients(self, _, n, traced):
@@ -109,14 +108,13 @@ class AllReduceTest(unittest.TestCase):
       return (tape.gradient(sums, x), tape.gradient(maxes, x),
               tape.gradient(mins, x))
 
-    results = run_per_replica(strategy, fn, traced)
-    for rid, (d_sum, d_max, d_min) in enumerate(results):
-      # d(sum_k 2 x_k)/dx_r summed over the n replicas' outputs = 2n.
-      self.assertAlmostEqual(d_sum, 2.0 * n)
-      # Every replica's max is x_{n-1}: gradient n on that replica only.
-      self.assertAlmostEqual(d_max, n if rid == n - 1 else 0.0)
-      # min(x^2) is x_0^2 = 1: gradient n * 2 * x_0 on replica 0 only.
-      self.assertAlmostEqual(d_min, 2.0 * n if rid == 0 else 0.0)
+    # d(sum_k 2 x_k)/dx_r summed over the n replicas' outputs = 2n. Every
+    # replica's max is x_{n-1}: gradient n on that replica only. min(x^2) is
+    # x_0^2 = 1: gradient n * 2 * x_0 on replica 0 only.
+    assert_per_replica(
+        self, strategy, run(strategy, fn, traced),
+        lambda rid: (2.0 * n, n if rid == n - 1 else 0.0,
+                     2.0 * n if rid == 0 else 0.0), rtol=1e-6)
 
   def test_ties_split_the_gradient(self):
     strategy = topology.strategy_over(4)
@@ -130,7 +128,8 @@ class AllReduceTest(unittest.TestCase):
       return tape.gradient(y, x)
 
     # All four tie: the summed upstream gradient 4 is split four ways.
-    self.assertEqual(run_per_replica(strategy, fn, traced=True), [1.0] * 4)
+    assert_per_replica(self, strategy, run(strategy, fn, traced=True),
+                       [1.0] * 4)
 
 
 class SharedValueTest(unittest.TestCase):
@@ -154,13 +153,10 @@ class SharedValueTest(unittest.TestCase):
               "broadcast": ctx.broadcast(shared, source_replica_id=n - 1),
               "all_gather": ctx.all_gather(shared, axis=0)}
 
-    for result in run_per_replica(strategy, fn, traced):
-      np.testing.assert_allclose(result["sum"], [2.0])
-      np.testing.assert_allclose(result["mean"], [2.0])
-      np.testing.assert_allclose(result["max"], [2.0])
-      np.testing.assert_allclose(result["python_sum"], 3.0 * n)
-      np.testing.assert_allclose(result["broadcast"], [2.0])
-      np.testing.assert_allclose(result["all_gather"], [2.0] * n)
+    two = np.array([2.0])
+    assert_per_replica(self, strategy, run(strategy, fn, traced), [{
+        "sum": two, "mean": two, "max": two, "python_sum": 3.0 * n,
+        "broadcast": two, "all_gather": np.full(n, 2.0)}] * n)
 
 
 class BroadcastTest(unittest.TestCase):
@@ -176,9 +172,8 @@ class BroadcastTest(unittest.TestCase):
       return ctx.broadcast({"a": x, "b": [tf.fill([2], x * 10)]},
                            source_replica_id=source)
 
-    for result in run_per_replica(strategy, fn, traced):
-      self.assertEqual(result["a"], source)
-      np.testing.assert_array_equal(result["b"][0], [source * 10.0] * 2)
+    assert_per_replica(self, strategy, run(strategy, fn, traced),
+                       [{"a": source, "b": [np.full(2, source * 10.0)]}] * n)
 
   @parameterized.expand(_CASES)
   def test_gradient_flows_to_source_only(self, _, n, traced):
@@ -193,9 +188,9 @@ class BroadcastTest(unittest.TestCase):
       return tape.gradient(y, x)
 
     # d/dx_0 of sum_r 3 x_0 (r+1) = 3 * n(n+1)/2; zero elsewhere.
-    results = run_per_replica(strategy, fn, traced)
-    self.assertAlmostEqual(results[0], 3.0 * n * (n + 1) / 2)
-    self.assertEqual(results[1:], [0.0] * (n - 1))
+    assert_per_replica(
+        self, strategy, run(strategy, fn, traced),
+        lambda rid: 3.0 * n * (n + 1) / 2 if rid == 0 else 0.0, rtol=1e-6)
 
   def test_bad_source_replica(self):
     strategy = topology.strategy_over(2)
@@ -220,12 +215,9 @@ class ContextTest(unittest.TestCase):
       return (ctx.replica_id_in_sync_group, ctx.num_replicas_in_sync,
               gathered["row"], merged)
 
-    for rid, (got_id, count, rows, merged) in enumerate(
-        run_per_replica(strategy, fn, traced)):
-      self.assertEqual((got_id, count), (rid, n))
-      np.testing.assert_array_equal(
-          rows, np.repeat(np.arange(n, dtype=np.float32)[:, None], 2, axis=1))
-      self.assertEqual(merged, n * (n - 1) / 2)
+    rows = np.repeat(np.arange(n, dtype=np.float32)[:, None], 2, axis=1)
+    assert_per_replica(self, strategy, run(strategy, fn, traced),
+                       lambda rid: (rid, n, rows, n * (n - 1) / 2))
 
   @parameterized.expand([
       (f"{api}_{mode}", api, traced)
@@ -250,7 +242,7 @@ class ContextTest(unittest.TestCase):
     with self.assertRaisesRegex(
         RuntimeError, f"ReplicaContext.{api} was called in cross-replica "
         "context, most likely inside a merge function"):
-      run_per_replica(strategy, fn, traced)
+      run(strategy, fn, traced)
 
   def test_all_gather_gradient(self):
     strategy = topology.strategy_over(2)
@@ -264,8 +256,8 @@ class ContextTest(unittest.TestCase):
         y = tf.reduce_sum(g * tf.constant([10.0, 100.0]))
       return tape.gradient(y, x)
 
-    results = run_per_replica(strategy, fn, traced=True)
-    np.testing.assert_allclose(results, [[20.0], [200.0]])
+    assert_per_replica(self, strategy, run(strategy, fn, traced=True),
+                       [np.array([20.0]), np.array([200.0])], rtol=1e-7)
 
 
 if __name__ == "__main__":

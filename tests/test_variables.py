@@ -1,8 +1,8 @@
 """Distributed variables on 1, 2, 4 replicas: creation, updates, checkpoints.
 
 Everything goes through the public API: `tf.Variable` under `scope()`,
-updates inside and outside `strategy.run`, `strategy.extended.update`,
-`colocate_vars_with` and `tf.train.Checkpoint`.
+updates inside and outside `strategy.run`, `colocate_vars_with` and
+`tf.train.Checkpoint`. (`strategy.extended.update`: test_extended.)
 """
 
 import contextlib
@@ -15,6 +15,7 @@ import numpy as np
 from parameterized import parameterized
 import tensorflow as tf
 
+from assertions import assert_per_replica
 import topology
 
 Agg = tf.VariableAggregation
@@ -47,11 +48,9 @@ def components(strategy, v):
 
 
 def run(strategy, fn, traced):
-  """strategy.run(fn), eagerly or inside a tf.function; per-replica numpy."""
+  """strategy.run(fn), eagerly or inside a tf.function."""
   call = lambda: strategy.run(fn)
-  if traced:
-    call = tf.function(call)
-  return [np.asarray(r) for r in strategy.experimental_local_results(call())]
+  return tf.function(call)() if traced else call()
 
 
 def replica_scale():
@@ -81,8 +80,7 @@ class CreationTest(unittest.TestCase):
     self.assertIs(v.distribute_strategy, strategy)
     self.assertEqual([c.device for c in strategy.experimental_local_results(v)],
                      list(strategy.extended.worker_devices))
-    for c in components(strategy, v):
-      np.testing.assert_array_equal(c, _BASE)
+    assert_per_replica(self, strategy, v, [_BASE] * n)
 
   @parameterized.expand(_cases(_REPLICAS, _ON_READ_AGGREGATIONS))
   def test_on_read_variable_is_sync_on_read(self, _, n, agg):
@@ -102,10 +100,9 @@ class CreationTest(unittest.TestCase):
       dense = keras.layers.Dense(16)
       dense.build((None, 8))
     for var in (v, dense.kernel.value):
-      first, *rest = components(strategy, var)
+      first = components(strategy, var)[0]
       self.assertGreater(np.std(first), 0.1)  # really random, not constant
-      for c in rest:
-        np.testing.assert_array_equal(c, first)
+      assert_per_replica(self, strategy, var, [first] * n)
 
 
 class OnWriteUpdateTest(unittest.TestCase):
@@ -128,10 +125,11 @@ class OnWriteUpdateTest(unittest.TestCase):
     for method, factor, expected in [("assign", 1.0, a),
                                      ("assign_add", 2.0, 3 * a),
                                      ("assign_sub", 1.0, 2 * a)]:
-      for seen in run(strategy, update(method, factor), traced):
-        np.testing.assert_allclose(seen, expected, rtol=1e-6, err_msg=method)
-      for c in components(strategy, v):
-        np.testing.assert_allclose(c, expected, rtol=1e-6, err_msg=method)
+      assert_per_replica(self, strategy, run(strategy, update(method, factor),
+                                             traced),
+                         [expected] * n, rtol=1e-6, what=f"{method}, read")
+      assert_per_replica(self, strategy, v, [expected] * n, rtol=1e-6,
+                         what=method)
 
   @parameterized.expand(_cases(_REPLICAS, _ON_WRITE_AGGREGATIONS, _MODES))
   def test_cross_replica_updates_reach_every_component(self, _, n, agg,
@@ -148,9 +146,8 @@ class OnWriteUpdateTest(unittest.TestCase):
                                     ("assign_add", 2 * _BASE, 6 * _BASE),
                                     ("assign_sub", _BASE, 5 * _BASE)]:
       update(method, delta)
-      for c in components(strategy, v):
-        np.testing.assert_allclose(c, expected, err_msg=method)
-      np.testing.assert_allclose(v.numpy(), expected, err_msg=method)
+      assert_per_replica(self, strategy, v, [expected] * n, what=method)
+      np.testing.assert_array_equal(v.numpy(), expected, err_msg=method)
 
   @parameterized.expand(_cases(_REPLICAS, _MODES))
   def test_integer_only_first_replica_counter(self, _, n, traced):
@@ -160,8 +157,7 @@ class OnWriteUpdateTest(unittest.TestCase):
       step = tf.Variable(0, dtype=tf.int64, aggregation=Agg.ONLY_FIRST_REPLICA)
     for _ in range(3):
       run(strategy, lambda: step.assign_add(1), traced)
-    for c in components(strategy, step):
-      self.assertEqual(int(c), 3)
+    assert_per_replica(self, strategy, step, [3] * n)
 
 
 class OnReadUpdateTest(unittest.TestCase):
@@ -182,10 +178,9 @@ class OnReadUpdateTest(unittest.TestCase):
       return v.read_value()
 
     local = [2.0 * (1 + i) * _BASE for i in range(n)]
-    for seen, want in zip(run(strategy, fn, traced), local):
-      np.testing.assert_allclose(seen, want)
-    for c, want in zip(components(strategy, v), local):
-      np.testing.assert_allclose(c, want)
+    assert_per_replica(self, strategy, run(strategy, fn, traced), local,
+                       rtol=1e-7, what="read in replica context")
+    assert_per_replica(self, strategy, v, local, rtol=1e-7)
 
     total = np.sum(local, axis=0)
     expected = total if agg == Agg.SUM else total / n
@@ -204,54 +199,13 @@ class OnReadUpdateTest(unittest.TestCase):
     np.testing.assert_allclose(v.read_value(), 6.0 * _BASE, rtol=1e-6)
     # SUM splits the value over the replicas so that the sum reads it back.
     share = 6.0 * _BASE / (n if agg == Agg.SUM else 1)
-    for c in components(strategy, v):
-      np.testing.assert_allclose(c, share, rtol=1e-6)
+    assert_per_replica(self, strategy, v, [share] * n, rtol=1e-6)
     if agg == Agg.MEAN:
       v.assign_add(_BASE)
       np.testing.assert_allclose(v.read_value(), 7.0 * _BASE, rtol=1e-6)
     else:
       with self.assertRaisesRegex(ValueError, "assign_add"):
         v.assign_add(_BASE)
-
-
-class ExtendedUpdateTest(unittest.TestCase):
-
-  @parameterized.expand(_cases(_REPLICAS, _MODES))
-  def test_update_runs_fn_once_per_component_on_its_device(self, _, n,
-                                                           traced):
-    strategy = topology.strategy_over(n)
-    with strategy.scope():
-      v = tf.Variable(_BASE)
-    devices = []
-
-    def add(component, delta):
-      devices.append(component.device)
-      return component.assign_add(delta)
-
-    def update():
-      return strategy.extended.update(v, add, args=(10.0 * _BASE,),
-                                      group=False)
-
-    # group=False: one result per component, in replica order.
-    result = tf.function(update)() if traced else update()
-    self.assertEqual(devices, list(strategy.extended.worker_devices))
-    self.assertEqual(len(result), n)
-    for r in result:
-      np.testing.assert_allclose(r, 11.0 * _BASE)
-    for c in components(strategy, v):
-      np.testing.assert_allclose(c, 11.0 * _BASE)
-
-  @parameterized.expand(_REPLICAS)
-  def test_update_gives_each_component_its_replica_value(self, _, n):
-    strategy = topology.strategy_over(n)
-    with strategy.scope():
-      v = tf.Variable(0.0, synchronization=ON_READ, aggregation=Agg.SUM)
-    per_replica = strategy.experimental_distribute_values_from_function(
-        lambda ctx: tf.constant(float(ctx.replica_id_in_sync_group + 1)))
-    strategy.extended.update(v, lambda c, x: c.assign(x), args=(per_replica,))
-    self.assertEqual([float(c) for c in components(strategy, v)],
-                     [float(i + 1) for i in range(n)])
-    self.assertEqual(float(v.read_value()), n * (n + 1) / 2)
 
 
 class ColocateTest(unittest.TestCase):
@@ -268,11 +222,10 @@ class ColocateTest(unittest.TestCase):
     self.assertEqual(
         [c.device for c in strategy.experimental_local_results(slot)],
         [c.device for c in strategy.experimental_local_results(anchor)])
-    for c in components(strategy, slot):
-      np.testing.assert_array_equal(c, 2.0 * _BASE)
+    assert_per_replica(self, strategy, slot, [2.0 * _BASE] * n)
     run(strategy, lambda: slot.assign(replica_scale() * _BASE), traced=True)
-    for c in components(strategy, slot):
-      np.testing.assert_allclose(c, n * (n + 1) / 2 * _BASE)
+    assert_per_replica(self, strategy, slot, [n * (n + 1) / 2 * _BASE] * n,
+                       rtol=1e-7)
 
   @parameterized.expand(_REPLICAS)
   def test_optimizer_slots_share_their_variables_devices(self, _, n):
@@ -309,13 +262,14 @@ def _build_model_and_optimizer(seed):
   return model, optimizer
 
 
-def _keras_state(strategy, model, optimizer):
+def _keras_state(test, strategy, model, optimizer):
   """Every weight and optimizer variable; asserts replicas agree on each."""
+  strategy = strategy or tf.distribute.get_strategy()
   state = []
   for v in model.weights + optimizer.variables:
-    first, *rest = components(strategy, v.value)
-    for c in rest:
-      np.testing.assert_array_equal(c, first, err_msg=v.path)
+    first = components(strategy, v.value)[0]
+    assert_per_replica(test, strategy, v.value,
+                       [first] * strategy.num_replicas_in_sync, what=v.path)
     state.append(first)
   return state
 
@@ -358,7 +312,7 @@ class CheckpointTest(unittest.TestCase):
       saving.run(local_step)
     else:
       local_step()
-    saved_state = _keras_state(saving, model, optimizer)
+    saved_state = _keras_state(self, saving, model, optimizer)
     self.assertEqual(int(optimizer.iterations.numpy()), 1)
     tf.train.Checkpoint(mirrored=mirrored, summed=summed, averaged=averaged,
                         model=model, optimizer=optimizer).write(path)
@@ -371,7 +325,7 @@ class CheckpointTest(unittest.TestCase):
       averaged2 = tf.Variable(0.0, synchronization=ON_READ,
                               aggregation=Agg.MEAN)
       model2, optimizer2 = _build_model_and_optimizer(seed=2)
-    fresh_state = _keras_state(restoring, model2, optimizer2)
+    fresh_state = _keras_state(self, restoring, model2, optimizer2)
     self.assertFalse(all(np.array_equal(a, b)
                          for a, b in zip(saved_state, fresh_state)))
 
@@ -379,12 +333,13 @@ class CheckpointTest(unittest.TestCase):
         mirrored=mirrored2, summed=summed2, averaged=averaged2, model=model2,
         optimizer=optimizer2).read(path).assert_consumed()
 
-    for c in components(restoring, mirrored2):
-      np.testing.assert_array_equal(c, mirrored_value)
+    assert_per_replica(self, restoring or tf.distribute.get_strategy(),
+                       mirrored2, [mirrored_value] * max(restore_n, 1),
+                       what="mirrored")
     self.assertAlmostEqual(float(summed2.read_value()), local_sum, places=5)
     self.assertAlmostEqual(float(averaged2.read_value()), local_mean,
                            places=5)
-    restored_state = _keras_state(restoring, model2, optimizer2)
+    restored_state = _keras_state(self, restoring, model2, optimizer2)
     self.assertEqual(len(restored_state), len(saved_state))
     for got, want, v in zip(restored_state, saved_state,
                             model2.weights + optimizer2.variables):
