@@ -18,6 +18,7 @@ import numpy as np
 from parameterized import parameterized
 import tensorflow as tf
 
+from assertions import assert_per_replica
 import models
 import topology
 from test_custom_loop import make_step
@@ -268,11 +269,18 @@ def reference_loop(optimizer_name):
   return losses, model.get_weights()
 
 
+_IN_COND_CASES = [(f"{n}_replicas_{name}_in_cond", n, name, True, True)
+                  for n in topology.REPLICA_COUNTS
+                  for name in ("momentum", "adam", "adam_clipnorm")]
+
+
 class CustomLoopTest(unittest.TestCase):
 
-  @parameterized.expand(_LOOP_CASES)
-  def test_apply_gradients_in_run_matches_one_device(self, _, n,
-                                                     optimizer_name, prebuilt):
+  @parameterized.expand([(*case, False) for case in _LOOP_CASES] +
+                        _IN_COND_CASES)
+  def test_apply_gradients_in_run_matches_one_device(
+      self, _, n, optimizer_name, prebuilt, in_cond):
+    """In a tf.cond no merge is possible: each replica steps its own shard."""
     strategy = sharding(n)
     with strategy.scope():
       model = fresh_model()
@@ -280,6 +288,9 @@ class CustomLoopTest(unittest.TestCase):
       if prebuilt:
         optimizer.build(model.trainable_variables)
     step = make_step(model, optimizer)
+    if in_cond:
+      step = lambda x, y, step=step: tf.cond(
+          tf.size(x) >= 0, lambda: step(x, y), lambda: 0.0)
 
     @tf.function
     def train_step(batch):
@@ -292,44 +303,8 @@ class CustomLoopTest(unittest.TestCase):
     self.assertEqual(int(optimizer.iterations.numpy()), STEPS)
     self.assertTrue(slots(optimizer))
     for v, want in zip(model.weights, want_weights):
-      for replica, got in enumerate(
-          strategy.experimental_local_results(v.value)):
-        np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL,
-                                   err_msg=f"{v.path} on replica {replica}")
-
-
-class ReplicaPathTest(unittest.TestCase):
-  """A step inside control flow: each replica steps its own shard."""
-
-  @parameterized.expand([(f"{n}_replicas_{name}", n, name)
-                         for n in topology.REPLICA_COUNTS
-                         for name in ("momentum", "adam", "adam_clipnorm")])
-  def test_a_step_inside_a_tf_cond_matches_one_device(self, _, n,
-                                                      optimizer_name):
-    strategy = sharding(n)
-    with strategy.scope():
-      model = fresh_model()
-      optimizer = _OPTIMIZERS[optimizer_name]()
-      optimizer.build(model.trainable_variables)
-    step = make_step(model, optimizer)
-
-    @tf.function
-    def train_step(batch):
-      per_replica = strategy.run(
-          lambda x, y: tf.cond(tf.size(x) >= 0, lambda: step(x, y),
-                               lambda: 0.0), args=batch)
-      return strategy.reduce("sum", per_replica, axis=None)
-
-    losses = [float(train_step(batch)) for batch in
-              strategy.experimental_distribute_dataset(dataset())]
-    want_losses, want_weights = reference_loop(optimizer_name)
-    np.testing.assert_allclose(losses, want_losses, rtol=RTOL, atol=ATOL)
-    self.assertTrue(slots(optimizer))
-    for v, want in zip(model.weights, want_weights):
-      for replica, got in enumerate(
-          strategy.experimental_local_results(v.value)):
-        np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL,
-                                   err_msg=f"{v.path} on replica {replica}")
+      assert_per_replica(self, strategy, v.value, [want] * n, rtol=RTOL,
+                         atol=ATOL, what=v.path)
 
 
 class SavingTest(unittest.TestCase):
