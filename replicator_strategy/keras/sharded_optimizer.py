@@ -7,7 +7,10 @@ Two wrappers, entries of `replicator_strategy.keras.PATCHES`, act when the strat
   shaped like a weight) creates a `ShardedSlot` instead of a mirrored one;
 - `_backend_update_step` (Keras's TF step: all-reduce, then `update_step`
   per weight and per device) reduce-scatters the gradients instead, runs the
-  optimizer's own `update_step` once per shard, and all-gathers the weights.
+  optimizer's own `update_step` once per shard, and all-gathers the weights:
+  in one `merge_call` where the replicas can meet, else (inside a replica's
+  control flow, as gradient accumulation's `tf.cond`) each replica steps its
+  own shard with the replica context's `reduce_scatter` and `all_gather`.
 
 `update_step(gradient, variable, learning_rate)` is handed a `WeightShard`,
 which stands in for the weight: Keras finds the weight's slots from it, and
@@ -15,8 +18,9 @@ its assignments collect the shard's new value. The slots read inside are
 shards too (`ShardedSlot` in an update context), so the optimizer's math is
 Keras's own, on 1/N of the elements per device. That holds for optimizers
 whose math is elementwise and whose slots all come from
-`add_variable_from_reference`: those in `SUPPORTED_OPTIMIZERS`. Others are
-refused when they build.
+`add_variable_from_reference`: those in `SUPPORTED_OPTIMIZERS`, and their
+subclasses that keep `update_step`. Others are refused when they build. EMA
+copies and gradient accumulators stay mirrored (`_KEPT_WHOLE`).
 
 >>> strategy = ReplicatorStrategy(shard_optimizer_state=True)
 >>> with strategy.scope():
