@@ -24,14 +24,8 @@ import tensorflow as tf
 
 import models
 import replicator_strategy as rs
+from replicator_strategy.keras import chief_writes
 import topology
-
-# The module moves to replicator_strategy.keras.chief_writes. The old name
-# first: an editable install can resolve the new one from another checkout.
-try:
-  from replicator_strategy import keras_chief_writes as chief_writes
-except ImportError:
-  from replicator_strategy.keras import chief_writes
 
 BATCH = 8
 
