@@ -20,6 +20,7 @@ from replicator_strategy import packing
 from replicator_strategy import reduce_op as reduce_op_lib
 from replicator_strategy import replica_context
 from replicator_strategy import sharded_optimizer_state
+from replicator_strategy import sharded_variables
 from replicator_strategy import variables
 
 _utils = tfi.distribute_utils
@@ -34,8 +35,10 @@ class ReplicatorExtended(tfi.StrategyExtendedV1):
   """
 
   def __init__(self, container_strategy, devices, all_reduce, cluster=None,
-               timeout_seconds=collective_watchdog.DEFAULT_TIMEOUT_SECONDS):
+               timeout_seconds=collective_watchdog.DEFAULT_TIMEOUT_SECONDS,
+               variable_partitioner=None):
     super().__init__(container_strategy)
+    self.variable_partitioner = variable_partitioner
     self.communicator = communicator_lib.for_topology(
         devices, all_reduce, cluster, timeout_seconds)
     self._devices = self.communicator.devices
@@ -105,11 +108,26 @@ class ReplicatorExtended(tfi.StrategyExtendedV1):
   # Variables.
 
   def _create_variable(self, next_creator, **kwargs):
+    strategy = tfi.container_strategy(self)
+    weight = kwargs.get("colocate_with")
+    if isinstance(weight, sharded_variables.ShardedVariable):
+      # Optimizer state of a sharded weight: sharded as the weight is.
+      return sharded_variables.create(
+          strategy, self._devices, next_creator, lambda _: weight.layout,
+          sharded_variables.slot_reads(), **kwargs)
     if sharded_optimizer_state.creating_slot():
       return sharded_optimizer_state.create_slot(
-          tfi.container_strategy(self), self._devices, next_creator, **kwargs)
-    return variables.create(tfi.container_strategy(self), self._devices,
-                            next_creator, **kwargs)
+          strategy, self._devices, next_creator, **kwargs)
+    if self.variable_partitioner is not None and _shardable(kwargs):
+      sharded = sharded_variables.create(
+          strategy, self._devices, next_creator,
+          lambda whole: sharded_variables.row_layout(
+              self.variable_partitioner, whole.shape, whole.dtype,
+              self.communicator.num_replicas),
+          "whole", **kwargs)
+      if sharded is not None:
+        return sharded
+    return variables.create(strategy, self._devices, next_creator, **kwargs)
 
   def _validate_colocate_with_variable(self, colocate_with_variable):
     _utils.validate_colocate_distributed_variable(colocate_with_variable, self)
@@ -339,3 +357,13 @@ def _reject_per_replica_mode(options, api):
         f"ReplicatorStrategy.{api} does not support "
         f"InputReplicationMode.PER_REPLICA yet. Use the default PER_WORKER "
         f"mode (leave experimental_replication_mode unset).")
+
+
+def _shardable(kwargs):
+  """Whether a new variable is a trainable weight a partitioner may cut."""
+  synchronization = kwargs.get("synchronization",
+                               tf.VariableSynchronization.AUTO)
+  return (kwargs.get("trainable", True) is not False and
+          kwargs.get("colocate_with") is None and
+          synchronization in (tf.VariableSynchronization.AUTO,
+                              tf.VariableSynchronization.ON_WRITE))

@@ -61,16 +61,31 @@ class ReplicatorStrategy(tf.distribute.Strategy):
       on each replica (across workers too), and update each slice on its
       replica (ZeRO stages 1 and 2, see docs/sharding.md). Default False:
       every replica holds every slot.
+    variable_partitioner: shard trainable variables along axis 0 over the
+      replicas (ZeRO stage 3, big embedding tables; see docs/sharding.md):
+      a callable `(shape, dtype) -> list of shards per axis`, such as TF's
+      `tf.distribute.experimental.partitioners.FixedShardsPartitioner`,
+      `MinSizePartitioner` or `MaxSizePartitioner`. A variable it cuts into
+      k > 1 shards gets one shard on each of the first min(k, N) replicas
+      (the rest hold none); its optimizer state is sharded alike. Default
+      None: no variable is sharded.
   """
 
   def __init__(self, devices=None, all_reduce="auto", cluster_resolver=None,
                timeout_seconds=collective_watchdog.DEFAULT_TIMEOUT_SECONDS,
-               shard_optimizer_state=False):
+               shard_optimizer_state=False, variable_partitioner=None):
     _check_timeout(timeout_seconds)
     if not isinstance(shard_optimizer_state, bool):
       raise ValueError(
           f"Expected `shard_optimizer_state` to be True or False. Received: "
           f"shard_optimizer_state={shard_optimizer_state!r}.")
+    if variable_partitioner is not None and not callable(variable_partitioner):
+      raise ValueError(
+          f"Expected `variable_partitioner` to be None or a callable "
+          f"(shape, dtype) -> list of ints, such as "
+          f"tf.distribute.experimental.partitioners.FixedShardsPartitioner"
+          f"(num_shards). Received: variable_partitioner="
+          f"{variable_partitioner!r}.")
     cluster = (cluster_lib.from_resolver(cluster_resolver)
                if cluster_resolver is not None else
                cluster_lib.from_environment())
@@ -83,7 +98,8 @@ class ReplicatorStrategy(tf.distribute.Strategy):
     else:
       devices = devices_lib.resolve_devices(devices)
     super().__init__(extended_lib.ReplicatorExtended(
-        self, devices, all_reduce, cluster, timeout_seconds))
+        self, devices, all_reduce, cluster, timeout_seconds,
+        variable_partitioner))
     self.shard_optimizer_state = shard_optimizer_state
 
   def reduce(self, reduce_op, value, axis):

@@ -23,6 +23,7 @@ import models
 import topology
 from test_custom_loop import make_step
 from replicator_strategy import sharded_optimizer_state as sharded
+from replicator_strategy import sharded_variables
 
 GLOBAL_BATCH = 16
 STEPS = 4
@@ -105,7 +106,7 @@ def sharding(n):
 
 def slots(optimizer):
   return [v for v in optimizer.variables
-          if isinstance(v.value, sharded.ShardedSlot)]
+          if isinstance(v.value, sharded_variables.ShardedVariable)]
 
 
 class LayoutTest(unittest.TestCase):

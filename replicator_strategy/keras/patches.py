@@ -25,6 +25,7 @@ from replicator_strategy.keras import chief_writes
 from replicator_strategy.keras import training
 from replicator_strategy.keras import preemption_saves
 from replicator_strategy.keras import sharded_optimizer
+from replicator_strategy.keras import sharded_weights
 
 @dataclasses.dataclass(frozen=True)
 class Patch:
@@ -43,6 +44,7 @@ _UNDER_US = "the strategy is a ReplicatorStrategy with several replicas"
 _NON_CHIEF = "on a non-chief worker of a ReplicatorStrategy cluster"
 _PREEMPTIBLE = "a ReplicatorStrategy cluster is running (SIGTERM agreed)"
 _SHARDING = "the strategy is a ReplicatorStrategy(shard_optimizer_state=True)"
+_SHARDED = "a weight is sharded by ReplicatorStrategy(variable_partitioner=...)"
 
 # In order: a later entry on the same name wraps an earlier one.
 PATCHES = (
@@ -69,6 +71,15 @@ PATCHES = (
           sharded_optimizer.shard_slots, _SHARDING),
     Patch(_OPTIMIZER, "_backend_update_step",
           sharded_optimizer.sharded_update_step, _SHARDING),
+    Patch(_OPTIMIZER, "_backend_update_step",
+          sharded_weights.update_shards, _SHARDED),
+    Patch(_OPTIMIZER, "_all_reduce_sum_gradients",
+          sharded_weights.gather_for_clipping,
+          _SHARDED + " and the optimizer clips"),
+    Patch(_OPTIMIZER, "add_variable_from_reference",
+          sharded_weights.average_reads_whole, _SHARDED),
+    Patch(keras.layers.Embedding, "call", sharded_weights.lookup_rows,
+          _SHARDED + ": the Embedding's table"),
     Patch(ki.tf_trainer, "reduce_per_replica",
           training.concat_across_workers,
           "predict across several ReplicatorStrategy workers"),

@@ -63,7 +63,7 @@ def shard_slots(add_variable_from_reference):
     if _sharding_strategy() is None:
       return add_variable_from_reference(self, reference_variable, name=name,
                                          initializer=initializer)
-    _check_supported(self)
+    check_supported(self, "shard_optimizer_state=True")
     if name in _KEPT_WHOLE:
       return add_variable_from_reference(self, reference_variable, name=name,
                                          initializer=initializer)
@@ -192,8 +192,10 @@ class WeightShard:
     return self.assign(self.value - delta, use_locking, name, read_value)
 
 
-def _check_supported(optimizer):
+def check_supported(optimizer, option):
   """Refuses an optimizer whose `update_step` is not one known to be elementwise.
+
+  `option` names the strategy's option that shards, for the message.
 
   Subclasses that keep a supported class's `update_step` (changing a schedule
   or a config, say) are accepted.
@@ -202,10 +204,10 @@ def _check_supported(optimizer):
                if "update_step" in vars(cls))
   if owner not in SUPPORTED_OPTIMIZERS:
     raise NotImplementedError(
-        f"ReplicatorStrategy(shard_optimizer_state=True) supports the Keras "
+        f"ReplicatorStrategy({option}) supports the Keras "
         f"optimizers {', '.join(o.__name__ for o in SUPPORTED_OPTIMIZERS)} "
         f"and subclasses that keep their update_step (elementwise math, "
         f"slots shaped like the weights). Received: "
         f"optimizer={type(optimizer).__name__}, whose update_step is "
-        f"{owner.__name__}'s. Use one of those, or "
-        f"shard_optimizer_state=False.")
+        f"{owner.__name__}'s. Use one of those, or a strategy without "
+        f"{option}.")

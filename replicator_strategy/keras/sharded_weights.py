@@ -1,0 +1,161 @@
+"""Keras layers and optimizers over sharded weights (`sharded_variables`).
+
+With `ReplicatorStrategy(variable_partitioner=...)`, the weights the
+partitioner cuts are `ShardedVariable`s: inside a replica a layer reads the
+whole weight (an all-gather), and the gradient Keras gets for it is this
+replica's shard of the gradient, already summed over the replicas (a
+reduce-scatter). Four wrappers, entries of `replicator_strategy.keras.PATCHES`,
+fit Keras to that:
+
+- `_backend_update_step`: each replica runs the optimizer's own
+  `update_step` on its shard (the weight's shard, its gradient, the slots'
+  shards), with no all-reduce; other weights go on as before;
+- `_all_reduce_sum_gradients` (called where an optimizer clips, which needs
+  whole gradients): a sharded weight's gradient is all-gathered, its sum is
+  there already;
+- `add_variable_from_reference`: an EMA copy of a sharded weight reads whole
+  in a replica, as Keras updates it from the weight's value; the optimizer
+  must be one whose math is elementwise;
+- `Embedding.call`: a sharded table gives only the rows the batch asks for
+  (`sharded_variables.lookup`), never the whole table.
+
+>>> partitioner = tf.distribute.experimental.partitioners.FixedShardsPartitioner(4)
+>>> with ReplicatorStrategy(variable_partitioner=partitioner).scope():
+...   model = keras.Sequential([keras.layers.Embedding(1000, 8)])
+>>> [c.shape.as_list() for c in model.weights[0].value.values]
+[[250, 8], [250, 8], [250, 8], [250, 8]]
+"""
+
+import functools
+
+import keras
+import tensorflow as tf
+
+from replicator_strategy import _tf_internal as tfi
+from replicator_strategy import replica_context
+from replicator_strategy import sharded_variables
+from replicator_strategy.keras import sharded_optimizer
+
+
+def _sharded_weight(variable):
+  """`variable`'s `ShardedVariable` if it is a sharded weight, else None."""
+  if isinstance(variable, keras.Variable):
+    variable = variable.value
+  if (isinstance(variable, sharded_variables.ShardedVariable) and
+      variable.replica_reads == "whole" and variable.trainable):
+    return variable
+  return None
+
+
+def update_shards(backend_update_step):
+
+  @functools.wraps(backend_update_step)
+  def wrapper(self, grads, trainable_variables, learning_rate):
+    sharded = [_sharded_weight(v) for v in trainable_variables]
+    if not any(w is not None for w in sharded):
+      return backend_update_step(self, grads, trainable_variables,
+                                 learning_rate)
+    rest = [(g, v) for g, v, w in zip(grads, trainable_variables, sharded)
+            if w is None]
+    updates = []
+    if rest:
+      updates.append(backend_update_step(
+          self, [g for g, _ in rest], [v for _, v in rest], learning_rate))
+    # Whole gradients where Keras summed them first (an optimizer that clips),
+    # or in cross-replica context; else this replica's summed shard.
+    whole = (getattr(self, "_gradients_reduced", False) or
+             tf.distribute.get_replica_context() is None)
+    for grad, weight in zip(grads, sharded):
+      if weight is not None and grad is not None:
+        updates.append(_update_weight(self, grad, weight, learning_rate,
+                                      whole))
+    return tf.group([u for u in updates if u is not None])
+
+  return wrapper
+
+
+def _update_weight(optimizer, grad, weight, learning_rate, whole):
+  """The optimizer's step on every shard of `weight` this process updates."""
+
+  def step(component, grad, learning_rate):
+    if whole:
+      shard = weight.first_shard + tfi.distribute_lib.get_update_replica_id()
+      grad = weight.layout.shard(tf.convert_to_tensor(grad), shard)
+    return optimizer.update_step(grad, component, learning_rate)
+
+  ctx = tf.distribute.get_replica_context()
+  if ctx is None:
+    return weight.distribute_strategy.extended.update(
+        weight, step, args=(grad, learning_rate), group=True)
+  # Each replica steps its own shard: no exchange needed.
+  local = ctx.local_index
+  component = tfi.component(weight, local)
+  with tf.device(component.device), tfi.UpdateContext(local):
+    return step(component, grad, learning_rate)
+
+
+def gather_for_clipping(all_reduce_sum_gradients):
+
+  @functools.wraps(all_reduce_sum_gradients)
+  def wrapper(self, grads_and_vars):
+    pairs = list(grads_and_vars)
+    sharded = [_sharded_weight(v) for _, v in pairs]
+    ctx = tf.distribute.get_replica_context()
+    if ctx is None or not any(w is not None for w in sharded):
+      return all_reduce_sum_gradients(self, pairs)
+    if self.gradient_accumulation_steps:
+      raise NotImplementedError(
+          "Gradient clipping (clipnorm, global_clipnorm, clipvalue) with "
+          "gradient_accumulation_steps is not supported for weights sharded "
+          "by ReplicatorStrategy(variable_partitioner=...) yet. Drop one of "
+          "the three: clipping, accumulation, or the partitioner.")
+    rest = iter(all_reduce_sum_gradients(
+        self, [p for p, w in zip(pairs, sharded) if w is None]))
+    summed = []
+    for (grad, var), weight in zip(pairs, sharded):
+      if weight is None:
+        summed.append(next(rest))
+      elif grad is None:
+        summed.append((None, var))
+      else:  # Summed over the replicas already: gather the shards.
+        shard = weight.first_shard + ctx.local_index
+        gathered = ctx.all_gather(
+            weight.layout.pad(tf.convert_to_tensor(grad), shard), axis=0)
+        summed.append((weight.layout.assemble_padded(gathered), var))
+    return summed
+
+  return wrapper
+
+
+def average_reads_whole(add_variable_from_reference):
+
+  @functools.wraps(add_variable_from_reference)
+  def wrapper(self, reference_variable, name=None, initializer="zeros"):
+    if _sharded_weight(reference_variable) is None:
+      return add_variable_from_reference(self, reference_variable, name=name,
+                                         initializer=initializer)
+    sharded_optimizer.check_supported(self, "variable_partitioner=...")
+    if name != "average":
+      return add_variable_from_reference(self, reference_variable, name=name,
+                                         initializer=initializer)
+    with sharded_variables.slots_read_whole():
+      return add_variable_from_reference(self, reference_variable, name=name,
+                                         initializer=initializer)
+
+  return wrapper
+
+
+def lookup_rows(call):
+
+  @functools.wraps(call)
+  def wrapper(self, inputs):
+    table = _sharded_weight(getattr(self, "_embeddings", None))
+    ctx = tf.distribute.get_replica_context()
+    if (table is None or self.lora_enabled or self.quantization_mode or
+        not isinstance(ctx, replica_context.ReplicaContext)):
+      return call(self, inputs)
+    if inputs.dtype not in (tf.int32, tf.int64):
+      inputs = tf.cast(inputs, tf.int32)
+    return tf.cast(sharded_variables.lookup(table, inputs), self.compute_dtype)
+
+  return wrapper
