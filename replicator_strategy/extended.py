@@ -92,11 +92,13 @@ class ReplicatorExtended(tfi.StrategyExtendedV1):
     if self._use_merge_call():
       return tfi.base_replica_ctx_update(self, var, fn, args, kwargs, group)
     # Every replica holds the same (all-reduced) arguments, so each updates
-    # its own component and the components stay identical.
+    # its own component and the components stay identical. Distributed
+    # variables read inside read as that component (a sharded one: its shard).
     local_index = tf.distribute.get_replica_context().local_index
     if isinstance(var, tfi.values.DistributedVariable):
       var = tfi.component(var, local_index)
-    with tf.device(var.device), tf.name_scope(f"update_{local_index}"):
+    with tf.device(var.device), tfi.UpdateContext(local_index), tf.name_scope(
+        f"update_{local_index}"):
       return fn(var, *args, **kwargs)
 
   def _get_local_replica_id(self, replica_id_in_sync_group):
