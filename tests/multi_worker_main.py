@@ -14,15 +14,21 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 
 import replicator_strategy as rs  # pylint: disable=g-import-not-at-top
+import tensorflow as tf  # pylint: disable=g-import-not-at-top
 
 # MULTI_WORKER_DEVICES="2,3": worker i gets the i-th count (default 2 each).
 _COUNTS = os.environ.get("MULTI_WORKER_DEVICES", "2,2").split(",")
 rs.split_cpu(int(_COUNTS[json.loads(os.environ["TF_CONFIG"])["task"]["index"]]))
 # MULTI_WORKER_SHARD_OPTIMIZER_STATE=1: the strategy shards optimizer state.
+# MULTI_WORKER_VARIABLE_SHARDS=K: it cuts every weight into K shards.
+_SHARDS = os.environ.get("MULTI_WORKER_VARIABLE_SHARDS")
 STRATEGY = rs.ReplicatorStrategy(
     timeout_seconds=float(sys.argv[3]) if len(sys.argv) > 3 else 60,
     shard_optimizer_state=bool(
-        os.environ.get("MULTI_WORKER_SHARD_OPTIMIZER_STATE")))
+        os.environ.get("MULTI_WORKER_SHARD_OPTIMIZER_STATE")),
+    variable_partitioner=(
+        tf.distribute.experimental.partitioners.FixedShardsPartitioner(
+            int(_SHARDS)) if _SHARDS else None))
 
 import multi_worker_runs  # pylint: disable=g-import-not-at-top
 

@@ -203,6 +203,31 @@ def sharded_state(strategy, workdir=None):
           "slots": [s.numpy().tolist() for s in slots]}
 
 
+def embedding_fit(strategy):
+  """An Embedding model's fit and predict (uneven final batch), every number.
+
+  Also, per weight, the rows of this worker's shards (empty if unsharded).
+  """
+  rng = np.random.default_rng(3)
+  ids = rng.integers(0, 40, size=(58, 5)).astype("int32")
+  _, y = data()
+  with strategy.scope():
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([
+        keras.Input((5,), dtype="int32"), keras.layers.Embedding(40, 4),
+        keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(3)])
+    model.compile(keras.optimizers.Adam(0.05), "mse")
+  history = model.fit(ids, y, batch_size=GLOBAL_BATCH, epochs=2,
+                      shuffle=False, verbose=0)
+  return {"history": history.history, "weights": _weights(model),
+          "predict": model.predict(ids, batch_size=8, verbose=0).tolist(),
+          "slots": [v.numpy().tolist() for v in model.optimizer.variables],
+          "shard_rows": [
+              [int(c.shape[0]) for c in strategy.experimental_local_results(
+                  w.value)] if hasattr(w.value, "layout") else []
+              for w in model.weights]}
+
+
 def peer_dies(strategy, fate=signal.SIGKILL):
   """Trains step after step; worker 1 gets `fate` after two steps.
 
@@ -449,7 +474,7 @@ RUNS = {"custom_loop": custom_loop, "primitives": primitives,
         "custom_loop_preempted": custom_loop_preempted,
         "listening_addresses": listening_addresses,
         "slicing_collectives": slicing_collectives,
-        "sharded_state": sharded_state}
+        "sharded_state": sharded_state, "embedding_fit": embedding_fit}
 # Runs that take the output directory as their working directory.
 TAKES_WORKDIR = ("keras_files", "keras_backup_and_restore", "keras_preempted",
                  "keras_killed", "keras_until_stopped",

@@ -20,6 +20,7 @@ import unittest
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 
 import multi_worker_runs
 import topology
@@ -238,6 +239,49 @@ class ShardedOptimizerStateTest(unittest.TestCase):
     slots = [v.numpy().tolist() for v in loaded.optimizer.variables
              if v.path.split("/")[-1] not in ("iteration", "learning_rate")]
     assert_close_nested(self, slots, self.workers[0]["sharded_state"]["slots"])
+
+
+@pytest.mark.slow
+class ShardedVariablesTest(unittest.TestCase):
+  """Every weight cut in 4 shards, on 2 workers x 2, equals one process with 4."""
+
+  @classmethod
+  def setUpClass(cls):
+    cls.out = tempfile.TemporaryDirectory()
+    cls.workers = results_of(
+        ["custom_loop", "keras_fit", "keras_fit_accumulation",
+         "embedding_fit"], cls.out.name,
+        env={"MULTI_WORKER_VARIABLE_SHARDS": "4"})
+
+  @classmethod
+  def tearDownClass(cls):
+    cls.out.cleanup()
+
+  def test_training_equals_one_process_with_four_replicas(self):
+    mirrored = topology.strategy_over(4)
+    expected = {
+        "custom_loop": multi_worker_runs.custom_loop(mirrored),
+        "keras_fit": multi_worker_runs.keras_fit(mirrored),
+        "keras_fit_accumulation": multi_worker_runs.keras_fit(
+            mirrored, accumulation_steps=2)}
+    for worker in self.workers:
+      for run, want in expected.items():
+        assert_close_nested(self, worker[run], want)
+
+  def test_embedding_lookups_and_shards_across_workers(self):
+    want = multi_worker_runs.embedding_fit(topology.strategy_over(
+        4, variable_partitioner=(
+            tf.distribute.experimental.partitioners.FixedShardsPartitioner(4))))
+    # Table (40 rows), kernel (4 rows), bias (3 rows): shards of 4 replicas.
+    self.assertEqual(want["shard_rows"], [[10] * 4, [1] * 4, [1, 1, 1, 0]])
+    mirrored = multi_worker_runs.embedding_fit(topology.strategy_over(4))
+    for index, worker in enumerate(self.workers):
+      got = worker["embedding_fit"]
+      self.assertEqual(got["shard_rows"],
+                       [rows[2 * index:2 * index + 2]
+                        for rows in want["shard_rows"]])
+      for key in ("history", "weights", "predict", "slots"):
+        assert_close_nested(self, got[key], mirrored[key])
 
 
 @pytest.mark.slow
