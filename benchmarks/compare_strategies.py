@@ -71,6 +71,12 @@ SIZES = {  # name: (full run, --quick)
     "big_mlp": ((4096, 4096, 3), (64, 64, 2)),
     "big_mlp_batch": (16, 8),  # global; small, so that the state dominates
     "big_mlp_steps": (3, 2),
+    # The embedding table: rows x width (512 MB in full), ids per example,
+    # global batch, timed steps.
+    "embedding": ((2_000_000, 64), (2_000, 8)),
+    "embedding_ids": (8, 4),
+    "embedding_batch": (256, 32),
+    "embedding_steps": (20, 3),
 }
 
 
@@ -83,9 +89,9 @@ def parse_args(argv=None):
                       help="logical CPU devices when there is no GPU (default 4)")
   parser.add_argument("--sections",
                       default="fit,custom,allreduce,reducescatter,parts,"
-                      "first,multi,sharding",
+                      "first,multi,sharding,embedding",
                       help="comma-separated subset of fit,custom,allreduce,"
-                      "reducescatter,parts,first,multi,sharding")
+                      "reducescatter,parts,first,multi,sharding,embedding")
   parser.add_argument("--child", help=argparse.SUPPRESS)
   return parser.parse_args(argv)
 
@@ -137,10 +143,22 @@ def sharded(num_replicas):
                                shard_optimizer_state=True)
 
 
+@functools.cache
+def zero3(num_replicas):
+  """ReplicatorStrategy with every weight and its state cut over the replicas."""
+  return rs.ReplicatorStrategy(
+      devices=list(devices()[:num_replicas]), shard_optimizer_state=True,
+      variable_partitioner=(
+          tf.distribute.experimental.partitioners.FixedShardsPartitioner(
+              num_replicas)))
+
+
 def contender(name, num_replicas):
-  """The strategy named `name`: one of `contenders`, or "sharded"."""
+  """The strategy named `name`: one of `contenders`, "sharded" or "zero3"."""
   if name == "sharded":
     return sharded(num_replicas)
+  if name == "zero3":
+    return zero3(num_replicas)
   return dict(contenders(num_replicas))[name]
 
 
@@ -594,7 +612,7 @@ def bench_multi_worker():
 
 # 7. Sharded optimizer state.
 
-SHARDING_CONTENDERS = ("mirrored", "replicator", "sharded")
+SHARDING_CONTENDERS = ("mirrored", "replicator", "sharded", "zero3")
 
 
 def bench_sharding_fit(n):
@@ -678,6 +696,59 @@ def bench_sharding_memory():
   return [row]
 
 
+# 8. A big embedding table, sharded by rows (lookups move only the rows used).
+
+EMBEDDING_CONTENDERS = ("none", "mirrored", "replicator", "zero3")
+
+
+def embedding_child(spec):
+  """In a child: fit steps of an Embedding model; prints times and bytes."""
+  name, n = spec.split(":")
+  strategy = (zero3(int(n)) if name == "zero3" else
+              dict(contenders(int(n)))[name])
+  rows, width = SIZE["embedding"]
+  with scope(strategy):
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([
+        keras.Input((SIZE["embedding_ids"],), dtype="int32"),
+        keras.layers.Embedding(rows, width),
+        keras.layers.GlobalAveragePooling1D(),
+        keras.layers.Dense(1)])
+    model.compile(keras.optimizers.SGD(0.1), "mse", jit_compile=False)
+  batch = SIZE["embedding_batch"]
+  examples = batch * SIZE["embedding_steps"]
+  rng = np.random.default_rng(0)
+  x = rng.integers(0, rows, size=(examples, SIZE["embedding_ids"]),
+                   dtype=np.int32)
+  y = rng.normal(size=(examples, 1)).astype("float32")
+  times, losses = [], []
+  for _ in range(2):  # The first epoch traces.
+    timer = StepTimer()
+    losses += model.fit(x, y, batch_size=batch, epochs=1, shuffle=False,
+                        verbose=0, callbacks=[timer]).history["loss"]
+    times = timer.times
+  print(json.dumps({
+      "ms": median_ms(times), "losses": losses,
+      "weight_bytes": bytes_by_device(model.weights),
+      "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+
+
+def bench_embedding():
+  n = replica_counts()[-1]
+  runs = {name: _child(f"embedding:{name}:{n}")
+          for name in EMBEDDING_CONTENDERS}
+  rows, width = SIZE["embedding"]
+  row = {"replicas": n, "table_mb": rows * width * 4 / 2 ** 20,
+         "ms": {name: r["ms"] for name, r in runs.items()},
+         "weight_mb_per_device_max": {
+             name: max(r["weight_bytes"].values()) / 2 ** 20
+             for name, r in runs.items()},
+         "peak_rss_mb": {name: r["peak_rss_mb"] for name, r in runs.items()},
+         "agree": agree([r["losses"] for r in runs.values()], rtol=1e-4)}
+  print_progress("embedding", row)
+  return [row]
+
+
 # Output.
 
 def print_progress(section, row):
@@ -727,6 +798,7 @@ def table(results):
               f"sharded/replicator {update['sharded'] / update['replicator']:.2f}"
               f", sharded/mirrored {update['sharded'] / update['mirrored']:.2f}"]
   lines += sharding_table(results.get("sharding", []))
+  lines += embedding_table(results.get("embedding", []))
   if "allreduce" in results:
     lines += ["", "All-reduce in replica context, ms (median)",
               f"{'tensors':14} {'replicas':>8} {'add_n floor':>11} "
@@ -786,42 +858,64 @@ def sharding_table(rows):
   """The sharding section's two tables: memory, then fit step."""
   lines = []
   names = SHARDING_CONTENDERS
-  header = (f"{'':22} {'mirrored':>9} {'replicator':>11} {'sharded':>9} "
-            f"{'S/mirrored':>10}")
+  columns = lambda v, f: " ".join(f"{format(v[n], f):>11}" for n in names)
+  header = (f"{'':22} " + " ".join(f"{n:>11}" for n in names) +
+            f" {'S/mirrored':>10} {'Z3/mirrored':>11}")
   for r in (r for r in rows if r["measure"] == "memory"):
     inputs, width, layers = SIZE["big_mlp"]
-    lines += ["", f"Sharded optimizer state: MLP {inputs}-{width}x{layers}-10 "
-              f"({r['params'] / 1e6:.1f} M parameters), Adam, {r['replicas']} "
-              f"replicas, global batch {SIZE['big_mlp_batch']}, MB (each "
-              f"contender in a fresh process; one Adam slot = "
-              f"{r['adam_slot_mb']:.1f} MB)", header]
+    lines += ["", f"Sharded state (sharded) and weights too (zero3): MLP "
+              f"{inputs}-{width}x{layers}-10 ({r['params'] / 1e6:.1f} M "
+              f"parameters), Adam, {r['replicas']} replicas, global batch "
+              f"{SIZE['big_mlp_batch']}, MB (each contender in a fresh "
+              f"process; one Adam slot = {r['adam_slot_mb']:.1f} MB)", header]
     for key, label in (("optimizer_mb_per_device_max", "optimizer/device max"),
                        ("optimizer_mb_total", "optimizer, all devices"),
                        ("weight_mb_per_device_max", "weights/device max"),
                        ("weight_mb_total", "weights, all devices"),
                        ("peak_rss_mb", "peak RSS")):
       v = r[key]
-      lines.append(f"{label:22} " + " ".join(
-          f"{v[name]:>{w}.1f}" for name, w in zip(names, (9, 11, 9))) +
-                   f" {v['sharded'] / v['mirrored']:>10.2f}")
+      lines.append(f"{label:22} {columns(v, '.1f')} "
+                   f"{v['sharded'] / v['mirrored']:>10.2f} "
+                   f"{v['zero3'] / v['mirrored']:>11.2f}")
     rss = r["peak_rss_mb"]
-    lines.append(f"{'peak RSS - mirrored':22} " + " ".join(
-        f"{rss[name] - rss['mirrored']:>{w}.1f}"
-        for name, w in zip(names, (9, 11, 9))) + f"   losses agree "
-                 f"{r['agree']}")
+    lines.append(f"{'peak RSS - mirrored':22} " + columns(
+        {n: rss[n] - rss["mirrored"] for n in names}, ".1f") +
+                 f"   losses agree {r['agree']}")
   fit_rows = [r for r in rows if r["measure"] == "fit step"]
   if fit_rows:
-    lines += ["", f"Keras fit step with sharded optimizer state, MLP, "
+    lines += ["", f"Keras fit step, sharded state / weights, MLP, "
               f"{fit_rows[0]['replicas']} replicas, ms (median)",
-              f"{'optimizer':22} {'mirrored':>9} {'replicator':>11} "
-              f"{'sharded':>9} {'S/mirrored':>10} {'S/replicator':>12}  agree"]
+              f"{'optimizer':22} " + " ".join(f"{n:>11}" for n in names) +
+              f" {'S/mirrored':>10} {'Z3/mirrored':>11}  agree"]
     for r in fit_rows:
       ms = r["ms"]
       lines.append(
-          f"{r['optimizer']:22} " + " ".join(
-              f"{ms[name]:>{w}.2f}" for name, w in zip(names, (9, 11, 9))) +
-          f" {ms['sharded'] / ms['mirrored']:>10.2f} "
-          f"{ms['sharded'] / ms['replicator']:>12.2f}  {r['agree']}")
+          f"{r['optimizer']:22} {columns(ms, '.2f')} "
+          f"{ms['sharded'] / ms['mirrored']:>10.2f} "
+          f"{ms['zero3'] / ms['mirrored']:>11.2f}  {r['agree']}")
+  return lines
+
+
+def embedding_table(rows):
+  lines = []
+  for r in rows:
+    rows_, width = SIZE["embedding"]
+    names = list(r["ms"])
+    lines += ["", f"Embedding {rows_:,} x {width} ({r['table_mb']:.0f} MB), "
+              f"SGD, {r['replicas']} replicas, global batch "
+              f"{SIZE['embedding_batch']} x {SIZE['embedding_ids']} ids: fit "
+              f"step (lookup + update) and weight MB per device",
+              f"{'':22} " + " ".join(f"{n:>11}" for n in names) +
+              f" {'Z3/mirrored':>11}"]
+    for key, label, fmt in (("ms", "step ms (median)", ".2f"),
+                            ("weight_mb_per_device_max",
+                             "weights/device max", ".1f"),
+                            ("peak_rss_mb", "peak RSS", ".0f")):
+      v = r[key]
+      lines.append(f"{label:22} " + " ".join(
+          f"{format(v[n], fmt):>11}" for n in names) +
+                   f" {v['zero3'] / v['mirrored']:>11.2f}")
+    lines.append(f"losses agree {r['agree']}")
   return lines
 
 
@@ -842,7 +936,8 @@ IN_PROCESS_SECTIONS = {"fit": bench_fit, "custom": bench_custom,
 # Sections (or their parts) that start fresh processes of their own.
 FRESH_PROCESS_SECTIONS = {"first": bench_first_epoch,
                           "multi": bench_multi_worker,
-                          "sharding": bench_sharding_memory}
+                          "sharding": bench_sharding_memory,
+                          "embedding": bench_embedding}
 
 
 def main():
@@ -850,7 +945,8 @@ def main():
     kind, _, spec = ARGS.child.partition(":")
     return {"first": first_epoch_child, "replicas": replicas_child,
             "fit_step": fit_step_child,
-            "sharding": sharding_memory_child}[kind](spec)
+            "sharding": sharding_memory_child,
+            "embedding": embedding_child}[kind](spec)
   start = time.perf_counter()
   sections = ARGS.sections.split(",")
   results = {s: [] for s in sections}

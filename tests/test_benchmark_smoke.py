@@ -64,7 +64,7 @@ class BenchmarkSmokeTest(unittest.TestCase):
       self.assertTrue(all(v > 0 for v in first[key].values()))
     self.assertTrue(results["multi"][0]["agree"], results["multi"])
     sharding, = [r for r in results["sharding"] if r["measure"] == "memory"]
-    contenders = ["mirrored", "replicator", "sharded"]
+    contenders = ["mirrored", "replicator", "sharded", "zero3"]
     for key in ("optimizer_mb_per_device_max", "weight_mb_per_device_max",
                 "peak_rss_mb"):
       self.assertEqual(sorted(sharding[key]), contenders)
@@ -73,6 +73,9 @@ class BenchmarkSmokeTest(unittest.TestCase):
     # Bytes are counted, not timed: each device holds a quarter of the slots.
     optimizer = sharding["optimizer_mb_per_device_max"]
     self.assertLess(optimizer["sharded"], 0.3 * optimizer["mirrored"])
+    self.assertLess(optimizer["zero3"], 0.3 * optimizer["mirrored"])
+    weights = sharding["weight_mb_per_device_max"]
+    self.assertLess(weights["zero3"], 0.3 * weights["mirrored"])
     self.assertTrue(sharding["agree"], sharding)
     fit_steps = [r for r in results["sharding"] if r["measure"] == "fit step"]
     self.assertEqual([(r["optimizer"], r["replicas"]) for r in fit_steps],
@@ -80,7 +83,14 @@ class BenchmarkSmokeTest(unittest.TestCase):
     for row in fit_steps:
       self.assertEqual(sorted(row["ms"]), contenders)
       self.assertTrue(row["agree"], row)
-    self.assertIn("Sharded optimizer state", done.stdout)
+    embedding, = results["embedding"]
+    self.assertEqual(sorted(embedding["ms"]),
+                     ["mirrored", "none", "replicator", "zero3"])
+    table = embedding["weight_mb_per_device_max"]
+    self.assertLess(table["zero3"], 0.3 * table["mirrored"])
+    self.assertTrue(embedding["agree"], embedding)
+    self.assertIn("Sharded state (sharded) and weights too", done.stdout)
+    self.assertIn("Embedding 2,000 x 8", done.stdout)
     self.assertIn("Keras fit step, ms (median)", done.stdout)
 
 
