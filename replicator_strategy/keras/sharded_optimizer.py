@@ -4,7 +4,8 @@ Two wrappers, entries of `replicator_strategy.keras.PATCHES`, act when the strat
 `ReplicatorStrategy(shard_optimizer_state=True)`:
 
 - `add_variable_from_reference` (how every Keras optimizer makes a slot
-  shaped like a weight) creates a `ShardedSlot` instead of a mirrored one;
+  shaped like a weight) creates a sharded slot (a `ShardedVariable`) instead
+  of a mirrored one;
 - `_backend_update_step` (Keras's TF step: all-reduce, then `update_step`
   per weight and per device) reduce-scatters the gradients instead, runs the
   optimizer's own `update_step` once per shard, and all-gathers the weights:
@@ -15,7 +16,7 @@ Two wrappers, entries of `replicator_strategy.keras.PATCHES`, act when the strat
 `update_step(gradient, variable, learning_rate)` is handed a `WeightShard`,
 which stands in for the weight: Keras finds the weight's slots from it, and
 its assignments collect the shard's new value. The slots read inside are
-shards too (`ShardedSlot` in an update context), so the optimizer's math is
+shards too (a `ShardedVariable` in an update context), so the optimizer's math is
 Keras's own, on 1/N of the elements per device. That holds for optimizers
 whose math is elementwise and whose slots all come from
 `add_variable_from_reference`: those in `SUPPORTED_OPTIMIZERS`, and their
