@@ -58,8 +58,12 @@ _OPTIMIZERS = {
     "momentum_accumulation": lambda: keras.optimizers.SGD(
         learning_rate=0.1, momentum=0.9, gradient_accumulation_steps=2),
 }
-_FIT_CASES = [(f"{n}_replicas_{name}", n, name)
-              for n in topology.REPLICA_COUNTS for name in _OPTIMIZERS]
+# Every optimizer on 4 replicas (uneven shards, padding); on 1 and 2, one of
+# each path: merge, clipping (summed first), EMA, loss scaling, tf.cond.
+_FIT_CASES = [(f"4_replicas_{name}", 4, name) for name in _OPTIMIZERS] + [
+    (f"{n}_replicas_{name}", n, name) for n in (1, 2)
+    for name in ("momentum", "adam_global_clipnorm", "adam_ema",
+                 "loss_scale_adam", "momentum_accumulation")]
 # Built: `optimizer.build` under scope first. Lazy: the first
 # `apply_gradients`, inside the tf.function and `strategy.run`, builds it.
 _LOOP_CASES = [(f"{n}_replicas_{name}_built", n, name, True)
