@@ -233,12 +233,18 @@ class ClusterCommunicator(Communicator):
                       options)
 
   def reduce_scatter(self, op, value, axis):
-    """As one process's, from a reduction that reaches every worker.
+    """As one process's, reduced across every worker.
 
-    SUM and MEAN all-reduce (hierarchically); MIN and MAX reduce a gather of
-    every replica's value. Each local replica then keeps its own slice.
+    In a graph, a hierarchical reduce-scatter (`KeyedCollectiveOps`): only
+    slices cross between workers. Eagerly, SUM and MEAN all-reduce and MIN
+    and MAX reduce a gather of every replica's value; each local replica
+    then keeps its own slice.
     """
     value = _wrapped(value)
+    keyed = getattr(self.cross_device_ops, "reduce_scatter", None)
+    slices = keyed(op, value, axis) if keyed else None
+    if slices is not None:
+      return _per_replica(self.devices, lambda i: tf.identity(slices[i]))
     if op.is_extremum:
       reduced = [reduce_op_lib.reduce_along(op, stack, 0)
                  for stack in self._every_replicas(value)]

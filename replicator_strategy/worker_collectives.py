@@ -111,6 +111,31 @@ class KeyedCollectiveOps(tf.distribute.CrossDeviceOps):
     return [_placed([r], d)
             for r, (_, d) in zip(reduced, value_destination_pairs)]
 
+  def reduce_scatter(self, reduce_op, per_replica_value, axis):
+    """Slice g (of N along `axis`) of the reduction, on global replica g.
+
+    Hierarchical, as the reductions: this worker's replicas are reduced on
+    its first device, the workers reduce-scatter those values among them (an
+    all-to-all then a local reduction: each worker sends (W-1)/W of the
+    tensor, half of an all-reduce), and each local replica takes its slice
+    of this worker's part. Returns this worker's slices, one per local
+    replica, or None eagerly (no keyed collective there).
+    """
+    if not self._keyed([per_replica_value]):
+      return None
+    op = reduce_op_lib.parse(reduce_op)
+    across = ReduceOp.SUM if op == ReduceOp.MEAN else op
+    keys = self._across_workers.draw_keys(0, 1,
+                                          tf.compat.v1.get_default_graph())
+    with tf.device(self._devices[0]):
+      local = reduce_op_lib.reduce_parts(across, per_replica_value.values)
+    part, = self._across_workers.reduce_scatter(0, across, [local], [axis],
+                                                keys)
+    with tf.device(self._devices[0]):
+      if op == ReduceOp.MEAN:
+        part = part / self._group_size
+      return tf.split(part, len(self._devices), axis=axis)
+
   def _gather_implementation(self, per_replica_value, destinations, axis,
                              options):
     if not self._keyed([per_replica_value]):
