@@ -36,6 +36,7 @@ import dataclasses
 import math
 import threading
 
+from absl import logging
 import tensorflow as tf
 
 from replicator_strategy import _tf_internal as tfi
@@ -127,7 +128,7 @@ def reduce_scatter(communicator, layout, gradients, summed):
   `gradients` holds each local replica's gradient (on its device), or, if
   `summed`, each one's copy of the already summed gradient.
   """
-  gradients = [tf.convert_to_tensor(g) for g in gradients]  # IndexedSlices.
+  gradients = [dense(g) for g in gradients]
   first = communicator.first_replica_id
   if summed:
     return [_on(device, layout.shard, g, first + r)
@@ -137,6 +138,30 @@ def reduce_scatter(communicator, layout, gradients, summed):
             for device, g in zip(communicator.devices, gradients)]
   return list(sharded_variables.parts(communicator.reduce_scatter(
       reduce_op_lib.ReduceOp.SUM, sharded_variables.per_replica(padded), axis=0)))
+
+
+def dense(gradient):
+  """`gradient` as a dense tensor, warning once if it was sparse.
+
+  Keras on one device squares each row occurrence of an `IndexedSlices`
+  gradient separately (Adam's and RMSprop's second moments); a dense
+  gradient sums a row's occurrences first, so those moments differ from one
+  device for rows used more than once in a batch.
+  """
+  if isinstance(gradient, tf.IndexedSlices) and not _warned_dense:
+    _warned_dense.append(True)
+    logging.warning(
+        "shard_optimizer_state=True makes a sparse gradient (an Embedding's, "
+        "say) dense before cutting it into shards. Adam's and RMSprop's second moments "
+        "then square each row's summed gradient, where Keras on one device "
+        "squares each occurrence's separately: for rows looked up several "
+        "times in a batch, training differs from one device. To keep sparse "
+        "updates, shard the table itself with "
+        "ReplicatorStrategy(variable_partitioner=...).")
+  return tf.convert_to_tensor(gradient)
+
+
+_warned_dense = []
 
 
 def update_shards(layout, weight, first_shard, update_fn):

@@ -411,6 +411,25 @@ class BackupAndRestoreTest(unittest.TestCase):
                                  atol=ATOL, err_msg=got.path)
 
 
+class SparseGradientTest(unittest.TestCase):
+
+  def test_an_embeddings_dense_step_is_said_once(self):
+    # Adam on one device squares each occurrence of a row's gradient; the
+    # dense sharded step squares their sum, so the user is told.
+    with sharding(2).scope():
+      model = keras.Sequential([keras.Input((3,), dtype="int32"),
+                                keras.layers.Embedding(10, 2),
+                                keras.layers.Flatten(), keras.layers.Dense(1)])
+      model.compile(keras.optimizers.Adam(), "mse", jit_compile=False)
+    sharded._warned_dense.clear()
+    with self.assertLogs("absl", "WARNING") as logs:
+      model.fit(np.zeros((8, 3), np.int32), np.zeros((8, 1)), batch_size=8,
+                verbose=0)
+    said = [line for line in logs.output if "sparse gradient" in line]
+    self.assertEqual(len(said), 1, logs.output)
+    self.assertIn("variable_partitioner", said[0])
+
+
 class RefusalTest(unittest.TestCase):
 
   def test_unsupported_optimizer_is_refused_when_it_builds(self):

@@ -140,7 +140,7 @@ def _replica_step(strategy, optimizer, grads, weights, learning_rate, summed):
   for grad, weight in zip(grads, weights):
     layout = sharded.Layout(tuple(weight.shape.as_list()),
                             communicator.num_replicas)
-    grad = tf.convert_to_tensor(grad)  # IndexedSlices.
+    grad = sharded.dense(grad)
     if summed:
       grad_shard = layout.shard(grad, shard)
     else:
