@@ -233,6 +233,26 @@ class EmbeddingTest(unittest.TestCase):
                                  atol=ATOL, err_msg=v.path)
 
 
+class MixedPrecisionTest(unittest.TestCase):
+
+  def test_mixed_float16_fit_matches_no_strategy(self):
+    # float16 compute, float32 weights, Keras's LossScaleOptimizer around Adam.
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+      model, losses, _, predicted = fit_embedding(every_kernel_sharded(4))
+      want_model, want_losses, _, want_predicted = fit_embedding(None)
+    finally:
+      keras.mixed_precision.set_global_policy("float32")
+    self.assertIsInstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
+    self.assertEqual(len(sharded(model.weights)), len(model.weights))
+    np.testing.assert_allclose(losses, want_losses, rtol=1e-3)
+    np.testing.assert_allclose(predicted, want_predicted, rtol=1e-3,
+                               atol=1e-3)
+    for v, want in zip(model.weights, want_model.weights):
+      np.testing.assert_allclose(v.numpy(), want.numpy(), rtol=1e-3,
+                                 atol=1e-3, err_msg=v.path)
+
+
 class CustomLoopTest(unittest.TestCase):
 
   @parameterized.expand([("2_replicas_momentum", 2, "momentum"),
