@@ -43,6 +43,24 @@ class ReplicaContext(tfi.ThreadReplicaContext):
     self._inputs = inputs
     self._batch_shares = {}
 
+  def outside_loops(self, fn):
+    """`fn()`, built in this replica's own graph if called inside a while loop.
+
+    Collectives can't run in a replica's while loop (each replica runs its
+    own copy); a value the loop only reads, such as a sharded weight
+    gathered whole, can be built before it, where the replicas merge, and
+    the loop captures it (gradients flow back through the capture).
+    """
+    graph = tf.compat.v1.get_default_graph()
+    in_loop = False
+    while graph is not None and graph is not self._home_graph:
+      in_loop = in_loop or isinstance(graph, tfi.WHILE_LOOP_GRAPHS)
+      graph = getattr(graph, "outer_graph", None)
+    if not (in_loop and graph is self._home_graph):
+      return fn()
+    with self._home_graph.as_default():
+      return fn()
+
   @property
   def can_merge(self):
     """Whether `merge_call` can gather the replicas here.

@@ -13,7 +13,8 @@ device is about 1/N of the whole. How it reads depends on where:
   shards unchanged;
 - inside a replica (`strategy.run`), as `replica_reads` says: "whole" (model
   weights: an all-gather, whose gradient is a reduce-scatter, so replica r's
-  gradient is shard r of the summed gradient), "shard" (optimizer state of a
+  gradient is shard r of the summed gradient; inside a while loop, as an
+  RNN's, gathered before the loop), "shard" (optimizer state of a
   sharded weight) or None (refused: optimizer state of a mirrored weight,
   see `sharded_optimizer_state`).
 
@@ -152,8 +153,9 @@ class ShardedVariable(tfi.values.DistributedVariable):
     local = ctx.local_index
     if self.replica_reads == "shard":
       return self.values[local]
-    return gather_whole(ctx, self.layout, self.values[local].read_value(),
-                        self.first_shard + local)
+    return ctx.outside_loops(lambda: gather_whole(
+        ctx, self.layout, self.values[local].read_value(),
+        self.first_shard + local))
 
   def _get_on_device_or_primary(self):
     return self._get()

@@ -233,6 +233,40 @@ class EmbeddingTest(unittest.TestCase):
                                  atol=ATOL, err_msg=v.path)
 
 
+class RecurrentTest(unittest.TestCase):
+
+  def test_lstm_reads_its_sharded_kernels_inside_its_loop(self):
+    # Keras's RNN steps in a tf.while_loop, where replicas can't meet: the
+    # kernels are gathered before the loop.
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64, 6, 3)).astype(np.float32)
+    y = rng.normal(size=(64, 2)).astype(np.float32)
+
+    def build():
+      return keras.Sequential([keras.Input((6, 3)), keras.layers.LSTM(8),
+                               keras.layers.Dense(2)])
+
+    keras.utils.set_random_seed(0)
+    start = build().get_weights()
+
+    def fit(strategy):
+      with strategy.scope() if strategy else contextlib.nullcontext():
+        model = build()
+        model.set_weights(start)
+        model.compile(keras.optimizers.Adam(0.01), "mse", jit_compile=False)
+        losses = model.fit(x, y, batch_size=16, epochs=2, shuffle=False,
+                           verbose=0).history["loss"]
+      return model, losses
+
+    model, losses = fit(every_kernel_sharded(4))
+    want_model, want_losses = fit(None)
+    self.assertEqual(len(sharded(model.weights)), len(model.weights))
+    np.testing.assert_allclose(losses, want_losses, rtol=RTOL, atol=ATOL)
+    for v, want in zip(model.weights, want_model.weights):
+      np.testing.assert_allclose(v.numpy(), want.numpy(), rtol=RTOL,
+                                 atol=ATOL, err_msg=v.path)
+
+
 class MixedPrecisionTest(unittest.TestCase):
 
   def test_mixed_float16_fit_matches_no_strategy(self):
