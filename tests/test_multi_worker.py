@@ -250,7 +250,7 @@ class ShardedVariablesTest(unittest.TestCase):
     cls.out = tempfile.TemporaryDirectory()
     cls.workers = results_of(
         ["custom_loop", "keras_fit", "keras_fit_accumulation",
-         "embedding_fit"], cls.out.name,
+         "embedding_fit", "sharded_state"], cls.out.name,
         env={"MULTI_WORKER_VARIABLE_SHARDS": "4"})
 
   @classmethod
@@ -282,6 +282,19 @@ class ShardedVariablesTest(unittest.TestCase):
                         for rows in want["shard_rows"]])
       for key in ("history", "weights", "predict", "slots"):
         assert_close_nested(self, got[key], mirrored[key])
+
+  def test_the_chiefs_saved_model_holds_the_whole_weights_and_slots(self):
+    state = self.workers[0]["sharded_state"]
+    # Every slot of the sharded weights: 2 shards here, of 4 in all.
+    self.assertEqual([len(sizes) for sizes in state["shard_sizes"]],
+                     [2] * len(state["shard_sizes"]))
+    loaded = keras.models.load_model(
+        pathlib.Path(self.out.name) / "sharded.keras")
+    slots = [v.numpy().tolist() for v in loaded.optimizer.variables
+             if v.path.split("/")[-1] not in ("iteration", "learning_rate")]
+    assert_close_nested(self, slots, state["slots"])
+    want = multi_worker_runs.sharded_state(topology.strategy_over(4))
+    assert_close_nested(self, slots, want["slots"])
 
 
 @pytest.mark.slow

@@ -375,6 +375,35 @@ class SavingTest(unittest.TestCase):
       np.testing.assert_array_equal(v.numpy(), want, err_msg=v.path)
 
 
+class BackupAndRestoreTest(unittest.TestCase):
+
+  def test_resumed_fit_ends_as_an_uninterrupted_one(self):
+    backup_dir = tempfile.mkdtemp()
+
+    def fit_with(callbacks):
+      with every_kernel_sharded(4).scope():
+        model = zero.fresh_model()
+        model.compile(zero._OPTIMIZERS["adam"](), loss="mse",
+                      jit_compile=False)
+        model.fit(*zero.data(), batch_size=zero.GLOBAL_BATCH,
+                  epochs=zero.EPOCHS, shuffle=False, verbose=0,
+                  callbacks=callbacks)
+      return model
+
+    with self.assertRaisesRegex(RuntimeError, "interrupted"):
+      fit_with([keras.callbacks.BackupAndRestore(backup_dir),
+                zero._InterruptAtSecondEpoch()])
+    resumed = fit_with([keras.callbacks.BackupAndRestore(backup_dir)])
+    self.assertEqual(len(sharded(resumed.weights)), len(resumed.weights))
+    _, want_weights, want_optimizer = zero.reference_fit("adam")
+    got_all = resumed.weights + resumed.optimizer.variables
+    want_all = list(want_weights) + list(want_optimizer)
+    self.assertEqual(len(got_all), len(want_all))
+    for got, want in zip(got_all, want_all):
+      np.testing.assert_allclose(got.numpy(), want, rtol=RTOL, atol=ATOL,
+                                 err_msg=got.path)
+
+
 class RefusalTest(unittest.TestCase):
 
   def test_an_optimizer_that_is_not_elementwise_is_refused(self):
