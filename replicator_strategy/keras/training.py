@@ -14,8 +14,10 @@
   from one device. Here it is scaled by the replica's share of the rows.
 - Before the first step Keras builds the model from the first batch, averaged
   over the replicas, which fails when the batch splits unevenly, or on a
-  sparse batch, or on zero rows. Here it builds from the whole first batch,
-  or from the batches' spec when there is none.
+  sparse batch, or on zero rows, or for a model with no `call()` (a GAN
+  trained by its own `train_step`). Here it builds from the whole first
+  batch, or from the batches' spec when there is none, and a model with no
+  `call()` is left to build in its first step, as without a strategy.
 - Gradient clipping (`clipnorm`, `global_clipnorm`, `clipvalue`) clips each
   replica's share of the gradient before the all-reduce, which is not the
   clipped global gradient. Here clipping optimizers all-reduce first.
@@ -78,6 +80,10 @@ def build_from_whole_batch(maybe_symbolic_build):
                                           strategy_lib.ReplicatorStrategy):
       return maybe_symbolic_build(self, iterator=iterator,
                                   data_batch=data_batch)
+    if type(self).call is keras.Model.call:
+      # No call() to build from (a GAN's custom train_step, say): defer to
+      # the step's first trace, as Keras does without a strategy.
+      return None
     for _, _, batches in iterator:  # Takes one batch, as Keras does.
       first = next(batches, None)
       break
