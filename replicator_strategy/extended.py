@@ -143,6 +143,15 @@ class ReplicatorExtended(tfi.StrategyExtendedV1):
     return _utils.value_container(val)
 
   def _update(self, var, fn, args, kwargs, group):
+    if not isinstance(var, tfi.values.DistributedVariable):
+      raise ValueError(
+          f"ReplicatorStrategy was asked to update {var.name!r}, a variable "
+          f"created outside `strategy.scope()`: it lives on one device, not "
+          f"on each replica's, so the replicas cannot train it. Create the "
+          f"model and its optimizer inside the scope: `with strategy.scope(): "
+          f"model = ...; model.compile(...)`, then `model.fit(...)` (a model "
+          f"loaded or built outside can be rebuilt inside and given its "
+          f"weights with `set_weights`).")
     return self._update_per_device(
         [(v.device, v) for v in var.values], fn, args, kwargs, group)
 

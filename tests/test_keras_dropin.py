@@ -97,5 +97,41 @@ class NoCallModelTest(unittest.TestCase):
       np.testing.assert_allclose(g, w, rtol=RTOL, atol=ATOL)
 
 
+class BuiltOutsideScopeTest(unittest.TestCase):
+
+  @parameterized.expand([("compiled_outside", False), ("compiled_inside", True)])
+  def test_fit_says_to_build_under_the_scope_and_trains_nothing(
+      self, _, compile_inside):
+    strategy = topology.strategy_over(2)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    before = model.get_weights()
+    x, y = np.ones((8, 4), np.float32), np.ones((8, 1), np.float32)
+    if not compile_inside:
+      model.compile("sgd", "mse")
+    with strategy.scope():
+      if compile_inside:
+        model.compile("sgd", "mse")
+      with self.assertRaisesRegex(
+          ValueError, r"created outside `strategy.scope\(\)`.*Create the "
+          r"model and its optimizer inside the scope"):
+        model.fit(x, y, verbose=0)
+    for got, want in zip(model.get_weights(), before):
+      np.testing.assert_array_equal(got, want)
+
+  def test_a_custom_loop_says_so_too(self):
+    strategy = topology.strategy_over(2)
+    weight = tf.Variable(1.0)
+    with strategy.scope():
+      optimizer = keras.optimizers.SGD()
+
+    @tf.function
+    def step():
+      return strategy.run(lambda: optimizer.apply_gradients([(1.0, weight)]))
+
+    with self.assertRaisesRegex(ValueError, "outside `strategy.scope"):
+      step()
+    self.assertEqual(float(weight.numpy()), 1.0)
+
+
 if __name__ == "__main__":
   unittest.main()
