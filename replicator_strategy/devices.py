@@ -56,7 +56,7 @@ def local_devices():
   for device_type in ("GPU", "CPU"):
     found = _this_tasks(tf.config.list_logical_devices(device_type))
     if found:
-      return tuple(tfi.device_util.canonicalize(d.name) for d in found)
+      return tuple(_canonical(d.name) for d in found)
   raise RuntimeError("TensorFlow reports no CPU or GPU device.")
 
 
@@ -64,7 +64,17 @@ def _this_tasks(logical_devices):
   """Drops other workers' devices, which TF lists once in a cluster."""
   task = tfi.context.context().host_address_space()
   return [d for d in logical_devices
-          if tfi.device_util.canonicalize(d.name).startswith(task + "/")]
+          if _canonical(d.name).startswith(task + "/")]
+
+
+def _canonical(name):
+  """`name` in full, job and task included, eagerly and in a `tf.Graph`.
+
+  TF lists devices without their job inside a graph ("/device:CPU:0"),
+  and canonicalizes without one there; this worker's task fills it in.
+  """
+  return tfi.device_util.canonicalize(
+      name, default=tfi.context.context().host_address_space())
 
 
 def tpu_present():
@@ -79,7 +89,7 @@ def resolve_devices(devices):
   listing the devices that exist, and NotImplementedError for TPU devices.
   """
   existing = {
-      tfi.device_util.canonicalize(d.name): d.device_type
+      _canonical(d.name): d.device_type
       for d in _this_tasks(tf.config.list_logical_devices())
   }
   listing = ", ".join(sorted(existing)) or "none"
@@ -97,7 +107,7 @@ def resolve_devices(devices):
         f"devices=[]. Devices that exist: {listing}")
   resolved = []
   for i, entry in enumerate(devices):
-    name = tfi.device_util.canonicalize(_one_device(i, entry, listing))
+    name = _canonical(_one_device(i, entry, listing))
     if name not in existing:
       raise ValueError(
           f"Device {entry!r} in `devices` does not exist on this machine. "

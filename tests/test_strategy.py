@@ -92,6 +92,38 @@ def _per_replica(strategy, fn):
   return strategy.experimental_distribute_values_from_function(fn)
 
 
+class GraphModeTest(unittest.TestCase):
+  """TF1-style code: the strategy made and run inside `tf.Graph().as_default()`."""
+
+  def test_devices_variables_and_run_in_a_graph(self):
+    with tf.Graph().as_default():
+      strategy = rs.ReplicatorStrategy(devices=["/cpu:0", "/cpu:1"])
+      self.assertEqual(strategy.extended.worker_devices,
+                       ("/job:localhost/replica:0/task:0/device:CPU:0",
+                        "/job:localhost/replica:0/task:0/device:CPU:1"))
+      with strategy.scope():
+        v = tf.Variable(3.0)
+      self.assertIsInstance(v, tf.distribute.DistributedValues)
+
+      def fn():
+        ctx = tf.distribute.get_replica_context()
+        rank = tf.cast(ctx.replica_id_in_sync_group, tf.float32)
+        return ctx.all_reduce("sum", rank + 1.0)
+
+      summed = strategy.experimental_local_results(strategy.run(fn))
+      with tf.compat.v1.Session() as session:
+        session.run(tf.compat.v1.global_variables_initializer())
+        self.assertEqual(session.run(summed), (3.0, 3.0))
+        self.assertEqual(session.run(strategy.experimental_local_results(v)),
+                         (3.0, 3.0))
+
+  def test_default_devices_in_a_graph_are_those_outside(self):
+    eager = rs.ReplicatorStrategy().extended.worker_devices
+    self.assertGreater(len(eager), 1)
+    with tf.Graph().as_default():
+      self.assertEqual(rs.ReplicatorStrategy().extended.worker_devices, eager)
+
+
 class CrossReplicaTest(unittest.TestCase):
 
   @parameterized.expand(topology.NAMED_REPLICA_COUNTS)
