@@ -488,8 +488,15 @@ def call_for_each_replica(strategy, fn, args, kwargs):
   @tfi.autograph.do_not_convert
   def in_replica_context(*a, **k):
     thread_context = tf.distribute.get_replica_context()
-    with ReplicaContext(strategy, tfi.replica_id(thread_context),
-                        inputs=(a, k)):
+    context = ReplicaContext(strategy, tfi.replica_id(thread_context),
+                             inputs=(a, k))
+    with context:
+      # Its all-reduce merges the replica threads, which take turns at each
+      # merge: made later (Keras scales a loss with it), it would let another
+      # replica run a layer in between, and Keras layers keep their add_loss
+      # values on the layer, shared by the threads. In one process an unused
+      # share is pruned from the graph.
+      context.local_batch_share()
       return fn(*a, **k)
 
   return tfi.mirrored_run.call_for_each_replica(strategy, in_replica_context,

@@ -97,6 +97,76 @@ class NoCallModelTest(unittest.TestCase):
       np.testing.assert_allclose(g, w, rtol=RTOL, atol=ATOL)
 
 
+class ActivityLoss(keras.layers.Layer):
+  """Adds a loss on its input's activations, as the Keras guide's layers do."""
+
+  def call(self, h):
+    self.add_loss(0.01 * tf.reduce_mean(tf.square(h)))
+    return h
+
+
+class WithModelLoss(keras.Model):
+  """A subclassed model that adds a loss in its own call()."""
+
+  def __init__(self):
+    super().__init__()
+    self.hidden = keras.layers.Dense(16, activation="tanh")
+    self.out = keras.layers.Dense(3)
+
+  def call(self, x):
+    h = self.hidden(x)
+    self.add_loss(0.01 * tf.reduce_mean(tf.square(h)))
+    return self.out(h)
+
+
+def layer_loss_model():
+  return keras.Sequential([keras.Input((8,)),
+                           keras.layers.Dense(16, activation="tanh"),
+                           ActivityLoss(), keras.layers.Dense(3)])
+
+
+def model_loss_model():
+  model = WithModelLoss()
+  model.build((None, 8))
+  return model
+
+
+class AddLossTest(unittest.TestCase):
+  """58 rows, batch 16: the last batch splits unevenly on 4 replicas."""
+
+  @classmethod
+  def setUpClass(cls):
+    super().setUpClass()
+    rng = np.random.default_rng(0)
+    cls.x = rng.normal(size=(58, 8)).astype(np.float32)
+    cls.y = rng.normal(size=(58, 3)).astype(np.float32)
+
+  def fit(self, build, strategy, run_eagerly=False):
+    keras.utils.set_random_seed(0)
+    start = build().get_weights()
+    with strategy.scope() if strategy else contextlib.nullcontext():
+      model = build()
+      model.set_weights(start)
+      model.compile(keras.optimizers.SGD(0.1), "mse", jit_compile=False,
+                    run_eagerly=run_eagerly)
+      losses = model.fit(self.x, self.y, batch_size=16, epochs=2,
+                         shuffle=False, verbose=0).history["loss"]
+    return losses, model.get_weights()
+
+  @parameterized.expand(
+      [(f"{where}_{n}_replicas", build, n, False)
+       for where, build in (("in_a_layer", layer_loss_model),
+                            ("in_a_subclassed_model", model_loss_model))
+       for n in topology.REPLICA_COUNTS] +
+      [("in_a_layer_4_replicas_run_eagerly", layer_loss_model, 4, True)])
+  def test_add_loss_trains_as_on_one_device(self, _, build, n, run_eagerly):
+    losses, weights = self.fit(build, topology.strategy_over(n), run_eagerly)
+    want_losses, want_weights = self.fit(build, None)
+    np.testing.assert_allclose(losses, want_losses, rtol=RTOL, atol=ATOL)
+    for got, want in zip(weights, want_weights):
+      np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL)
+
+
 class BuiltOutsideScopeTest(unittest.TestCase):
 
   @parameterized.expand([("compiled_outside", False), ("compiled_inside", True)])
