@@ -488,6 +488,7 @@ def call_for_each_replica(strategy, fn, args, kwargs):
   @tfi.autograph.do_not_convert
   def in_replica_context(*a, **k):
     thread_context = tf.distribute.get_replica_context()
+    a, k = _relax_empty_batches((a, k))
     context = ReplicaContext(strategy, tfi.replica_id(thread_context),
                              inputs=(a, k))
     with context:
@@ -501,3 +502,20 @@ def call_for_each_replica(strategy, fn, args, kwargs):
 
   return tfi.mirrored_run.call_for_each_replica(strategy, in_replica_context,
                                                 args, kwargs)
+
+
+def _relax_empty_batches(structure):
+  """`structure` with each traced tensor of 0 rows made one of unknown rows.
+
+  A replica left without rows (fewer rows than replicas) gets tensors whose
+  static batch is 0 when the step is traced for the concrete batch (as
+  Keras's predict and evaluate do); TF's shape inference then fails some
+  layers (an LSTM's bias add) that run well on 0 rows of unknown count.
+  """
+  def relax(t):
+    if (tf.is_tensor(t) and not tf.executing_eagerly() and
+        isinstance(t, tf.Tensor) and t.shape.rank and t.shape[0] == 0):
+      return tf.raw_ops.PlaceholderWithDefault(
+          input=t, shape=tf.TensorShape([None]).concatenate(t.shape[1:]))
+    return t
+  return tf.nest.map_structure(relax, structure)
