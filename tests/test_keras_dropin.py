@@ -85,17 +85,82 @@ class NoCallModelTest(unittest.TestCase):
       gan = GAN(*parts)
       gan.compile(keras.optimizers.Adam(1e-3), keras.optimizers.Adam(1e-3),
                   keras.losses.BinaryCrossentropy(from_logits=True))
-      gan.fit(cls.data, batch_size=16, epochs=2, shuffle=False, verbose=0)
-    return [w.numpy() for w in gan.weights]
+      history = gan.fit(cls.data, batch_size=16, epochs=2, shuffle=False,
+                        verbose=0).history
+    return [w.numpy() for w in gan.weights], history
 
   @parameterized.expand(topology.NAMED_REPLICA_COUNTS)
-  def test_the_guides_gan_trains_as_on_one_device(self, _, n):
-    got = self.fit(topology.strategy_over(n))
-    self.assertEqual(len(got), len(self.want))
-    for g, w, start in zip(got, self.want,
+  def test_the_guides_gan_trains_and_logs_as_on_one_device(self, _, n):
+    got, history = self.fit(topology.strategy_over(n))
+    want, want_history = self.want
+    self.assertEqual(len(got), len(want))
+    for g, w, start in zip(got, want,
                            [w for part in self.start for w in part]):
       self.assertGreater(np.abs(w - start).max(), 1e-4)  # it trained
       np.testing.assert_allclose(g, w, rtol=RTOL, atol=ATOL)
+    # The losses its train_step returns, not divided by the replicas.
+    for key in ("d_loss", "g_loss"):
+      np.testing.assert_allclose(history[key], want_history[key], rtol=RTOL)
+
+
+class CustomStepModel(keras.Model):
+  """The Keras guide's custom train_step and test_step, with a loss tracker."""
+
+  def __init__(self):
+    super().__init__()
+    self.hidden = keras.layers.Dense(16, activation="tanh")
+    self.out = keras.layers.Dense(3)
+    self.loss_tracker = keras.metrics.Mean(name="loss")
+
+  def call(self, x):
+    return self.out(self.hidden(x))
+
+  @property
+  def metrics(self):
+    return [self.loss_tracker]
+
+  def train_step(self, data):
+    x, y = data
+    with tf.GradientTape() as tape:
+      y_pred = self(x, training=True)
+      loss = self.compute_loss(y=y, y_pred=y_pred)
+    grads = tape.gradient(loss, self.trainable_variables)
+    self.optimizer.apply_gradients(zip(grads, self.trainable_variables))
+    self.loss_tracker.update_state(loss)
+    return {"loss": self.loss_tracker.result()}
+
+  def test_step(self, data):
+    x, y = data
+    self.loss_tracker.update_state(self.compute_loss(y=y, y_pred=self(x)))
+    return {"loss": self.loss_tracker.result()}
+
+
+class CustomStepTest(unittest.TestCase):
+  """64 rows, batch 16: every replica gets as many rows."""
+
+  @staticmethod
+  def run_model(strategy):
+    keras.utils.set_random_seed(0)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64, 8)).astype(np.float32)
+    y = rng.normal(size=(64, 3)).astype(np.float32)
+    with strategy.scope() if strategy else contextlib.nullcontext():
+      model = CustomStepModel()
+      model.build((None, 8))
+      model.compile(keras.optimizers.SGD(0.1), loss="mse", jit_compile=False)
+      history = model.fit(x, y, batch_size=16, epochs=2, shuffle=False,
+                          verbose=0).history["loss"]
+      evaluated = model.evaluate(x, y, batch_size=16, verbose=0)
+    return history, evaluated, model.get_weights()
+
+  @parameterized.expand(topology.NAMED_REPLICA_COUNTS)
+  def test_the_guides_custom_steps_log_as_on_one_device(self, _, n):
+    history, evaluated, weights = self.run_model(topology.strategy_over(n))
+    want_history, want_evaluated, want_weights = self.run_model(None)
+    np.testing.assert_allclose(history, want_history, rtol=RTOL)
+    np.testing.assert_allclose(evaluated, want_evaluated, rtol=RTOL)
+    for got, want in zip(weights, want_weights):
+      np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL)
 
 
 _LAYERS = {"dense": keras.layers.Flatten, "lstm": lambda: keras.layers.LSTM(8),

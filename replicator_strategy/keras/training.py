@@ -11,7 +11,9 @@
   contiguous per-replica parts, so the rows come back once, in order.
 - A replica's mean loss is scaled by 1/N, which is right only when every
   replica has as many rows; a final partial batch then trains differently
-  from one device. Here it is scaled by the replica's share of the rows.
+  from one device. And the scaled value is what a custom `train_step` sees
+  and logs (the loss / N). Here the loss keeps its value, the replica's mean,
+  and its gradient is scaled by the replica's share of the rows.
 - Before the first step Keras builds the model from the first batch, averaged
   over the replicas, which fails when the batch splits unevenly, or on a
   sparse batch, or on zero rows, or for a model with no `call()` (a GAN
@@ -111,7 +113,15 @@ def build_from_whole_batch(maybe_symbolic_build):
 
 
 def scale_by_batch_share(keras_fn, scale):
-  """Scales (or unscales) a replica's mean loss by its share of the rows."""
+  """A replica's mean loss, its gradient scaled by the replica's share of the rows.
+
+  Keras scales each replica's loss by 1/N so that summing the replicas'
+  gradients gives the global one; its own `train_step` then unscales the
+  value for its logs, but a custom step logs the scaled value (the loss / N).
+  Here the value stays the replica's own mean loss, what one device computes
+  for those rows, and only its gradient carries the share: training is
+  unchanged and every step logs real losses. Unscaling is then nothing to do.
+  """
 
   @functools.wraps(keras_fn)
   def wrapper(value):
@@ -120,8 +130,10 @@ def scale_by_batch_share(keras_fn, scale):
       share = tf.distribute.get_replica_context().local_batch_share()
     if share is None:
       return keras_fn(value)
+    if not scale:
+      return value
     share = tf.cast(share, value.dtype)
-    return value * share if scale else tf.math.divide_no_nan(value, share)
+    return share * value + tf.stop_gradient((1 - share) * value)
 
   return wrapper
 
