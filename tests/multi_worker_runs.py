@@ -228,6 +228,27 @@ def embedding_fit(strategy):
               for w in model.weights]}
 
 
+def keras_custom_steps(strategy):
+  """The Keras guide's custom train_step/test_step, and a layer's add_loss:
+  logs, evaluation and weights after fit on 58 rows (uneven final batch)."""
+  import test_keras_dropin as dropin  # pylint: disable=g-import-not-at-top
+  x, y = data()
+  results = {}
+  for name, build in (("custom_step", dropin.CustomStepModel),
+                      ("add_loss", dropin.layer_loss_model)):
+    with strategy.scope():
+      keras.utils.set_random_seed(0)
+      model = build()
+      model.build((None, 8))
+      model.compile(keras.optimizers.SGD(0.1), "mse", jit_compile=False)
+    history = model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=2,
+                        shuffle=False, verbose=0).history["loss"]
+    results[name] = {"history": history,
+                     "evaluate": model.evaluate(x, y, verbose=0),
+                     "weights": _weights(model)}
+  return results
+
+
 def peer_dies(strategy, fate=signal.SIGKILL):
   """Trains step after step; worker 1 gets `fate` after two steps.
 
@@ -474,7 +495,8 @@ RUNS = {"custom_loop": custom_loop, "primitives": primitives,
         "custom_loop_preempted": custom_loop_preempted,
         "listening_addresses": listening_addresses,
         "slicing_collectives": slicing_collectives,
-        "sharded_state": sharded_state, "embedding_fit": embedding_fit}
+        "sharded_state": sharded_state, "embedding_fit": embedding_fit,
+        "keras_custom_steps": keras_custom_steps}
 # Runs that take the output directory as their working directory.
 TAKES_WORKDIR = ("keras_files", "keras_backup_and_restore", "keras_preempted",
                  "keras_killed", "keras_until_stopped",

@@ -242,6 +242,17 @@ class ShardedOptimizerStateTest(unittest.TestCase):
 
 
 @pytest.mark.slow
+class KerasCustomStepsTest(unittest.TestCase):
+
+  def test_custom_steps_and_add_loss_equal_one_process_with_four(self):
+    with tempfile.TemporaryDirectory() as out:
+      workers = results_of(["keras_custom_steps"], out)
+    expected = multi_worker_runs.keras_custom_steps(topology.strategy_over(4))
+    for worker in workers:
+      assert_close_nested(self, worker["keras_custom_steps"], expected)
+
+
+@pytest.mark.slow
 class ShardedVariablesTest(unittest.TestCase):
   """Every weight cut in 4 shards, on 2 workers x 2, equals one process with 4."""
 
