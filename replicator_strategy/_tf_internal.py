@@ -136,9 +136,13 @@ def replica_id(replica_context):
   return replica_context._replica_id_in_sync_group  # pylint: disable=protected-access
 
 
-def clone_function(function, python_function):
-  """A `tf.function` like `function` (same options) around `python_function`."""
-  return function._clone(python_function=python_function)  # pylint: disable=protected-access
+def clone_function_without_xla(function, python_function):
+  """(A `tf.function` like `function` around `python_function`, not compiled
+  with XLA; whether `function` asked for XLA, `jit_compile=True`)."""
+  clone = function._clone(python_function=python_function)  # pylint: disable=protected-access
+  asked = bool(clone._jit_compile)  # pylint: disable=protected-access
+  clone._jit_compile = None  # pylint: disable=protected-access
+  return clone, asked
 
 
 def require_registration_barrier(eager_context):

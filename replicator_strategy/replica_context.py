@@ -26,6 +26,7 @@ import enum
 import inspect
 import weakref
 
+from absl import logging
 import tensorflow as tf
 
 from replicator_strategy import _tf_internal as tfi
@@ -464,6 +465,7 @@ def _broadcast_from(strategy, source_replica_id, *per_replica):
 
 
 _lifted_functions = weakref.WeakKeyDictionary()
+_warned_xla = []
 
 
 def call_for_each_replica(strategy, fn, args, kwargs):
@@ -478,8 +480,16 @@ def call_for_each_replica(strategy, fn, args, kwargs):
     lifted = per_strategy.get(fn)
     if lifted is None:
       python_fn = fn.python_function
-      lifted = tfi.clone_function(
+      lifted, asked_for_xla = tfi.clone_function_without_xla(
           fn, lambda *a, **k: call_for_each_replica(strategy, python_fn, a, k))
+      if asked_for_xla and not _warned_xla:
+        _warned_xla.append(True)
+        logging.warning(
+            "ReplicatorStrategy runs a jit_compile=True function given to "
+            "strategy.run (a Keras step with jit_compile=True) without XLA: "
+            "the replicated step spans every replica's device, and XLA "
+            "compiles for one. Results are the uncompiled step's, as on one "
+            "device; jit_compile=False silences this.")
       per_strategy[fn] = lifted
     return lifted(*args, **kwargs)
   if not tf.executing_eagerly():

@@ -15,6 +15,7 @@ from parameterized import parameterized
 import tensorflow as tf
 
 import topology
+from replicator_strategy.keras import training
 
 RTOL, ATOL = 1e-5, 1e-6
 LATENT = 4
@@ -286,6 +287,45 @@ class AddLossTest(unittest.TestCase):
     np.testing.assert_allclose(losses, want_losses, rtol=RTOL, atol=ATOL)
     for got, want in zip(weights, want_weights):
       np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL)
+
+
+class JitCompileTest(unittest.TestCase):
+
+  @staticmethod
+  def fit(strategy):
+    keras.utils.set_random_seed(0)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(58, 8)).astype(np.float32)
+    y = rng.normal(size=(58, 3)).astype(np.float32)
+    with strategy.scope() if strategy else contextlib.nullcontext():
+      model = layer_loss_model()
+      model.compile(keras.optimizers.Adam(0.01), "mse", jit_compile=True)
+      history = model.fit(x, y, batch_size=16, epochs=2, shuffle=False,
+                          verbose=0).history["loss"]
+      return (history, model.evaluate(x, y, verbose=0),
+              model.predict(x, verbose=0), model.get_weights())
+
+  @parameterized.expand(topology.NAMED_REPLICA_COUNTS)
+  def test_jit_compile_true_runs_as_on_one_device_and_says_so(self, _, n):
+    training._warned_xla.clear()
+    with self.assertLogs("absl", "WARNING") as logs:
+      got = self.fit(topology.strategy_over(n))
+    self.assertEqual(sum("without XLA" in line for line in logs.output), 1,
+                     logs.output)
+    want = self.fit(None)  # Compiled with XLA.
+    for g, w in zip(got[:3], want[:3]):
+      np.testing.assert_allclose(g, w, rtol=RTOL, atol=ATOL)
+    for g, w in zip(got[3], want[3]):
+      np.testing.assert_allclose(g, w, rtol=RTOL, atol=ATOL)
+
+  def test_a_jit_compiled_replica_function_runs_too(self):
+    strategy = topology.strategy_over(2)
+    step = tf.function(
+        lambda x: tf.distribute.get_replica_context().all_reduce("sum", x * 2),
+        jit_compile=True)
+    got = strategy.experimental_local_results(
+        strategy.run(step, args=(tf.constant(3.0),)))
+    self.assertEqual([float(t) for t in got], [12.0, 12.0])
 
 
 class BuiltOutsideScopeTest(unittest.TestCase):

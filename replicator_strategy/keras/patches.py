@@ -80,6 +80,8 @@ PATCHES = (
           sharded_weights.average_reads_whole, _SHARDED),
     Patch(keras.layers.Embedding, "call", sharded_weights.lookup_rows,
           _SHARDED + ": the Embedding's table"),
+    Patch(_MODEL, "jit_compile", training.without_xla,
+          "the strategy is a ReplicatorStrategy and jit_compile=True"),
     Patch(ki.tf_trainer, "reduce_per_replica",
           training.concat_across_workers,
           "predict across several ReplicatorStrategy workers"),

@@ -1,4 +1,4 @@
-"""Six things Keras 3 gets wrong under any strategy, put right for this one.
+"""Seven things Keras 3 gets wrong under any strategy, put right for this one.
 
 - Per-batch logs (the progress bar, `on_*_batch_end` callbacks, the return of
   `train_on_batch`) are averages of each replica's *local* metric results,
@@ -26,6 +26,9 @@
 - Across workers, `predict` concatenates this worker's replicas only (Keras
   gathers every worker's rows for MultiWorkerMirroredStrategy alone). Here
   every worker gets all rows, in order.
+- `jit_compile=True` compiles the whole replicated step with XLA, which
+  fails on the replicas' devices. Here such a model runs uncompiled, with a
+  warning, until XLA runs per replica.
 
 Each wrapper is an entry of `replicator_strategy.keras.PATCHES`, applied on import of
 `replicator_strategy`, on `keras.Model`, `keras.optimizers.Optimizer` and
@@ -40,6 +43,7 @@ True
 
 import functools
 
+from absl import logging
 import keras
 import tensorflow as tf
 
@@ -198,6 +202,33 @@ def concat_across_workers(reduce_per_replica):
         values)
 
   return wrapper
+
+
+_warned_xla = []  # Said once per process.
+
+
+def without_xla(jit_compile):
+  """The `jit_compile` property, False under a ReplicatorStrategy.
+
+  Keras compiles its whole replicated step with XLA, which compiles for one
+  device and fails on the other replicas' variables (MirroredStrategy too).
+  """
+  def get(self):
+    asked = jit_compile.fget(self)
+    if not (asked and isinstance(self.distribute_strategy,
+                                 strategy_lib.ReplicatorStrategy)):
+      return asked
+    if not _warned_xla:
+      _warned_xla.append(True)
+      logging.warning(
+          "ReplicatorStrategy trains and evaluates jit_compile=True models "
+          "without XLA for now: Keras would compile the whole replicated "
+          "step, which spans every replica's device, and XLA compiles for "
+          "one. Results are the uncompiled step's, as on one device; "
+          "jit_compile=False silences this.")
+    return False
+
+  return property(get, jit_compile.fset, jit_compile.fdel, jit_compile.__doc__)
 
 
 def split_batch(strategy, batch):
