@@ -25,9 +25,9 @@ class PatchTableTest(unittest.TestCase):
           self.assertIsNot(function, patched[(owner, name)])
           # Keras's own code, not a wrapper of ours (functools.wraps copies
           # names, not code).
-          self.assertIn(f"{os.sep}keras{os.sep}", function.__code__.co_filename)
+          self.assertIn(f"{os.sep}keras{os.sep}", _code(function).co_filename)
           self.assertIn("replicator_strategy",
-                        patched[(owner, name)].__code__.co_filename)
+                        _code(patched[(owner, name)]).co_filename)
     finally:
       keras_patches.install()
     reapplied = {key: getattr(*key) for key in patched}
@@ -70,6 +70,11 @@ class VersionCheckTest(unittest.TestCase):
       keras_internal.check_keras_version("3.99.0")
     keras_internal.check_keras_version("3.15.1")
     keras_internal.check_keras_version()  # The installed Keras.
+
+
+def _code(function):
+  """The code of a function, or of a property's getter."""
+  return (function.fget if isinstance(function, property) else function).__code__
 
 
 if __name__ == "__main__":
