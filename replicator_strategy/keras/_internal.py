@@ -44,6 +44,11 @@ def multi_worker_concat(value, strategy):
   return tf_trainer._multi_worker_concat(value, strategy)  # pylint: disable=protected-access
 
 
+def distributed_dataset(epoch_iterator):
+  """The distributed dataset a Keras `TFEpochIterator` iterates over."""
+  return epoch_iterator._get_iterator()  # pylint: disable=protected-access
+
+
 def save_backup(backup_and_restore):
   """A `BackupAndRestore` callback writes its backup now."""
   backup_and_restore._save_model()  # pylint: disable=protected-access

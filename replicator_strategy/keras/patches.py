@@ -53,7 +53,7 @@ PATCHES = (
     Patch(_MODEL, "predict_on_batch",
           training.split_predict_on_batch, _UNDER_US),
     Patch(_MODEL, "_maybe_symbolic_build",
-          training.build_from_whole_batch,
+          training.build_from_batch_spec,
           "the strategy is a ReplicatorStrategy"),
     Patch(ki.loss, "scale_loss_for_distribution",
           functools.partial(training.scale_by_batch_share,

@@ -17,8 +17,9 @@
 - Before the first step Keras builds the model from the first batch, averaged
   over the replicas, which fails when the batch splits unevenly, or on a
   sparse batch, or on zero rows, or for a model with no `call()` (a GAN
-  trained by its own `train_step`). Here it builds from the whole first
-  batch, or from the batches' spec when there is none, and a model with no
+  trained by its own `train_step`); and it draws that batch from an iterator
+  it then drops, so a generator loses the batches it read ahead. Here it
+  builds from the batches' spec, reading nothing, and a model with no
   `call()` is left to build in its first step, as without a strategy.
 - Gradient clipping (`clipnorm`, `global_clipnorm`, `clipvalue`) clips each
   replica's share of the gradient before the all-reduce, which is not the
@@ -77,7 +78,7 @@ def global_metrics_result(get_metrics_result):
   return wrapper
 
 
-def build_from_whole_batch(maybe_symbolic_build):
+def build_from_batch_spec(maybe_symbolic_build):
 
   @functools.wraps(maybe_symbolic_build)
   def wrapper(self, iterator=None, data_batch=None):
@@ -90,28 +91,13 @@ def build_from_whole_batch(maybe_symbolic_build):
       # No call() to build from (a GAN's custom train_step, say): defer to
       # the step's first trace, as Keras does without a strategy.
       return None
-    for _, _, batches in iterator:  # Takes one batch, as Keras does.
-      first = next(batches, None)
-      break
-    else:
-      return maybe_symbolic_build(self, data_batch=data_batch)
-    if first is None:
-      # Zero rows. Keras still traces the step function, which would create
-      # the optimizer's variables inside the replicas: build from the
-      # batches' spec instead, as from a batch.
-      return maybe_symbolic_build(self, data_batch=tf.nest.map_structure(
-          tfi.one_replica_spec, batches.element_spec))
-
-    def whole(value):
-      if not isinstance(value, tf.distribute.DistributedValues):
-        return value
-      parts = strategy.experimental_local_results(value)
-      if isinstance(parts[0], tf.SparseTensor):
-        return tf.sparse.concat(0, list(parts), expand_nonconcat_dims=True)
-      return tf.concat(parts, axis=0) if parts[0].shape.rank else parts[0]
-
+    # Keras's pre-build draws a batch from an iterator it then drops, with
+    # whatever that iterator read ahead: a generator loses batches (how many
+    # depends on timing), a shuffled PyDataset one shuffle. The batches'
+    # spec builds the same, reading nothing.
+    spec = ki.distributed_dataset(iterator).element_spec
     return maybe_symbolic_build(self, data_batch=tf.nest.map_structure(
-        whole, first))
+        tfi.one_replica_spec, spec))
 
   return wrapper
 
