@@ -136,15 +136,20 @@ class CustomStepModel(keras.Model):
     return {"loss": self.loss_tracker.result()}
 
 
+def regression_data(rows):
+  """`rows` examples of 8 features and 3 targets, always the same."""
+  rng = np.random.default_rng(0)
+  return (rng.normal(size=(rows, 8)).astype(np.float32),
+          rng.normal(size=(rows, 3)).astype(np.float32))
+
+
 class CustomStepTest(unittest.TestCase):
   """64 rows, batch 16: every replica gets as many rows."""
 
   @staticmethod
   def run_model(strategy):
     keras.utils.set_random_seed(0)
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(64, 8)).astype(np.float32)
-    y = rng.normal(size=(64, 3)).astype(np.float32)
+    x, y = regression_data(64)
     with strategy.scope() if strategy else contextlib.nullcontext():
       model = CustomStepModel()
       model.build((None, 8))
@@ -259,9 +264,7 @@ class AddLossTest(unittest.TestCase):
   @classmethod
   def setUpClass(cls):
     super().setUpClass()
-    rng = np.random.default_rng(0)
-    cls.x = rng.normal(size=(58, 8)).astype(np.float32)
-    cls.y = rng.normal(size=(58, 3)).astype(np.float32)
+    cls.x, cls.y = regression_data(58)
 
   def fit(self, build, strategy, run_eagerly=False):
     keras.utils.set_random_seed(0)
@@ -294,9 +297,7 @@ class JitCompileTest(unittest.TestCase):
   @staticmethod
   def fit(strategy):
     keras.utils.set_random_seed(0)
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(58, 8)).astype(np.float32)
-    y = rng.normal(size=(58, 3)).astype(np.float32)
+    x, y = regression_data(58)
     with strategy.scope() if strategy else contextlib.nullcontext():
       model = layer_loss_model()
       model.compile(keras.optimizers.Adam(0.01), "mse", jit_compile=True)
