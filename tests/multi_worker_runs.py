@@ -249,6 +249,22 @@ def keras_custom_steps(strategy):
   return results
 
 
+def fewer_rows_than_replicas(strategy):
+  """Dense and LSTM models on 1 and 3 rows (fewer than the 4 replicas):
+  predictions, evaluation and weights after fit."""
+  import test_keras_dropin as dropin  # pylint: disable=g-import-not-at-top
+  results = {}
+  for kind in ("dense", "lstm"):
+    for rows in (1, 3):
+      predicted, evaluated, weights = (
+          dropin.FewerRowsThanReplicasTest.run_model(kind, strategy, rows,
+                                                     train=True))
+      results[f"{kind}_{rows}"] = {
+          "predict": predicted.tolist(), "evaluate": evaluated,
+          "weights": [w.tolist() for w in weights]}
+  return results
+
+
 def peer_dies(strategy, fate=signal.SIGKILL):
   """Trains step after step; worker 1 gets `fate` after two steps.
 
@@ -496,7 +512,8 @@ RUNS = {"custom_loop": custom_loop, "primitives": primitives,
         "listening_addresses": listening_addresses,
         "slicing_collectives": slicing_collectives,
         "sharded_state": sharded_state, "embedding_fit": embedding_fit,
-        "keras_custom_steps": keras_custom_steps}
+        "keras_custom_steps": keras_custom_steps,
+        "fewer_rows_than_replicas": fewer_rows_than_replicas}
 # Runs that take the output directory as their working directory.
 TAKES_WORKDIR = ("keras_files", "keras_backup_and_restore", "keras_preempted",
                  "keras_killed", "keras_until_stopped",

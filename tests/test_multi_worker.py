@@ -244,12 +244,22 @@ class ShardedOptimizerStateTest(unittest.TestCase):
 @pytest.mark.slow
 class KerasCustomStepsTest(unittest.TestCase):
 
-  def test_custom_steps_and_add_loss_equal_one_process_with_four(self):
+  @classmethod
+  def setUpClass(cls):
     with tempfile.TemporaryDirectory() as out:
-      workers = results_of(["keras_custom_steps"], out)
-    expected = multi_worker_runs.keras_custom_steps(topology.strategy_over(4))
-    for worker in workers:
-      assert_close_nested(self, worker["keras_custom_steps"], expected)
+      cls.workers = results_of(
+          ["keras_custom_steps", "fewer_rows_than_replicas"], out)
+
+  def assert_workers_equal_one_process_with_four(self, run):
+    expected = multi_worker_runs.RUNS[run](topology.strategy_over(4))
+    for worker in self.workers:
+      assert_close_nested(self, worker[run], expected)
+
+  def test_custom_steps_and_add_loss_equal_one_process_with_four(self):
+    self.assert_workers_equal_one_process_with_four("keras_custom_steps")
+
+  def test_fewer_rows_than_replicas_equal_one_process_with_four(self):
+    self.assert_workers_equal_one_process_with_four("fewer_rows_than_replicas")
 
 
 @pytest.mark.slow
