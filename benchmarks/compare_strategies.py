@@ -89,9 +89,10 @@ def parse_args(argv=None):
                       help="logical CPU devices when there is no GPU (default 4)")
   parser.add_argument("--sections",
                       default="fit,custom,allreduce,reducescatter,parts,"
-                      "first,multi,sharding,embedding",
+                      "update,first,multi,sharding,embedding",
                       help="comma-separated subset of fit,custom,allreduce,"
-                      "reducescatter,parts,first,multi,sharding,embedding")
+                      "reducescatter,parts,update,first,multi,sharding,"
+                      "embedding")
   parser.add_argument("--child", help=argparse.SUPPRESS)
   return parser.parse_args(argv)
 
@@ -399,17 +400,6 @@ def bench_parts(n):
                       names=("none", "mirrored", "replicator", "sharded"))
 
 
-def update_ms(parts_rows, name):
-  """The optimizer update alone, from the parts' rows.
-
-  A mirrored update follows the all-reduce; the sharded one has none before
-  it (it reduce-scatters inside), so its exchange is counted in its update.
-  """
-  ms = {r["part"]: r["ms"][name] for r in parts_rows}
-  before = "+ backward" if name == "sharded" else "+ all-reduce"
-  return ms["+ update"] - ms[before]
-
-
 # 3. All-reduce latency.
 
 def bench_allreduce(n):
@@ -522,6 +512,115 @@ def _collective_fn(strategy, size, collective, in_cond):
 
   run = tf.function(lambda: strategy.run(replica_fn, (inputs,)))
   return lambda: [float(v) for v in strategy.experimental_local_results(run())]
+
+
+
+# 9. The optimizer update alone.
+
+UPDATE_CONTENDERS = ("mirrored", "replicator", "sharded")
+UPDATE_MEASURES = ("apply", "exchange")
+
+
+def bench_update(n):
+  """`optimizer.apply_gradients` inside `strategy.run`, timed on its own.
+
+  Every replica starts each step from the same fixed gradients (made once,
+  outside the trace; replica r's are r + 1 times the first's), so the step
+  is the gradient exchange and the update and nothing else. Beside it, the
+  same gradients' exchange alone: the all-reduce a mirrored update starts
+  with, the reduce-scatter a sharded one starts with (each `ReplicaContext`
+  collective of every gradient, padded flat for reduce_scatter as the
+  sharded update does). "apply - exchange" is then the update: for mirrored
+  state every replica's whole update, for sharded state the update of one
+  shard per replica and the all-gather of the new weights.
+  """
+  if n != replica_counts()[-1]:
+    return []
+  weights = initial_weights("mlp")
+  rng = np.random.default_rng(1)
+  grads = [1e-3 * rng.normal(size=w.shape).astype("float32") for w in weights]
+  rows = []
+  for optimizer in OPTIMIZERS:
+    runs, finals = {}, {}
+    for name in UPDATE_CONTENDERS:
+      strategy = contender(name, n)
+      with strategy.scope():
+        model = mlp()
+        model.set_weights(weights)
+        opt = OPTIMIZERS[optimizer]()
+        opt.build(model.trainable_variables)
+      per_replica = strategy.experimental_distribute_values_from_function(
+          lambda ctx: [tf.constant(g) * float(ctx.replica_id_in_sync_group + 1)
+                       for g in grads])
+      runs[name, "apply"] = _apply_fn(strategy, model, opt, per_replica)
+      runs[name, "exchange"] = _exchange_fn(
+          strategy, per_replica, scatter=name == "sharded")
+      finals[name] = model
+    times = {key: [] for key in runs}
+    for key, fn in runs.items():  # Traces them.
+      fn()
+    for _ in range(SIZE["rounds"]):
+      for key, fn in runs.items():
+        for _ in range(SIZE["fit_steps"]):
+          start = time.perf_counter()
+          fn()
+          times[key].append(time.perf_counter() - start)
+    ms = {f"{name} {measure}": median_ms(times[name, measure])
+          for name, measure in runs}
+    rows.append({"optimizer": optimizer, "replicas": n, "ms": ms,
+                 "agree": agree([np.concatenate([w.ravel()
+                                                 for w in m.get_weights()])
+                                 for m in finals.values()], rtol=1e-4)})
+    print_progress("update", rows[-1])
+  return rows
+
+
+def _apply_fn(strategy, model, optimizer, per_replica):
+  def replica_fn(grads):
+    optimizer.apply_gradients(zip(grads, model.trainable_variables))
+
+  return tf.function(lambda: strategy.run(replica_fn, (per_replica,)))
+
+
+def _exchange_fn(strategy, per_replica, scatter):
+  def replica_fn(grads):
+    ctx = tf.distribute.get_replica_context()
+    if not scatter:
+      return ctx.all_reduce("sum", grads)
+    n = ctx.num_replicas_in_sync
+    flat = [tf.pad(tf.reshape(g, [-1]), [[0, -g.shape.num_elements() % n]])
+            for g in grads]
+    return ctx.reduce_scatter("sum", flat)
+
+  return tf.function(lambda: strategy.run(replica_fn, (per_replica,)))
+
+
+def update_table(rows):
+  lines = []
+  for r in rows:
+    ms = r["ms"]
+    if not lines:
+      lines += ["", f"Optimizer update alone, MLP 784-512-512-10, "
+                f"{r['replicas']} replicas, ms (median; apply = "
+                f"apply_gradients of fixed gradients inside strategy.run; "
+                f"exchange = their all-reduce, for sharded their "
+                f"reduce-scatter; update = apply - exchange)",
+                f"{'optimizer':10} {'measure':17} " +
+                " ".join(f"{n:>10}" for n in UPDATE_CONTENDERS) +
+                f" {'S/mirrored':>10} {'S/replicator':>12}  agree"]
+    update = {n: ms[f"{n} apply"] - ms[f"{n} exchange"]
+              for n in UPDATE_CONTENDERS}
+    for label, v in (("apply", {n: ms[f"{n} apply"]
+                                for n in UPDATE_CONTENDERS}),
+                     ("exchange", {n: ms[f"{n} exchange"]
+                                   for n in UPDATE_CONTENDERS}),
+                     ("update", update)):
+      lines.append(
+          f"{r['optimizer']:10} {label:17} " +
+          " ".join(f"{v[n]:>10.2f}" for n in UPDATE_CONTENDERS) +
+          f" {v['sharded'] / v['mirrored']:>10.2f}"
+          f" {v['sharded'] / v['replicator']:>12.2f}  {r['agree']}")
+  return lines
 
 
 def replicas_child(n):
@@ -789,14 +888,7 @@ def table(results):
           f"{ms['replicator'] / ms['none']:>7.2f} "
           f"{ms['replicator'] / ms['none, sliced']:>8.2f} "
           f"{ms['replicator'] / ms['mirrored']:>10.2f}  {r['agree']}")
-    update = {name: update_ms(parts, name)
-              for name in ("mirrored", "replicator", "sharded")}
-    lines += [f"update alone (+ update minus + all-reduce; sharded: minus "
-              f"+ backward, its reduce-scatter and all-gather included): "
-              f"mirrored {update['mirrored']:.2f}, replicator "
-              f"{update['replicator']:.2f}, sharded {update['sharded']:.2f}; "
-              f"sharded/replicator {update['sharded'] / update['replicator']:.2f}"
-              f", sharded/mirrored {update['sharded'] / update['mirrored']:.2f}"]
+  lines += update_table(results.get("update", []))
   lines += sharding_table(results.get("sharding", []))
   lines += embedding_table(results.get("embedding", []))
   if "allreduce" in results:
@@ -932,6 +1024,7 @@ IN_PROCESS_SECTIONS = {"fit": bench_fit, "custom": bench_custom,
                        "allreduce": bench_allreduce,
                        "reducescatter": bench_reduce_scatter,
                        "parts": bench_parts,
+                       "update": bench_update,
                        "sharding": bench_sharding_fit}
 # Sections (or their parts) that start fresh processes of their own.
 FRESH_PROCESS_SECTIONS = {"first": bench_first_epoch,

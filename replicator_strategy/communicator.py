@@ -70,6 +70,14 @@ class Communicator:
     return len(self.devices) * self.num_workers
 
   @property
+  def shares_memory(self):
+    """Whether every replica's device is in this process's host memory
+    (logical CPUs, no other worker): a value on one of them is readable by
+    all without a copy."""
+    return self.num_workers == 1 and all(
+        tf.DeviceSpec.from_string(d).device_type == "CPU" for d in self.devices)
+
+  @property
   def first_replica_id(self):
     """The global id of this worker's first replica."""
     return self.worker_index * len(self.devices)
@@ -118,8 +126,7 @@ class Communicator:
     cutting on every device). Separate memories cut each part on its own
     device and reduce slice r on device r, so only slices move, each once.
     """
-    if all(tf.DeviceSpec.from_string(d).device_type == "CPU"
-           for d in self.devices):
+    if self.shares_memory:
       with tf.device(self.devices[0]):
         reduced = tf.split(reduce_op_lib.reduce_parts(op, _local_parts(value)),
                            self.num_replicas, axis=axis)

@@ -58,6 +58,13 @@ class BenchmarkSmokeTest(unittest.TestCase):
       self.assertEqual(sorted(row["ms"]), ["mirrored", "none", "none, sliced",
                                            "replicator", "sharded"])
       self.assertTrue(row["agree"], row)
+    self.assertEqual([(r["optimizer"], r["replicas"])
+                      for r in results["update"]], [("sgd", 4), ("adam", 4)])
+    for row in results["update"]:
+      self.assertEqual(set(row["ms"]), {
+          f"{name} {measure}" for name in ("mirrored", "replicator", "sharded")
+          for measure in ("apply", "exchange")})
+      self.assertTrue(row["agree"], row)
     first = results["first"][0]
     for key in ("first_epoch_s", "peak_rss_mb"):
       self.assertEqual(sorted(first[key]), ["mirrored", "none", "replicator"])

@@ -107,6 +107,12 @@ def sharded_update_step(backend_update_step):
 def _step(strategy, optimizer, grads, weights, learning_rate, summed):
   """One sharded step for every weight, in cross-replica context."""
   communicator = strategy.extended.communicator
+  if communicator.shares_memory and not summed:
+    # Every replica reads the one sum in place, so the (packed) all-reduce
+    # costs no more than a reduce-scatter and launches far fewer ops.
+    grads = strategy.extended.batch_reduce_to(
+        tf.distribute.ReduceOp.SUM, [(g, g) for g in grads])
+    summed = True
   updates = []
   for grad, weight in zip(grads, weights):
     layout = sharded.Layout(tuple(weight.shape.as_list()),
