@@ -527,12 +527,14 @@ def bench_update(n):
   Every replica starts each step from the same fixed gradients (made once,
   outside the trace; replica r's are r + 1 times the first's), so the step
   is the gradient exchange and the update and nothing else. Beside it, the
-  same gradients' exchange alone: the all-reduce a mirrored update starts
-  with, the reduce-scatter a sharded one starts with (each `ReplicaContext`
-  collective of every gradient, padded flat for reduce_scatter as the
-  sharded update does). "apply - exchange" is then the update: for mirrored
-  state every replica's whole update, for sharded state the update of one
-  shard per replica and the all-gather of the new weights.
+  same gradients' exchange alone, as the update starts with it: an
+  all-reduce for mirrored state, and for sharded state too where the
+  replicas share memory (logical CPUs: each slices the one sum in place),
+  else a reduce-scatter (each `ReplicaContext` collective of every gradient,
+  padded flat for reduce_scatter as the sharded update does). "apply -
+  exchange" is then the update: for mirrored state every replica's whole
+  update, for sharded state the update of one shard per replica and the
+  all-gather of the new weights.
   """
   if n != replica_counts()[-1]:
     return []
@@ -554,7 +556,8 @@ def bench_update(n):
                        for g in grads])
       runs[name, "apply"] = _apply_fn(strategy, model, opt, per_replica)
       runs[name, "exchange"] = _exchange_fn(
-          strategy, per_replica, scatter=name == "sharded")
+          strategy, per_replica, scatter=name == "sharded" and
+          not strategy.extended.communicator.shares_memory)
       finals[name] = model
     times = {key: [] for key in runs}
     for key, fn in runs.items():  # Traces them.
@@ -603,8 +606,9 @@ def update_table(rows):
       lines += ["", f"Optimizer update alone, MLP 784-512-512-10, "
                 f"{r['replicas']} replicas, ms (median; apply = "
                 f"apply_gradients of fixed gradients inside strategy.run; "
-                f"exchange = their all-reduce, for sharded their "
-                f"reduce-scatter; update = apply - exchange)",
+                f"exchange = their all-reduce, or the reduce-scatter a "
+                f"sharded update starts with where the replicas do not share "
+                f"memory; update = apply - exchange)",
                 f"{'optimizer':10} {'measure':17} " +
                 " ".join(f"{n:>10}" for n in UPDATE_CONTENDERS) +
                 f" {'S/mirrored':>10} {'S/replicator':>12}  agree"]

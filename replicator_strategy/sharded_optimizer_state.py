@@ -10,7 +10,9 @@ rather than landing whole on one, so optimizer memory and optimizer math per
 device both drop to about 1/N. A step then runs, per model weight:
 
 1. reduce-scatter: replica r gets shard r of the summed gradient (the
-   communicator's `reduce_scatter`, chosen for the topology);
+   communicator's `reduce_scatter`, chosen for the topology; where the
+   replicas share memory, the step's packed all-reduce, each replica
+   slicing the one sum in place);
 2. the update: device r runs the optimizer's own math on shard r of the
    weight and of the gradient, against shard r of the slots;
 3. all-gather: every replica's copy of the weight (a `MirroredVariable`

@@ -7,7 +7,9 @@ Two wrappers, entries of `replicator_strategy.keras.PATCHES`, act when the strat
   shaped like a weight) creates a sharded slot (a `ShardedVariable`) instead
   of a mirrored one;
 - `_backend_update_step` (Keras's TF step: all-reduce, then `update_step`
-  per weight and per device) reduce-scatters the gradients instead, runs the
+  per weight and per device) reduce-scatters the gradients instead (on
+  logical CPUs, which share memory: all-reduces them packed, each replica
+  reading its slice of the one sum), runs the
   optimizer's own `update_step` once per shard, and all-gathers the weights:
   in one `merge_call` where the replicas can meet, else (inside a replica's
   control flow, as gradient accumulation's `tf.cond`) each replica steps its
