@@ -85,7 +85,9 @@ class Layout:
   def assemble(self, shards):
     """The full-shaped tensor from all `shards` (padding dropped)."""
     flat = tf.concat(list(shards), axis=0) if len(shards) > 1 else shards[0]
-    return tf.reshape(flat[:self.size], self.shape)
+    if self.shard_size * self.num_shards > self.size:
+      flat = flat[:self.size]
+    return tf.reshape(flat, self.shape)
 
   def assemble_padded(self, gathered):
     return self.assemble([gathered])
