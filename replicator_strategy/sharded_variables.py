@@ -245,7 +245,8 @@ def lookup(variable, ids):
   flat = tf.reshape(ids, [-1])
   count = tf.shape(flat)[0]
   most = ctx.all_reduce("max", count)
-  every_id = ctx.all_gather(tf.pad(flat, [[0, most - count]]), axis=0)
+  every_id = _checked_ids(
+      ctx.all_gather(tf.pad(flat, [[0, most - count]]), axis=0), layout.shape[0])
   width = layout.shape[1:]
   if layout.rows[shard]:
     rows = every_id - tf.cast(layout.offsets[shard], every_id.dtype)
@@ -258,6 +259,24 @@ def lookup(variable, ids):
                       variable.dtype)
   mine = ctx.reduce_scatter("sum", picked, axis=0)[:count]
   return tf.reshape(mine, tf.concat([tf.shape(ids), width], 0))
+
+
+def _checked_ids(every_id, num_rows):
+  """`every_id` as rows of the table, as Keras's lookup reads them.
+
+  A negative id counts from the end (Keras's `ops.take`); one outside
+  [-num_rows, num_rows) is an error, as on one CPU device, where a sharded
+  table would otherwise return zeros. Every replica checks every replica's
+  ids, so all of them stop together (none waits in a collective for one
+  that stopped).
+  """
+  lowest, highest = tf.reduce_min(every_id), tf.reduce_max(every_id)
+  check = tf.debugging.Assert(
+      (lowest >= -num_rows) & (highest < num_rows),
+      [f"Embedding ids must be rows of the table, in [-{num_rows}, "
+       f"{num_rows}); received ids from", lowest, "to", highest])
+  with tf.control_dependencies([check]):
+    return tf.where(every_id < 0, every_id + num_rows, every_id)
 
 
 _slot_reads = threading.local()

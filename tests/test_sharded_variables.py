@@ -236,6 +236,41 @@ class EmbeddingTest(unittest.TestCase):
                                  atol=ATOL, err_msg=v.path)
 
 
+  @parameterized.expand([("too_large", VOCABULARY),
+                         ("too_negative", -VOCABULARY - 1)])
+  def test_ids_outside_the_table_are_refused_as_on_one_device(self, _, bad_id):
+    ids, y = embedding_data()
+    ids[3, 1] = bad_id
+    with self.assertRaises(tf.errors.InvalidArgumentError):  # One CPU device.
+      embedding_model()(ids)
+    strategy = every_kernel_sharded(2)
+    with strategy.scope():
+      model = embedding_model()
+      model.compile(keras.optimizers.SGD(0.1), "mse", jit_compile=False)
+    with self.assertRaisesRegex(
+        tf.errors.InvalidArgumentError,
+        rf"Embedding ids must be rows of the table, in \[-{VOCABULARY}, "
+        rf"{VOCABULARY}\)"):
+      model.fit(ids, y, batch_size=BATCH, epochs=1, verbose=0)
+    with self.assertRaisesRegex(tf.errors.InvalidArgumentError,
+                                "Embedding ids must be rows"):
+      model.predict(ids, batch_size=BATCH, verbose=0)
+
+  def test_negative_ids_count_from_the_end_as_on_one_device(self):
+    ids, _ = embedding_data()
+    ids[::7, 2] = -1
+    ids[::5, 0] = -VOCABULARY
+    want = embedding_model()
+    want.set_weights(embedding_initial_weights())
+    strategy = every_kernel_sharded(4)
+    with strategy.scope():
+      model = embedding_model()
+      model.set_weights(embedding_initial_weights())
+    np.testing.assert_allclose(
+        model.predict(ids, batch_size=BATCH, verbose=0),
+        want.predict(ids, batch_size=BATCH, verbose=0), rtol=RTOL, atol=ATOL)
+
+
 class RecurrentTest(unittest.TestCase):
 
   def test_lstm_reads_its_sharded_kernels_inside_its_loop(self):
