@@ -30,6 +30,13 @@ STEPS = 4
 EPOCHS = 2
 RTOL, ATOL = 1e-5, 1e-6
 
+def _adamw_accumulating_without_bias_decay():
+  optimizer = keras.optimizers.AdamW(learning_rate=0.01, weight_decay=0.1,
+                                     gradient_accumulation_steps=2)
+  optimizer.exclude_from_weight_decay(var_names=["bias"])
+  return optimizer
+
+
 _OPTIMIZERS = {
     "momentum": lambda: keras.optimizers.SGD(learning_rate=0.1, momentum=0.9),
     "nesterov": lambda: keras.optimizers.SGD(learning_rate=0.1, momentum=0.9,
@@ -57,6 +64,8 @@ _OPTIMIZERS = {
     # The step runs inside a tf.cond in each replica: the replica path.
     "momentum_accumulation": lambda: keras.optimizers.SGD(
         learning_rate=0.1, momentum=0.9, gradient_accumulation_steps=2),
+    # Each shard decays in the step (merge and replica paths), biases not.
+    "adamw_accumulation_no_bias_decay": _adamw_accumulating_without_bias_decay,
 }
 # Every optimizer on 4 replicas (uneven shards, padding); on 1 and 2, one of
 # each path: merge, clipping (summed first), EMA, loss scaling, tf.cond.

@@ -52,3 +52,8 @@ def distributed_dataset(epoch_iterator):
 def save_backup(backup_and_restore):
   """A `BackupAndRestore` callback writes its backup now."""
   backup_and_restore._save_model()  # pylint: disable=protected-access
+
+
+def uses_weight_decay(optimizer, variable):
+  """Whether `optimizer` decays `variable` (not excluded by id or name)."""
+  return optimizer._use_weight_decay(variable)  # pylint: disable=protected-access

@@ -71,6 +71,8 @@ PATCHES = (
           sharded_optimizer.shard_slots, _SHARDING),
     Patch(_OPTIMIZER, "_backend_update_step",
           sharded_optimizer.sharded_update_step, _SHARDING),
+    Patch(_OPTIMIZER, "_apply_weight_decay",
+          sharded_optimizer.decay_in_shards, _SHARDING),
     Patch(_OPTIMIZER, "_backend_update_step",
           sharded_weights.update_shards, _SHARDED),
     Patch(_OPTIMIZER, "_all_reduce_sum_gradients",

@@ -1,6 +1,6 @@
 """Keras optimizers over sharded optimizer state (`sharded_optimizer_state`).
 
-Two wrappers, entries of `replicator_strategy.keras.PATCHES`, act when the strategy is a
+Wrappers, entries of `replicator_strategy.keras.PATCHES`, act when the strategy is a
 `ReplicatorStrategy(shard_optimizer_state=True)`:
 
 - `add_variable_from_reference` (how every Keras optimizer makes a slot
@@ -23,7 +23,9 @@ Keras's own, on 1/N of the elements per device. That holds for optimizers
 whose math is elementwise and whose slots all come from
 `add_variable_from_reference`: those in `SUPPORTED_OPTIMIZERS`, and their
 subclasses that keep `update_step`. Others are refused when they build. EMA
-copies and gradient accumulators stay mirrored (`_KEPT_WHOLE`).
+copies and gradient accumulators stay mirrored (`_KEPT_WHOLE`). A third
+wrapper, of `_apply_weight_decay`, leaves AdamW's decay to the step, which
+decays each shard before its update, as Keras decays each weight.
 
 >>> strategy = ReplicatorStrategy(shard_optimizer_state=True)
 >>> with strategy.scope():
@@ -39,7 +41,9 @@ import tensorflow as tf
 from replicator_strategy import _tf_internal as tfi
 from replicator_strategy import replica_context
 from replicator_strategy import sharded_optimizer_state as sharded
+from replicator_strategy import sharded_variables
 from replicator_strategy import strategy as strategy_lib
+from replicator_strategy.keras import _internal as ki
 
 SUPPORTED_OPTIMIZERS = (keras.optimizers.SGD, keras.optimizers.Adam,
                         keras.optimizers.AdamW, keras.optimizers.RMSprop)
@@ -75,6 +79,34 @@ def shard_slots(add_variable_from_reference):
                                          initializer=initializer)
 
   return wrapper
+
+
+def decay_in_shards(apply_weight_decay):
+  """Keras's weight decay (AdamW's) of every replica's copy, left to the
+  sharded step for the weights it updates, which decays each shard once."""
+
+  @functools.wraps(apply_weight_decay)
+  def wrapper(self, variables):
+    if _sharding_strategy() is None:
+      return apply_weight_decay(self, variables)
+    # Sharded weights (variable_partitioner) decay shard by shard in Keras's
+    # own update already.
+    return apply_weight_decay(self, [
+        v for v in variables if isinstance(
+            v.value if isinstance(v, keras.Variable) else v,
+            sharded_variables.ShardedVariable)])
+
+  return wrapper
+
+
+def _decay(optimizer, stand_in):
+  """Keras's decoupled weight decay (as its TF backend writes it), on a shard."""
+  if optimizer.weight_decay is None or not ki.uses_weight_decay(
+      optimizer, stand_in.weight):
+    return
+  lr = tf.cast(optimizer.learning_rate, stand_in.dtype)
+  wd = tf.cast(optimizer.weight_decay, stand_in.dtype)
+  stand_in.assign_sub(stand_in.value * wd * lr)
 
 
 def sharded_update_step(backend_update_step):
@@ -125,6 +157,7 @@ def _step(strategy, optimizer, grads, weights, learning_rate, summed):
 
     def update_shard(r, weight_shard, weight=weight, grad_shards=grad_shards):
       stand_in = WeightShard(weight, weight_shard)
+      _decay(optimizer, stand_in)
       optimizer.update_step(
           grad_shards[r], stand_in,
           tfi.distribute_utils.select_replica(r, learning_rate))
@@ -156,6 +189,7 @@ def _replica_step(strategy, optimizer, grads, weights, learning_rate, summed):
     component = tfi.component(weight, local)
     stand_in = WeightShard(weight, layout.shard(component.read_value(), shard))
     with tfi.UpdateContext(local):
+      _decay(optimizer, stand_in)
       optimizer.update_step(grad_shard, stand_in, learning_rate)
     new_weight = layout.assemble([ctx.all_gather(stand_in.value, axis=0)])
     updates.append(component.assign(new_weight, read_value=False))
