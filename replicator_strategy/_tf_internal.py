@@ -49,6 +49,7 @@ from tensorflow.python.eager import def_function
 from tensorflow.python.eager import record
 from tensorflow.python.framework import kernels
 from tensorflow.python.ops import collective_ops
+from tensorflow.python.ops import control_flow_util_v2
 from tensorflow.python.ops import control_flow_v2_func_graphs
 from tensorflow.python.ops import resource_variable_ops
 from tensorflow.python.util import nest
@@ -158,3 +159,10 @@ def container_strategy(extended):
 def set_default_device(extended, device):
   """Ops without a device scope in the strategy's scope go to `device`."""
   extended._default_device = device  # pylint: disable=protected-access
+
+
+def differentiating_for_higher_order():
+  """Whether the graph being built now belongs to a gradient that TF wraps
+  for a persistent or nested `GradientTape` (its "cflow_gradient_wrapper")."""
+  return control_flow_util_v2.graph_wrapped_for_higher_order_tape_gradients(
+      tf.compat.v1.get_default_graph())

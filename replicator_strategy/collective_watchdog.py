@@ -81,12 +81,39 @@ def _describe(code):
   return _signatures[code] if 0 <= code < len(_signatures) else "none"
 
 
+class _Order:
+  """One replica's collectives in one graph, each waiting for the one before:
+  program order even where TF adds no control dependencies (a gradient's
+  graphs), so every replica launches its collectives in the same order.
+
+  `last_ops` ({replica: name of its last op}) is kept per graph by `Progress`;
+  names, not ops, so that it holds no graph alive.
+  """
+
+  def __init__(self, graph, last_ops, local_index):
+    self._graph = weakref.ref(graph)
+    self._last_ops = last_ops
+    self._local_index = local_index
+
+  def after(self):
+    """Control dependencies on this replica's last op, in its own graph."""
+    graph = tf.compat.v1.get_default_graph()
+    name = self._last_ops.get(self._local_index)
+    if name is None or graph is not self._graph():
+      return contextlib.nullcontext()
+    return tf.control_dependencies([graph.get_operation_by_name(name)])
+
+  def record(self, tensor):
+    self._last_ops[self._local_index] = tensor.op.name
+
+
 @dataclasses.dataclass(frozen=True)
 class Launch:
   """One drawn launch of a replica: its number on the device, and handles to mark it."""
   number: tf.Tensor
   completed: tf.Tensor
   last: tf.Tensor
+  order: _Order
 
 
 class Progress:
@@ -106,6 +133,8 @@ class Progress:
                                       ("last", -1)))
           for device in self.devices
       ]
+    # Per graph: {replica: name of its last collective op there} (`_Order`).
+    self._last_ops = weakref.WeakKeyDictionary()
     _WATCHDOG.watch(self)
 
   def draw(self, local_index, count, home_graph):
@@ -113,35 +142,44 @@ class Progress:
 
     The counters are captured in `home_graph`, where strategy.run is traced:
     control-flow branches that capture an eager handle themselves can't be
-    differentiated. TF's automatic control dependencies order the increments
-    in program order, and replicas run the same program, so the n-th launch
-    of every replica draws the same number.
+    differentiated. Within a graph each increment and launch waits for the
+    one before (`_Order`; across graphs TF's automatic control dependencies
+    order them), and replicas run the same program, so the n-th launch of
+    every replica draws the same number.
     """
     self.traced = True
     with home_graph.as_default():
       launched, completed, last = (home_graph.capture(v.handle)
                                    for v in self._variables[local_index])
+    graph = tf.compat.v1.get_default_graph()
+    order = _Order(graph, self._last_ops.setdefault(graph, {}), local_index)
     launches = []
     with tf.device(self.devices[local_index]):
       for _ in range(count):
-        increment = tf.raw_ops.AssignAddVariableOp(resource=launched, value=1)
+        with order.after():
+          increment = tf.raw_ops.AssignAddVariableOp(resource=launched,
+                                                     value=1)
         with tf.control_dependencies([increment]):
           number = tf.raw_ops.ReadVariableOp(resource=launched,
                                              dtype=tf.int32)
-        launches.append(Launch(number, completed, last))
+        order.record(number)
+        launches.append(Launch(number, completed, last, order))
     return launches
 
   @staticmethod
   def run(launch, description, collective):
     """`collective()`'s result, with the launch marked as `description` and completed."""
-    mark = tf.raw_ops.AssignVariableOp(
-        resource=launch.last, value=tf.constant(signature_code(description)))
+    with launch.order.after():
+      mark = tf.raw_ops.AssignVariableOp(
+          resource=launch.last, value=tf.constant(signature_code(description)))
     with tf.control_dependencies([mark]):
       result = collective()
     with tf.control_dependencies([result]):
       done = tf.raw_ops.AssignAddVariableOp(resource=launch.completed, value=1)
     with tf.control_dependencies([done]):
-      return tf.identity(result)
+      result = tf.identity(result)
+    launch.order.record(result)
+    return result
 
   def read(self):
     """Per device: (launched, completed, description of the last launched)."""

@@ -141,7 +141,7 @@ class ReplicaContext(tfi.ThreadReplicaContext):
           None,
           lambda keys, values: self._collectives.all_reduce(
               self.local_index, op, values, keys),
-          flat, grad=None)
+          flat, grad=lambda xs, ys, dys: self.all_reduce(op, dys))
     return tf.nest.pack_sequence_as(value, ys)
 
   def broadcast(self, value, source_replica_id=0):
@@ -191,7 +191,10 @@ class ReplicaContext(tfi.ThreadReplicaContext):
         None,
         lambda keys, values: self._collectives.all_gather(
             self.local_index, values, axis, keys),
-        flat, grad=None, keys_per_tensor=replica_collectives.GATHER_KEYS)
+        flat,
+        # Inside control flow every replica's part has the same shape.
+        grad=lambda xs, ys, dys: self.reduce_scatter("sum", dys, axis),
+        keys_per_tensor=replica_collectives.GATHER_KEYS)
     return tf.nest.pack_sequence_as(value, ys)
 
   def reduce_scatter(self, reduce_op, value, axis=0):
@@ -339,8 +342,9 @@ class ReplicaContext(tfi.ThreadReplicaContext):
 
     Through `merge_call` (`merge_fn(strategy, *per_replica_xs)`) where the
     replicas can meet, else through run-time collectives
-    (`collective_fn(keys, xs)`). `grad(xs, ys, dys)` gives the gradients on
-    the merge path; the collective path has none yet.
+    (`collective_fn(keys, xs)`). `grad(xs, ys, dys)` gives the gradients,
+    through collectives of the same path (inside a `tf.cond`, its gradient
+    branch launches run-time collectives too).
     """
     merging = self.can_merge
     if not merging:
@@ -356,13 +360,16 @@ class ReplicaContext(tfi.ThreadReplicaContext):
         ys = collective_fn(keys, list(xs))
 
       def gradient(*dys):
-        if not merging:
+        if not merging and tfi.differentiating_for_higher_order():
+          # TF then rebuilds the forward control flow inside functions of its
+          # own, where the replicas' collectives lose their common order.
           raise NotImplementedError(
               "Gradients through a cross-replica collective inside control "
-              "flow (a tf.cond branch or nested tf.function in the function "
-              "passed to strategy.run) are not supported yet. Call the "
-              "collective outside the tf.cond, or stop its gradient with "
-              "tf.stop_gradient if none is needed.")
+              "flow (a tf.cond branch in the function passed to "
+              "strategy.run) are taken with a non-persistent GradientTape "
+              "that no other tape watches; this one is persistent, or nested "
+              "in another tape. Use one non-persistent tape per gradient, or "
+              "call the collective outside the tf.cond.")
         return grad(list(xs), ys, list(dys))
 
       return list(ys), gradient

@@ -127,7 +127,7 @@ def slicing_collectives(strategy):
   """reduce_scatter (every op) and all_to_all, with gradients, by global replica.
 
   Eager and traced through merge_call, and traced inside a tf.cond (run-time
-  collectives; no gradients there).
+  collectives, in the gradient too).
   """
   n = strategy.num_replicas_in_sync
   ops = ("sum", "mean", "min", "max")
@@ -147,14 +147,16 @@ def slicing_collectives(strategy):
     out = {op: call(lambda op=op: ctx.reduce_scatter(op, {"x": x}, 1))["x"]
            for op in ops}
     out["all_to_all"] = call(lambda: ctx.all_to_all(x, 1, 0))
-    if not in_cond:
-      with tf.GradientTape(persistent=True) as tape:
+    exchanges = {op: (lambda op=op: ctx.reduce_scatter(op, x, 1), w)
+                 for op in ops}
+    exchanges["all_to_all"] = (lambda: ctx.all_to_all(x, 1, 0),
+                               tf.tile(w, [n, 1]))
+    out["gradients"] = {}
+    for name, (exchange, weight) in exchanges.items():
+      with tf.GradientTape() as tape:
         tape.watch(x)
-        losses = {op: tf.reduce_sum(ctx.reduce_scatter(op, x, 1) * w)
-                  for op in ops}
-        losses["all_to_all"] = tf.reduce_sum(
-            ctx.all_to_all(x, 1, 0) * tf.tile(w, [n, 1]))
-      out["gradients"] = {k: tape.gradient(v, x) for k, v in losses.items()}
+        loss = tf.reduce_sum(call(exchange) * weight)
+      out["gradients"][name] = tape.gradient(loss, x)
     return out
 
   results = {}

@@ -53,24 +53,47 @@ class ControlFlowTest(unittest.TestCase):
     assert_per_replica(self, strategy, step(tf.constant(True)),
                        [collected] * n)
 
-  @parameterized.expand([("sum", lambda ctx, x: ctx.all_reduce("sum", x)),
-                         ("max", lambda ctx, x: ctx.all_reduce("max", x)),
-                         ("broadcast", lambda ctx, x: ctx.broadcast(x)),
-                         ("gather", lambda ctx, x: ctx.all_gather(x, 0))])
-  def test_gradient_inside_cond_is_refused_not_wrong(self, _, exchange):
-    strategy = topology.strategy_over(2)
+  @parameterized.expand(topology.NAMED_REPLICA_COUNTS)
+  def test_gradients_inside_cond_equal_those_outside(self, _, n):
+    # Outside a cond the gradients go through merge_call (checked against
+    # NumPy in test_replica_context); inside, the gradient branch launches
+    # run-time collectives of its own.
+    strategy = topology.strategy_over(n)
+    exchanges = {
+        "sum": lambda ctx, x: ctx.all_reduce("sum", x),
+        "mean": lambda ctx, x: ctx.all_reduce("mean", x),
+        "min": lambda ctx, x: ctx.all_reduce("min", x),
+        "max": lambda ctx, x: ctx.all_reduce("max", x),
+        "broadcast": lambda ctx, x: ctx.broadcast(x, source_replica_id=n - 1),
+        "gather": lambda ctx, x: ctx.all_gather(x, 0)}
 
     def fn():
       ctx = tf.distribute.get_replica_context()
-      x = tf.ones([1])
-      with tf.GradientTape() as tape:
-        tape.watch(x)
-        y = tf.cond(tf.constant(True), lambda: exchange(ctx, x), lambda: x)
-      return tape.gradient(y, x)
+      r = tf.cast(ctx.replica_id_in_sync_group, tf.float32)
+      x = tf.constant([1.0, -2.0, 3.0]) * (r + 1.0) + r * r
+      grads = {}
+      for name, exchange in exchanges.items():
+        for where in ("outside", "inside"):
+          with tf.GradientTape() as tape:
+            tape.watch(x)
+            f = lambda exchange=exchange: exchange(ctx, x)
+            y = f() if where == "outside" else tf.cond(r >= 0.0, f, f)
+            # A weight per element and replica, so every path shows.
+            w = tf.range(1.0, tf.cast(tf.size(y), tf.float32) + 1.0) + r
+            loss = tf.reduce_sum(y * w)
+          grads[name, where] = tape.gradient(loss, x)
+      return {f"{name} {where}": g for (name, where), g in grads.items()}
 
-    with self.assertRaisesRegex(NotImplementedError,
-                                "Gradients through a cross-replica"):
-      tf.function(lambda: strategy.run(fn))()
+    results = strategy.experimental_local_results(
+        tf.function(lambda: strategy.run(fn))())
+    for name in exchanges:
+      # Some replica gets a gradient (MIN, MAX and broadcast: not all).
+      self.assertTrue(any(np.any(r[f"{name} outside"].numpy() != 0.0)
+                          for r in results), name)
+      for result in results:
+        np.testing.assert_allclose(result[f"{name} inside"],
+                                   result[f"{name} outside"], rtol=1e-6,
+                                   err_msg=name)
 
   @parameterized.expand(topology.NAMED_REPLICA_COUNTS)
   def test_cond_collectives_in_a_loop_around_run(self, _, n):

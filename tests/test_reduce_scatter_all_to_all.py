@@ -208,19 +208,57 @@ class InsideControlFlowTest(unittest.TestCase):
             rtol=1e-6)
       np.testing.assert_allclose(exchanged, expected_exchange[r])
 
-  def test_gradient_inside_a_cond_is_refused_clearly(self):
+  @parameterized.expand([(f"{n}_replicas", n) for n in topology.REPLICA_COUNTS])
+  def test_gradients_inside_a_cond(self, _, n):
+    strategy = topology.strategy_over(n)
+    xs = replica_values(n, (4, 4))
+    weights = replica_values(n, (4 // n, 4), seed=2)
+    a2a_weights = replica_values(n, (4 // n, 4 * n), seed=3)
+
+    def fn():
+      x = own_row(xs)
+      ctx = tf.distribute.get_replica_context()
+      always = ctx.replica_id_in_sync_group >= 0
+      calls = {op: (lambda op=op: ctx.reduce_scatter(op, x), weights)
+               for op in _OPS}
+      calls["all_to_all"] = (
+          lambda: ctx.all_to_all(x, split_axis=0, concat_axis=1), a2a_weights)
+      grads = {}
+      for name, (f, w) in calls.items():
+        with tf.GradientTape() as tape:
+          tape.watch(x)
+          loss = tf.reduce_sum(tf.cond(always, f, f) * own_row(w))
+        grads[name] = tape.gradient(loss, x)
+      return grads
+
+    upstream = np.concatenate(list(weights), axis=0)
+    extremes = {"min": xs.min(axis=0), "max": xs.max(axis=0)}
+    for r, grads in enumerate(run_per_replica(strategy, fn, traced=True)):
+      np.testing.assert_allclose(grads["sum"], upstream, rtol=1e-6)
+      np.testing.assert_allclose(grads["mean"], upstream / n, rtol=1e-6)
+      for op, extreme in extremes.items():
+        np.testing.assert_allclose(
+            grads[op], np.where(xs[r] == extreme, upstream, 0.0), rtol=1e-6)
+      np.testing.assert_allclose(
+          grads["all_to_all"],
+          np.concatenate([np.split(w, n, axis=1)[r] for w in a2a_weights],
+                         axis=0), rtol=1e-6)
+
+
+  def test_a_persistent_tape_through_a_collective_in_a_cond_is_refused(self):
     strategy = topology.strategy_over(2)
 
     def fn():
-      x = tf.ones([2])
       ctx = tf.distribute.get_replica_context()
-      with tf.GradientTape() as tape:
+      x = tf.ones([2])
+      with tf.GradientTape(persistent=True) as tape:
         tape.watch(x)
         y = tf.cond(ctx.replica_id_in_sync_group >= 0,
                     lambda: ctx.reduce_scatter("sum", x), lambda: x[:1])
       return tape.gradient(y, x)
 
-    with self.assertRaisesRegex(NotImplementedError, "inside control flow"):
+    with self.assertRaisesRegex(NotImplementedError,
+                                "non-persistent GradientTape"):
       run_per_replica(strategy, fn, traced=True)
 
 

@@ -104,9 +104,11 @@ class CreationTest(unittest.TestCase):
       with strategy.scope():
         tf.Variable(tf.zeros((4, 4)))
 
-  @parameterized.expand([("2_replicas", 2), ("4_replicas", 4)])
-  def test_reads_whole_in_a_replica_and_gradients_are_summed_shards(self, _,
-                                                                    n):
+  @parameterized.expand([(f"{n}_replicas{'_in_a_cond' if in_cond else ''}",
+                          n, in_cond)
+                         for n in (2, 4) for in_cond in (False, True)])
+  def test_reads_whole_in_a_replica_and_gradients_are_summed_shards(
+      self, _, n, in_cond):
     strategy = every_kernel_sharded(n)
     value = np.arange(10.0 * 3).reshape(10, 3).astype(np.float32)
     with strategy.scope():
@@ -116,8 +118,11 @@ class CreationTest(unittest.TestCase):
     def step():
       ctx = tf.distribute.get_replica_context()
       scale = tf.cast(ctx.replica_id_in_sync_group + 1, tf.float32)
+      read = lambda: tf.convert_to_tensor(v)
       with tf.GradientTape() as tape:
-        whole = tf.convert_to_tensor(v)
+        # In a tf.cond the gather and its gradient are run-time collectives.
+        whole = tf.cond(scale > 0, read, lambda: tf.zeros_like(value)) if (
+            in_cond) else read()
         loss = tf.reduce_sum(whole * whole) * scale
       return whole, tape.gradient(loss, v)
 
