@@ -191,11 +191,20 @@ class ReplicaContext(tfi.ThreadReplicaContext):
         None,
         lambda keys, values: self._collectives.all_gather(
             self.local_index, values, axis, keys),
-        flat,
-        # Inside control flow every replica's part has the same shape.
-        grad=lambda xs, ys, dys: self.reduce_scatter("sum", dys, axis),
+        flat, grad=lambda xs, ys, dys: [
+            self._own_part(x, dy, axis) for x, dy in zip(xs, dys)],
         keys_per_tensor=replica_collectives.GATHER_KEYS)
     return tf.nest.pack_sequence_as(value, ys)
+
+  def _own_part(self, x, gathered_dy, axis):
+    """This replica's part, as `x` lies in a gather along `axis`, of the
+    upstream gradients of that gather summed over replicas (parts may differ
+    in size along `axis`: a partial batch)."""
+    size = tf.shape(x)[axis]
+    sizes = self.all_gather(tf.reshape(size, [1]), axis=0)
+    start = tf.reduce_sum(sizes[:tfi.replica_id(self)])
+    return tf.gather(self.all_reduce("sum", gathered_dy),
+                     tf.range(start, start + size), axis=axis)
 
   def reduce_scatter(self, reduce_op, value, axis=0):
     """Replica r gets slice r (of N along `axis`) of `value` reduced over replicas.

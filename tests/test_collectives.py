@@ -96,6 +96,37 @@ class ControlFlowTest(unittest.TestCase):
                                    err_msg=name)
 
   @parameterized.expand(topology.NAMED_REPLICA_COUNTS)
+  def test_gather_of_uneven_parts_inside_cond_differentiates_as_outside(
+      self, _, n):
+    strategy = topology.strategy_over(n)
+
+    def fn():
+      ctx = tf.distribute.get_replica_context()
+      r = ctx.replica_id_in_sync_group
+      x = tf.range(tf.cast(r + 1, tf.float32)) + 1.0  # Replica r: r + 1 rows.
+      grads = []
+      for in_cond in (False, True):
+        with tf.GradientTape() as tape:
+          tape.watch(x)
+          gather = lambda: ctx.all_gather(x, axis=0)
+          y = tf.cond(r >= 0, gather, gather) if in_cond else gather()
+          w = tf.range(tf.cast(tf.size(y), tf.float32)) * tf.cast(r + 1,
+                                                                 tf.float32)
+          loss = tf.reduce_sum(y * w)
+        grads.append(tape.gradient(loss, x))
+      return grads
+
+    results = strategy.experimental_local_results(
+        tf.function(lambda: strategy.run(fn))())
+    total = n * (n + 1) / 2  # Sum of every replica's weight scale.
+    start = 0
+    for r, (outside, inside) in enumerate(results):
+      want = np.arange(start, start + r + 1) * total
+      np.testing.assert_allclose(outside, want)
+      np.testing.assert_allclose(inside, want)
+      start += r + 1
+
+  @parameterized.expand(topology.NAMED_REPLICA_COUNTS)
   def test_cond_collectives_in_a_loop_around_run(self, _, n):
     # The shape of Keras's steps_per_execution: a tf.while_loop whose body
     # calls strategy.run, whose replicas all-reduce inside a tf.cond.
