@@ -67,15 +67,29 @@ def assert_close_nested(test, actual, expected, rtol=1e-5, atol=1e-6):
                                rtol=rtol, atol=atol)
 
 
-@pytest.mark.slow
-class TwoWorkersTest(unittest.TestCase):
+class RunsOnWorkers:
+  """Mixin: `RUNS` on 2 workers x 2 (with `ENV`), once for the class's tests.
+
+  Each worker's results are in `cls.workers`; `cls.out`, the runs' working
+  directory, lasts until the class's tests are done.
+  """
+  RUNS = ()
+  ENV = None
 
   @classmethod
   def setUpClass(cls):
-    with tempfile.TemporaryDirectory() as out:
-      cls.workers = results_of(
-          ["primitives", "custom_loop", "keras_fit",
-           "keras_fit_steps_per_execution", "input_pipelines"], out)
+    cls.out = tempfile.TemporaryDirectory()
+    cls.workers = results_of(list(cls.RUNS), cls.out.name, env=cls.ENV)
+
+  @classmethod
+  def tearDownClass(cls):
+    cls.out.cleanup()
+
+
+@pytest.mark.slow
+class TwoWorkersTest(RunsOnWorkers, unittest.TestCase):
+  RUNS = ("primitives", "custom_loop", "keras_fit",
+          "keras_fit_steps_per_execution", "input_pipelines")
 
   def test_workers_agree_on_everything_but_ids_and_input_shards(self):
     first, second = (dict(w) for w in self.workers)
@@ -143,14 +157,10 @@ class TwoWorkersTest(unittest.TestCase):
 
 
 @pytest.mark.slow
-class OneDevicePerWorkerTest(unittest.TestCase):
+class OneDevicePerWorkerTest(RunsOnWorkers, unittest.TestCase):
   """The usual cluster of one-GPU machines: nothing to add within a worker."""
-
-  @classmethod
-  def setUpClass(cls):
-    with tempfile.TemporaryDirectory() as out:
-      cls.workers = results_of(["primitives", "custom_loop", "keras_fit"], out,
-                               env={"MULTI_WORKER_DEVICES": "1,1"})
+  RUNS = ("primitives", "custom_loop", "keras_fit")
+  ENV = {"MULTI_WORKER_DEVICES": "1,1"}
 
   def test_training_equals_one_process_with_two_replicas(self):
     for run in ("custom_loop", "keras_fit"):
@@ -196,20 +206,11 @@ class SlicingCollectivesTest(unittest.TestCase):
 
 
 @pytest.mark.slow
-class ShardedOptimizerStateTest(unittest.TestCase):
+class ShardedOptimizerStateTest(RunsOnWorkers, unittest.TestCase):
   """shard_optimizer_state=True on 2 workers x 2 equals one process with 4."""
-
-  @classmethod
-  def setUpClass(cls):
-    cls.out = tempfile.TemporaryDirectory()
-    cls.workers = results_of(
-        ["custom_loop", "keras_fit", "keras_fit_steps_per_execution",
-         "keras_fit_accumulation", "sharded_state"], cls.out.name,
-        env={"MULTI_WORKER_SHARD_OPTIMIZER_STATE": "1"})
-
-  @classmethod
-  def tearDownClass(cls):
-    cls.out.cleanup()
+  RUNS = ("custom_loop", "keras_fit", "keras_fit_steps_per_execution",
+          "keras_fit_accumulation", "sharded_state")
+  ENV = {"MULTI_WORKER_SHARD_OPTIMIZER_STATE": "1"}
 
   def test_training_equals_one_process_with_four_replicas(self):
     custom_loop = multi_worker_runs.custom_loop(topology.strategy_over(4))
@@ -247,13 +248,8 @@ class ShardedOptimizerStateTest(unittest.TestCase):
 
 
 @pytest.mark.slow
-class KerasCustomStepsTest(unittest.TestCase):
-
-  @classmethod
-  def setUpClass(cls):
-    with tempfile.TemporaryDirectory() as out:
-      cls.workers = results_of(
-          ["keras_custom_steps", "fewer_rows_than_replicas"], out)
+class KerasCustomStepsTest(RunsOnWorkers, unittest.TestCase):
+  RUNS = ("keras_custom_steps", "fewer_rows_than_replicas")
 
   def assert_workers_equal_one_process_with_four(self, run):
     expected = multi_worker_runs.RUNS[run](topology.strategy_over(4))
@@ -268,21 +264,12 @@ class KerasCustomStepsTest(unittest.TestCase):
 
 
 @pytest.mark.slow
-class ShardedVariablesTest(unittest.TestCase):
+class ShardedVariablesTest(RunsOnWorkers, unittest.TestCase):
   """Every weight cut in 4 shards, on 2 workers x 2, equals one process with 4."""
-
-  @classmethod
-  def setUpClass(cls):
-    cls.out = tempfile.TemporaryDirectory()
-    # Custom loops and accumulation with sharded variables are checked in one
-    # process; across workers, fit, the Embedding lookups and saving.
-    cls.workers = results_of(
-        ["keras_fit", "embedding_fit", "sharded_state"], cls.out.name,
-        env={"MULTI_WORKER_VARIABLE_SHARDS": "4"})
-
-  @classmethod
-  def tearDownClass(cls):
-    cls.out.cleanup()
+  # Custom loops and accumulation with sharded variables are checked in one
+  # process; across workers, fit, the Embedding lookups and saving.
+  RUNS = ("keras_fit", "embedding_fit", "sharded_state")
+  ENV = {"MULTI_WORKER_VARIABLE_SHARDS": "4"}
 
   def test_training_equals_one_process_with_four_replicas(self):
     expected = multi_worker_runs.keras_fit(topology.strategy_over(4))
