@@ -89,10 +89,10 @@ def parse_args(argv=None):
                       help="logical CPU devices when there is no GPU (default 4)")
   parser.add_argument("--sections",
                       default="fit,custom,allreduce,reducescatter,parts,"
-                      "update,first,multi,sharding,embedding",
+                      "update,first,multi,sharding,embedding,xla,overhead",
                       help="comma-separated subset of fit,custom,allreduce,"
                       "reducescatter,parts,update,first,multi,sharding,"
-                      "embedding")
+                      "embedding,xla,overhead")
   parser.add_argument("--child", help=argparse.SUPPRESS)
   return parser.parse_args(argv)
 
@@ -193,7 +193,14 @@ def convnet():
       keras.layers.Dense(10)])
 
 
+def tiny():
+  """One small Dense layer: its step time is the per-step overhead."""
+  return keras.Sequential([keras.Input((SIZE["image"] ** 2,)),
+                           keras.layers.Dense(10)])
+
+
 MODELS = {"mlp": mlp, "convnet": convnet}
+ALL_MODELS = {**MODELS, "tiny": tiny}
 # Batch norm normalises each replica's share of the batch (under either
 # strategy), so only the strategies agree with each other there.
 PER_REPLICA_STATISTICS = ("convnet",)
@@ -209,7 +216,7 @@ def losses_agree(model_name, losses):
 def data(model_name, batches):
   rng = np.random.default_rng(0)
   s = SIZE["image"]
-  shape = (s * s,) if model_name == "mlp" else (s, s, 1)
+  shape = (s, s, 1) if model_name == "convnet" else (s * s,)
   rows = SIZE["global_batch"] * batches
   x = rng.normal(size=(rows,) + shape).astype("float32")
   y = rng.integers(0, 10, size=rows).astype("int32")
@@ -218,20 +225,21 @@ def data(model_name, batches):
 
 def initial_weights(model_name):
   keras.utils.set_random_seed(0)
-  return MODELS[model_name]().get_weights()
+  return ALL_MODELS[model_name]().get_weights()
 
 
 OPTIMIZERS = {"sgd": lambda: keras.optimizers.SGD(0.01, momentum=0.9),
               "adam": lambda: keras.optimizers.Adam(1e-3)}
 
 
-def compiled(model_name, strategy, weights, optimizer="sgd"):
+def compiled(model_name, strategy, weights, optimizer="sgd", jit_compile=False):
   with scope(strategy):
-    model = MODELS[model_name]()
+    model = ALL_MODELS[model_name]()
     model.set_weights(weights)
     model.compile(
         optimizer=OPTIMIZERS[optimizer](),
-        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        jit_compile=jit_compile)
   return model
 
 
@@ -268,32 +276,59 @@ def agree(values, rtol):
 
 def bench_fit(n, model_names=tuple(MODELS), names=("none", "mirrored",
                                                     "replicator"),
-              optimizer="sgd"):
+              optimizer="sgd", section="fit"):
+  """Keras fit step of each contender; a name "X+xla" is X with jit_compile."""
   rows = []
   for model_name in model_names:
     weights = initial_weights(model_name)
     x, y = data(model_name, SIZE["fit_steps"])
-    runs = {name: {"model": compiled(model_name, contender(name, n), weights,
-                                     optimizer),
-                   "times": [], "losses": []}
-            for name in names}
+    runs = {}
+    for name in names:
+      strategy_name, _, xla = name.partition("+")
+      runs[name] = {"model": compiled(model_name, contender(strategy_name, n),
+                                      weights, optimizer, jit_compile=bool(xla)),
+                    "times": [], "losses": []}
+    failed = {}
     for round_index in range(SIZE["rounds"] + 1):
-      for run in runs.values():
+      for name, run in runs.items():
+        if name in failed:
+          continue
         timer = StepTimer()
-        history = run["model"].fit(
-            x, y, batch_size=SIZE["global_batch"], epochs=1, shuffle=False,
-            verbose=0, callbacks=[timer])
+        try:
+          history = run["model"].fit(
+              x, y, batch_size=SIZE["global_batch"], epochs=1, shuffle=False,
+              verbose=0, callbacks=[timer])
+        except (tf.errors.OpError, ValueError) as e:  # MirroredStrategy + XLA.
+          failed[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
+          continue
         if round_index == 0:  # Warm-up: tracing; losses from equal weights.
           run["losses"] = history.history["loss"]
         else:  # A call's first step also makes the iterator: left out.
           run["times"] += timer.times[1:]
     rows.append({
         "model": model_name, "replicas": n,
-        "ms": {name: median_ms(r["times"]) for name, r in runs.items()},
+        "ms": {name: median_ms(r["times"]) for name, r in runs.items()
+               if name not in failed},
+        "failed": failed,
         "agree": losses_agree(
-            model_name, {k: r["losses"] for k, r in runs.items()})})
-    print_progress("fit", rows[-1])
+            model_name, {k: r["losses"] for k, r in runs.items()
+                         if k not in failed})})
+    print_progress(section, rows[-1])
   return rows
+
+
+def bench_xla(n):
+  """jit_compile=True against not, for each contender, at the most replicas."""
+  if n != replica_counts()[-1]:
+    return []
+  return bench_fit(n, names=[f"{name}{xla}" for name in ("none", "mirrored",
+                                                         "replicator")
+                             for xla in ("", "+xla")], section="xla")
+
+
+def bench_overhead(n):
+  """Per-step cost with negligible compute: a tiny model's fit step."""
+  return bench_fit(n, model_names=("tiny",), section="overhead")
 
 
 # 2. Custom loop.
@@ -874,6 +909,19 @@ def table(results):
           f"{ms['mirrored']:>9.2f} {ms['replicator']:>11.2f} "
           f"{ms['replicator'] / ms['none']:>7.2f} "
           f"{ms['replicator'] / ms['mirrored']:>10.2f}  {r['agree']}")
+  lines += xla_table(results.get("xla", []))
+  if results.get("overhead"):
+    lines += ["", "Per-step overhead: fit step of one Dense layer "
+              f"({SIZE['image'] ** 2}x10), ms (median)",
+              f"{'replicas':>8} {'none':>8} {'mirrored':>9} {'replicator':>11} "
+              f"{'R/none':>7} {'M/none':>7} {'R/mirrored':>10}  agree"]
+    for r in results["overhead"]:
+      ms = r["ms"]
+      lines.append(
+          f"{r['replicas']:>8} {ms['none']:>8.2f} {ms['mirrored']:>9.2f} "
+          f"{ms['replicator']:>11.2f} {ms['replicator'] / ms['none']:>7.2f} "
+          f"{ms['mirrored'] / ms['none']:>7.2f} "
+          f"{ms['replicator'] / ms['mirrored']:>10.2f}  {r['agree']}")
   if results.get("parts"):
     parts = results["parts"]
     lines += ["", f"MLP custom-loop step by part, {parts[0]['replicas']}"
@@ -948,6 +996,33 @@ def table(results):
               f"{ms['2 workers x 2'] / ms['1 process x 4']:.2f}   agree "
               f"{r['agree']}"]
   return "\n".join(lines)
+
+
+def xla_table(rows):
+  """jit_compile=True beside not, per contender; a failed contender says so."""
+  lines = []
+  for r in rows:
+    ms = r["ms"]
+    if not lines:
+      lines += ["", f"Keras fit step with jit_compile=True (+xla) and without, "
+                f"{r['replicas']} replicas, ms (median)",
+                f"{'model':8} " + " ".join(
+                    f"{name:>15}" for name in ("none", "none+xla", "mirrored",
+                                               "mirrored+xla", "replicator",
+                                               "replicator+xla")) +
+                f" {'R+xla/R':>8} {'R+xla/none+xla':>14}  agree"]
+    cell = lambda name: (f"{ms[name]:>15.2f}" if name in ms
+                         else f"{'fails':>15}")
+    lines.append(
+        f"{r['model']:8} " + " ".join(cell(name) for name in (
+            "none", "none+xla", "mirrored", "mirrored+xla", "replicator",
+            "replicator+xla")) +
+        f" {ms['replicator+xla'] / ms['replicator']:>8.2f}"
+        f" {ms['replicator+xla'] / ms['none+xla']:>14.2f}  {r['agree']}")
+  for r in rows:
+    for name, error in r["failed"].items():
+      lines.append(f"{r['model']} {name} fails: {error}")
+  return lines
 
 
 def sharding_table(rows):
@@ -1029,7 +1104,9 @@ IN_PROCESS_SECTIONS = {"fit": bench_fit, "custom": bench_custom,
                        "reducescatter": bench_reduce_scatter,
                        "parts": bench_parts,
                        "update": bench_update,
-                       "sharding": bench_sharding_fit}
+                       "sharding": bench_sharding_fit,
+                       "xla": bench_xla,
+                       "overhead": bench_overhead}
 # Sections (or their parts) that start fresh processes of their own.
 FRESH_PROCESS_SECTIONS = {"first": bench_first_epoch,
                           "multi": bench_multi_worker,

@@ -9,6 +9,7 @@ at the end of this file (tests/test_tf_internal.py checks that no other
 module does). Upgrading TF means re-checking this one file.
 """
 
+import collections
 import os
 
 import tensorflow as tf
@@ -137,13 +138,38 @@ def replica_id(replica_context):
   return replica_context._replica_id_in_sync_group  # pylint: disable=protected-access
 
 
+def asks_for_xla(function):
+  """Whether a `tf.function` was made with `jit_compile=True`."""
+  return bool(function._jit_compile)  # pylint: disable=protected-access
+
+
 def clone_function_without_xla(function, python_function):
-  """(A `tf.function` like `function` around `python_function`, not compiled
-  with XLA; whether `function` asked for XLA, `jit_compile=True`)."""
+  """A `tf.function` like `function` around `python_function`, not compiled
+  with XLA as a whole."""
   clone = function._clone(python_function=python_function)  # pylint: disable=protected-access
-  asked = bool(clone._jit_compile)  # pylint: disable=protected-access
   clone._jit_compile = None  # pylint: disable=protected-access
-  return clone, asked
+  return clone
+
+
+def xla_launches_by_device(fn):
+  """`fn()`'s result and a Counter: device -> XLA clusters launched on it.
+
+  Read from the run's optimized graphs (TF's run metadata), so it counts
+  what really ran compiled, not what was asked for.
+  """
+  eager = context.context()
+  eager.enable_run_metadata()
+  try:
+    result = fn()
+    metadata = eager.export_run_metadata()
+  finally:
+    eager.disable_run_metadata()
+  launches = collections.Counter(
+      tf.DeviceSpec.from_string(node.device).to_string()
+      for graph in metadata.function_graphs
+      for node in graph.post_optimization_graph.node
+      if node.op == "_XlaRun")
+  return result, launches
 
 
 def require_registration_barrier(eager_context):

@@ -22,11 +22,11 @@ paths.
 Design after TF-Replicator (Buchlovsky et al., 2019, arXiv:1902.00465).
 """
 
+import contextlib
 import enum
 import inspect
 import weakref
 
-from absl import logging
 import tensorflow as tf
 
 from replicator_strategy import _tf_internal as tfi
@@ -481,7 +481,6 @@ def _broadcast_from(strategy, source_replica_id, *per_replica):
 
 
 _lifted_functions = weakref.WeakKeyDictionary()
-_warned_xla = []
 
 
 def call_for_each_replica(strategy, fn, args, kwargs):
@@ -489,6 +488,9 @@ def call_for_each_replica(strategy, fn, args, kwargs):
 
   A `tf.function` is lifted above the replica threads (one trace holding every
   replica), as MirroredStrategy does, so that `merge_call` works inside it.
+  One with `jit_compile=True` is compiled per replica: XLA compiles each
+  replica's ops for that replica's device (`tf.xla.experimental.jit_scope`),
+  the collectives between them run as TensorFlow ops.
   """
   if isinstance(fn, tfi.def_function.Function):
     per_strategy = _lifted_functions.setdefault(strategy,
@@ -496,16 +498,14 @@ def call_for_each_replica(strategy, fn, args, kwargs):
     lifted = per_strategy.get(fn)
     if lifted is None:
       python_fn = fn.python_function
-      lifted, asked_for_xla = tfi.clone_function_without_xla(
-          fn, lambda *a, **k: call_for_each_replica(strategy, python_fn, a, k))
-      if asked_for_xla and not _warned_xla:
-        _warned_xla.append(True)
-        logging.warning(
-            "ReplicatorStrategy runs a jit_compile=True function given to "
-            "strategy.run (a Keras step with jit_compile=True) without XLA: "
-            "the replicated step spans every replica's device, and XLA "
-            "compiles for one. Results are the uncompiled step's, as on one "
-            "device; jit_compile=False silences this.")
+      scope = (tf.xla.experimental.jit_scope if tfi.asks_for_xla(fn)
+               else contextlib.nullcontext)
+
+      def replicated(*a, **k):
+        with scope():
+          return call_for_each_replica(strategy, python_fn, a, k)
+
+      lifted = tfi.clone_function_without_xla(fn, replicated)
       per_strategy[fn] = lifted
     return lifted(*args, **kwargs)
   if not tf.executing_eagerly():

@@ -36,6 +36,7 @@ check_keras_version()
 # pylint: disable=g-import-not-at-top,unused-import
 from keras.src.backend.tensorflow import trainer as tf_trainer
 from keras.src.losses import loss  # Where Keras scales losses.
+from keras.src.trainers import trainer
 # pylint: enable=g-import-not-at-top,unused-import
 
 
@@ -57,3 +58,8 @@ def save_backup(backup_and_restore):
 def uses_weight_decay(optimizer, variable):
   """Whether `optimizer` decays `variable` (not excluded by id or name)."""
   return optimizer._use_weight_decay(variable)  # pylint: disable=protected-access
+
+
+def supports_jit(model):
+  """Whether Keras would compile `model` with XLA (no layer refuses it)."""
+  return trainer.model_supports_jit(model)

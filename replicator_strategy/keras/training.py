@@ -28,8 +28,9 @@
   gathers every worker's rows for MultiWorkerMirroredStrategy alone). Here
   every worker gets all rows, in order.
 - `jit_compile=True` compiles the whole replicated step with XLA, which
-  fails on the replicas' devices. Here such a model runs uncompiled, with a
-  warning, until XLA runs per replica.
+  fails on the replicas' devices, and `"auto"` turns XLA off under any
+  strategy. Here each replica's step is compiled on its own device, and
+  `"auto"` means XLA on accelerators, as without a strategy.
 
 Each wrapper is an entry of `replicator_strategy.keras.PATCHES`, applied on import of
 `replicator_strategy`, on `keras.Model`, `keras.optimizers.Optimizer` and
@@ -44,7 +45,6 @@ True
 
 import functools
 
-from absl import logging
 import keras
 import tensorflow as tf
 
@@ -190,31 +190,44 @@ def concat_across_workers(reduce_per_replica):
   return wrapper
 
 
-_warned_xla = []  # Said once per process.
+def compiled_per_replica(make_function):
+  """Keras's step maker, with `jit_compile=True` compiling each replica's step.
 
-
-def without_xla(jit_compile):
-  """The `jit_compile` property, False under a ReplicatorStrategy.
-
-  Keras compiles its whole replicated step with XLA, which compiles for one
-  device and fails on the other replicas' variables (MirroredStrategy too).
+  Keras compiles the function around `strategy.run` with XLA as a whole,
+  which compiles for one device and fails on the other replicas' variables
+  (MirroredStrategy too). Here that function stays a plain `tf.function` and
+  the step it runs on every replica is the `jit_compile=True` one, which
+  ReplicatorStrategy compiles per replica, on the replica's device.
   """
-  def get(self):
-    asked = jit_compile.fget(self)
-    if not (asked and isinstance(self.distribute_strategy,
-                                 strategy_lib.ReplicatorStrategy)):
-      return asked
-    if not _warned_xla:
-      _warned_xla.append(True)
-      logging.warning(
-          "ReplicatorStrategy trains and evaluates jit_compile=True models "
-          "without XLA for now: Keras would compile the whole replicated "
-          "step, which spans every replica's device, and XLA compiles for "
-          "one. Results are the uncompiled step's, as on one device; "
-          "jit_compile=False silences this.")
-    return False
+  def wrapper(self, step_function):
+    if not (self.jit_compile and isinstance(self.distribute_strategy,
+                                            strategy_lib.ReplicatorStrategy)):
+      return make_function(self, step_function)
+    self.jit_compile = False  # For the function around strategy.run.
+    try:
+      return make_function(self, tf.function(
+          step_function, jit_compile=True, reduce_retracing=True))
+    finally:
+      self.jit_compile = True
 
-  return property(get, jit_compile.fset, jit_compile.fdel, jit_compile.__doc__)
+  return wrapper
+
+
+def xla_on_accelerators(resolve_auto_jit_compile):
+  """`jit_compile="auto"` resolved as without a strategy: XLA on GPUs/TPUs.
+
+  Keras turns "auto" off under any `tf.distribute` strategy because a whole
+  replicated step does not compile; ReplicatorStrategy compiles per replica.
+  """
+  def wrapper(self):
+    if not isinstance(self.distribute_strategy,
+                      strategy_lib.ReplicatorStrategy):
+      return resolve_auto_jit_compile(self)
+    accelerated = any(device.device_type != "CPU"
+                      for device in tf.config.list_physical_devices())
+    return accelerated and ki.supports_jit(self)
+
+  return wrapper
 
 
 def split_batch(strategy, batch):
