@@ -71,12 +71,63 @@ def start_sleepers(out, num_workers=2, ignore_sigterm=False, grace="5"):
   return launcher, [int(p) for f in files for p in f.read_text().split()]
 
 
+# Two epochs of a progress bar written as Keras's `Progbar` writes it (its
+# dynamic display, on in any POSIX process): backspaces over the previous
+# state, a carriage return, the new state; a newline ends the epoch. Then a
+# line on stdout and a warning on stderr.
+PROGRESS_BARS = r"""
+import json, os, sys, time
+i = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
+for epoch in (1, 2):
+  width = 0
+  for step in (1, 2, 3):
+    state = f"{step}/3 ━━━━ 0s 5ms/step - loss: {epoch + step / 10:.1f}"
+    sys.stdout.write("\b" * width + "\r" + state)
+    sys.stdout.flush()
+    width = len(state)
+    time.sleep(0.02)
+  sys.stdout.write("\n")
+print(f"trained on worker {i}", flush=True)
+print(f"UserWarning: worker {i} warns", file=sys.stderr)
+"""
+SUMMARY = (r"^\[launch\] {workers} workers, \d+\.\d s; exit status {status} "
+           r"\({statuses}\)\.$")
+
+
 class LaunchTest(unittest.TestCase):
+
+  def test_progress_bars_show_the_chief_in_full_and_the_others_warnings(self):
+    done = launch("--workers", "2", "--", sys.executable, "-c", PROGRESS_BARS)
+    self.assertEqual(done.returncode, 0, done.stderr)
+    self.assertEqual(done.stdout.splitlines(), [
+        "[worker 0] 3/3 ━━━━ 0s 5ms/step - loss: 1.3",
+        "[worker 0] 3/3 ━━━━ 0s 5ms/step - loss: 2.3",
+        "[worker 0] trained on worker 0"])
+    stderr = done.stderr.splitlines()
+    self.assertEqual(sorted(stderr[:-1]),
+                     ["[worker 0] UserWarning: worker 0 warns",
+                      "[worker 1] UserWarning: worker 1 warns"])
+    self.assertRegex(stderr[-1], SUMMARY.format(
+        workers=2, status=0, statuses="worker 0: 0, worker 1: 0"))
+
+  def test_output_all_shows_every_workers_lines_each_with_its_prefix(self):
+    done = launch("--workers", "2", "--output", "all", "--", sys.executable,
+                  "-c", PROGRESS_BARS)
+    self.assertEqual(done.returncode, 0, done.stderr)
+    for i in range(2):
+      mine = [line for line in done.stdout.splitlines()
+              if line.startswith(f"[worker {i}] ")]
+      self.assertEqual(mine, [
+          f"[worker {i}] 3/3 ━━━━ 0s 5ms/step - loss: 1.3",
+          f"[worker {i}] 3/3 ━━━━ 0s 5ms/step - loss: 2.3",
+          f"[worker {i}] trained on worker {i}"])
+    self.assertEqual(len(done.stdout.splitlines()), 6, done.stdout)
 
   def test_each_worker_gets_its_tf_config_and_a_prefix(self):
     script = ("import json, os; c = json.loads(os.environ['TF_CONFIG']); "
               "print(json.dumps(c))")
-    done = launch("--workers", "3", "--", sys.executable, "-c", script)
+    done = launch("--workers", "3", "--output", "all", "--", sys.executable,
+                  "-c", script)
     self.assertEqual(done.returncode, 0, done.stderr)
     configs = {}
     for line in done.stdout.splitlines():
@@ -112,6 +163,8 @@ class LaunchTest(unittest.TestCase):
       self.assertLess(time.monotonic() - start, 60)
       self.assertEqual(done.returncode, 3, done.stderr)
       self.assertIn("worker 1 exited with status 3", done.stderr)
+      self.assertRegex(done.stderr.splitlines()[-1], SUMMARY.format(
+          workers=2, status=3, statuses="worker 0: 143, worker 1: 3"))
       pids = [int(p) for i in range(2)
               for p in pathlib.Path(tmp, f"pids{i}").read_text().split()]
     time.sleep(0.5)
