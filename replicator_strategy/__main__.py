@@ -1,0 +1,7 @@
+"""`python -m replicator_strategy`: the environment report (see environment_report)."""
+
+import sys
+
+from replicator_strategy import environment_report
+
+sys.exit(environment_report.main())
