@@ -17,10 +17,9 @@ which extra to install.
 """
 
 import importlib
-import os
 import re
-import sys
-import tempfile
+
+from replicator_strategy import tensorflow_logs
 
 __version__ = "0.1.0"
 
@@ -51,7 +50,7 @@ def check_tensorflow():
   True
   """
   try:
-    tf = _import_tensorflow()
+    tf = tensorflow_logs.quiet_import()
   except ModuleNotFoundError as e:
     if e.name is None or e.name.split(".")[0] != "tensorflow":
       raise
@@ -67,41 +66,6 @@ def check_tensorflow():
         f"{'.'.join(map(str, MIN_TENSORFLOW))} or newer. Found: TensorFlow "
         f"{found} (at {getattr(tf, '__file__', 'unknown')}). {_INSTALL_HINT}")
   return tf
-
-
-# TensorFlow 2.21 logs its start-up INFO lines (oneDNN, CPU instructions)
-# before it reads TF_CPP_MIN_LOG_LEVEL, through abseil's not yet initialised
-# logging, which adds a line of its own.
-_START_UP_INFO = re.compile(
-    r"(I\d{4} .*\]|WARNING: All log messages before absl::InitializeLog|"
-    r"To enable the following instructions:)")
-
-
-def _import_tensorflow():
-  """`import tensorflow`, its start-up INFO lines dropped at log level >= 1.
-
-  As TF_CPP_MIN_LOG_LEVEL (unset: 0, INFO shown) asks for; everything else
-  TensorFlow writes to stderr meanwhile comes through.
-  """
-  if ("tensorflow" in sys.modules or
-      os.environ.get("TF_CPP_MIN_LOG_LEVEL", "0") == "0"):
-    import tensorflow  # pylint: disable=g-import-not-at-top
-    return tensorflow
-  sys.stderr.flush()
-  saved = os.dup(2)
-  with tempfile.TemporaryFile() as captured:
-    os.dup2(captured.fileno(), 2)
-    try:
-      import tensorflow  # pylint: disable=g-import-not-at-top
-    finally:
-      os.dup2(saved, 2)
-      os.close(saved)
-      captured.seek(0)
-      for line in captured.read().decode(errors="replace").splitlines(True):
-        if not _START_UP_INFO.match(line):
-          sys.stderr.write(line)
-      sys.stderr.flush()
-  return tensorflow
 
 
 _loading = False

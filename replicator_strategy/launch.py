@@ -11,7 +11,8 @@ chief's output comes in full and the other workers' stderr (their warnings,
 errors and tracebacks; their stdout repeats the chief's); `--output all`
 shows everything. The launcher's own lines start with `[launch]`, the last
 one a summary: workers, wall time, each worker's exit status. Workers get
-`TF_CPP_MIN_LOG_LEVEL=1` (TensorFlow's C++ INFO lines off) unless it is set.
+`TF_CPP_MIN_LOG_LEVEL=1` (TensorFlow's C++ INFO lines off, its start-up
+lines too: see `tensorflow_logs`) unless it is set.
 
 When one worker fails,
 the others are stopped and the launcher exits with the failed worker's
@@ -54,11 +55,11 @@ import sys
 import threading
 import time
 
+from replicator_strategy import tensorflow_logs
+
 _STOP_SECONDS = 5  # How long a worker stopped because another failed gets.
 TIMEOUT_STATUS = 124
 OUTPUT_CHIEF, OUTPUT_ALL = "chief", "all"
-# TensorFlow's C++ log level; workers get 1 (no INFO lines) unless it is set.
-TF_LOG_LEVEL_ENV = "TF_CPP_MIN_LOG_LEVEL"
 RESTART_COUNT_ENV = "REPLICATOR_RESTART_COUNT"
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
@@ -194,11 +195,11 @@ def last_redraw(segment):
   return segment.rstrip(b"\r").rsplit(b"\r", 1)[-1].replace(b"\b", b"")
 
 
-def _forward(stream, prefix, console, name, shown):
+def _forward(stream, prefix, console, name, shown, keep=lambda line: True):
   """Copies `stream` to `console` line by line until it closes.
 
-  A stream not `shown` is still read to its end, so the worker never blocks
-  on a full pipe.
+  Only lines `keep` accepts come through. A stream not `shown` is still read
+  to its end, so the worker never blocks on a full pipe.
   """
   pending = b""
   for chunk in iter(lambda: stream.read1(1 << 16), b""):
@@ -206,7 +207,8 @@ def _forward(stream, prefix, console, name, shown):
       continue
     *lines, pending = (pending + chunk).split(b"\n")
     for line in lines:
-      console.line(name, prefix + last_redraw(line))
+      if keep(line):
+        console.line(name, prefix + last_redraw(line))
     if b"\r" in pending:
       console.redraw(prefix + last_redraw(pending))
   if pending:
@@ -315,7 +317,7 @@ class _Launch:
     self.signals.workers = workers
     try:
       for index in range(self.num_workers):
-        env = {TF_LOG_LEVEL_ENV: "1", **os.environ,
+        env = {tensorflow_logs.LEVEL_ENV: "1", **os.environ,
                "TF_CONFIG": tf_config(addresses, index),
                RESTART_COUNT_ENV: str(restart)}
         process = subprocess.Popen(
@@ -332,7 +334,7 @@ class _Launch:
           forwarder = threading.Thread(
               target=_forward, daemon=True,
               args=(getattr(process, name), prefix, self.console, name,
-                    shown))
+                    shown, self._keep(env)))
           forwarder.start()
           forwarders.append(forwarder)
       return self._watch(workers)
@@ -346,6 +348,12 @@ class _Launch:
       for forwarder in forwarders:
         forwarder.join(timeout=_STOP_SECONDS)
       self.statuses = [exit_status(p.returncode) for p in workers]
+
+  @staticmethod
+  def _keep(env):
+    if not tensorflow_logs.info_hidden(env):
+      return lambda line: True
+    return lambda line: not tensorflow_logs.is_start_up_info(line)
 
   def _watch(self, workers):
     while True:

@@ -17,9 +17,10 @@ import unittest
 LAUNCH = [sys.executable, "-m", "replicator_strategy.launch"]
 
 
-def launch(*args, timeout=120):
+def launch(*args, timeout=120, env=None):
   return subprocess.run(LAUNCH + list(args), capture_output=True, text=True,
-                        timeout=timeout, check=False)
+                        timeout=timeout, check=False,
+                        env={**os.environ, **(env or {})})
 
 
 def alive(pid):
@@ -74,10 +75,13 @@ def start_sleepers(out, num_workers=2, ignore_sigterm=False, grace="5"):
 # Two epochs of a progress bar written as Keras's `Progbar` writes it (its
 # dynamic display, on in any POSIX process): backspaces over the previous
 # state, a carriage return, the new state; a newline ends the epoch. Then a
-# line on stdout and a warning on stderr.
+# line on stdout and a warning on stderr. First, on stderr, one of the INFO
+# lines TensorFlow logs when imported, whatever TF_CPP_MIN_LOG_LEVEL says.
 PROGRESS_BARS = r"""
 import json, os, sys, time
 i = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
+print("I0000 00:00:1795517664.615734  9522 port.cc:153] oneDNN custom "
+      "operations are on.", file=sys.stderr)
 for epoch in (1, 2):
   width = 0
   for step in (1, 2, 3):
@@ -97,7 +101,8 @@ SUMMARY = (r"^\[launch\] {workers} workers, \d+\.\d s; exit status {status} "
 class LaunchTest(unittest.TestCase):
 
   def test_progress_bars_show_the_chief_in_full_and_the_others_warnings(self):
-    done = launch("--workers", "2", "--", sys.executable, "-c", PROGRESS_BARS)
+    done = launch("--workers", "2", "--", sys.executable, "-c", PROGRESS_BARS,
+                  env={"TF_CPP_MIN_LOG_LEVEL": "1"})
     self.assertEqual(done.returncode, 0, done.stderr)
     self.assertEqual(done.stdout.splitlines(), [
         "[worker 0] 3/3 ━━━━ 0s 5ms/step - loss: 1.3",
@@ -112,8 +117,9 @@ class LaunchTest(unittest.TestCase):
 
   def test_output_all_shows_every_workers_lines_each_with_its_prefix(self):
     done = launch("--workers", "2", "--output", "all", "--", sys.executable,
-                  "-c", PROGRESS_BARS)
+                  "-c", PROGRESS_BARS, env={"TF_CPP_MIN_LOG_LEVEL": "0"})
     self.assertEqual(done.returncode, 0, done.stderr)
+    self.assertEqual(done.stderr.count("port.cc:153] oneDNN"), 2, done.stderr)
     for i in range(2):
       mine = [line for line in done.stdout.splitlines()
               if line.startswith(f"[worker {i}] ")]
