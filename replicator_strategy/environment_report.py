@@ -115,7 +115,7 @@ def _tensorflow_and_devices():
       f"{'s' if replicas > 1 else ''} ({len(devices)} on this worker: "
       f"{', '.join(d.split('device:')[-1] for d in devices)}"
       f"{f' x {workers} workers' if cluster else ''}); all-reduce {reason}")
-  if len(devices) == 1 and devices[0].endswith("CPU:0"):
+  if devices_lib.is_lone_cpu(devices):
     lines.append("  (no GPU: replicator_strategy.split_cpu(n) before any "
                  "TensorFlow op gives n CPU replicas, for testing)")
   cluster_lines, problems = _cluster_lines(cluster)

@@ -20,7 +20,13 @@ Entries of `replicator_strategy.keras.PATCHES`, applied on import of
 `replicator_strategy`; inert unless the model's
 strategy is a ReplicatorStrategy over several workers, on a non-chief one.
 
+>>> import keras
+>>> import replicator_strategy as rs
+>>> with rs.ReplicatorStrategy().scope():
+...   model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
 >>> model.save("model.keras")  # on worker 1: written to scratch, then deleted
+>>> os.path.exists("model.keras")  # alone, or on the chief
+True
 """
 
 import atexit
