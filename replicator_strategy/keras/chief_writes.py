@@ -16,7 +16,7 @@ that no longer run.
   on storage every worker reads (one machine, or a shared file system).
 - `TensorBoard` logs.
 
-Entries of `replicator_strategy.keras.PATCHES`, applied on import of
+Entries of `replicator_strategy.keras.PATCHES`, applied on the first use of
 `replicator_strategy`; inert unless the model's
 strategy is a ReplicatorStrategy over several workers, on a non-chief one.
 

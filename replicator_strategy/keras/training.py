@@ -31,8 +31,8 @@
   fails on the replicas' devices. Here such a model runs uncompiled, with a
   warning, until XLA runs per replica.
 
-Each wrapper is an entry of `replicator_strategy.keras.PATCHES`, applied on import of
-`replicator_strategy`, on `keras.Model`, `keras.optimizers.Optimizer` and
+Each wrapper is an entry of `replicator_strategy.keras.PATCHES`, applied on the first
+use of `replicator_strategy`, on `keras.Model`, `keras.optimizers.Optimizer` and
 Keras's loss-scaling functions; every wrapper calls Keras's own code
 unchanged for any other strategy.
 
