@@ -7,6 +7,7 @@ check the launcher alone and run in seconds.
 import json
 import os
 import pathlib
+import pty
 import signal
 import subprocess
 import sys
@@ -21,6 +22,14 @@ def launch(*args, timeout=120, env=None):
   return subprocess.run(LAUNCH + list(args), capture_output=True, text=True,
                         timeout=timeout, check=False,
                         env={**os.environ, **(env or {})})
+
+
+def read_terminal(fd):
+  """What a program wrote to a pseudo-terminal; b"" once it is closed."""
+  try:
+    return os.read(fd, 4096)
+  except OSError:  # EIO: every writer closed it.
+    return b""
 
 
 def alive(pid):
@@ -114,6 +123,28 @@ class LaunchTest(unittest.TestCase):
                       "[worker 1] UserWarning: worker 1 warns"])
     self.assertRegex(stderr[-1], SUMMARY.format(
         workers=2, status=0, statuses="worker 0: 0, worker 1: 0"))
+
+  def test_on_a_terminal_a_progress_bar_redraws_on_one_status_line(self):
+    terminal, launcher_end = pty.openpty()
+    with subprocess.Popen(
+        LAUNCH + ["--workers", "2", "--", sys.executable, "-c",
+                  PROGRESS_BARS], stdout=launcher_end,
+        stderr=subprocess.DEVNULL) as launcher:
+      os.close(launcher_end)
+      shown = b""
+      while chunk := read_terminal(terminal):
+        shown += chunk
+      self.assertEqual(launcher.wait(timeout=60), 0)
+    os.close(terminal)
+    shown = shown.decode()
+    clear = "\r\x1b[K"  # Back to the line's start, and erase it.
+    for step in (1, 2, 3):
+      self.assertIn(
+          f"{clear}[worker 0] {step}/3 ━━━━ 0s 5ms/step - loss: 2.{step}", shown)
+    self.assertTrue(shown.endswith(
+        f"{clear}[worker 0] 3/3 ━━━━ 0s 5ms/step - loss: 2.3\r\n"
+        f"[worker 0] trained on worker 0\r\n"), repr(shown[-300:]))
+    self.assertNotIn("[worker 1]", shown)
 
   def test_output_all_shows_every_workers_lines_each_with_its_prefix(self):
     done = launch("--workers", "2", "--output", "all", "--", sys.executable,
