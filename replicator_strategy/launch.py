@@ -149,7 +149,7 @@ def exit_status(returncode):
   return 128 - returncode if returncode < 0 else returncode
 
 
-class Console:
+class _Console:
   """Where the workers' lines go: each prefixed, progress-bar redraws handled.
 
   A progress bar (Keras's) redraws its line with carriage returns (and
@@ -190,7 +190,7 @@ class Console:
       self._status_shown = False
 
 
-def last_redraw(segment):
+def _last_redraw(segment):
   """What a terminal would show of `segment`: the text after its last `\\r`."""
   return segment.rstrip(b"\r").rsplit(b"\r", 1)[-1].replace(b"\b", b"")
 
@@ -208,11 +208,11 @@ def _forward(stream, prefix, console, name, shown, keep=lambda line: True):
     *lines, pending = (pending + chunk).split(b"\n")
     for line in lines:
       if keep(line):
-        console.line(name, prefix + last_redraw(line))
+        console.line(name, prefix + _last_redraw(line))
     if b"\r" in pending:
-      console.redraw(prefix + last_redraw(pending))
+      console.redraw(prefix + _last_redraw(pending))
   if pending:
-    console.line(name, prefix + last_redraw(pending))
+    console.line(name, prefix + _last_redraw(pending))
   stream.close()
 
 
@@ -385,7 +385,7 @@ def run(command, num_workers, timeout=None, max_restarts=0, grace_period=25,
   shows worker 0's output in full and the others' stderr, "all" everything.
   Ends with a summary line: workers, starts, wall time, exit statuses.
   """
-  console = Console(sys.stdout.buffer, sys.stderr.buffer,
+  console = _Console(sys.stdout.buffer, sys.stderr.buffer,
                     live=sys.stdout.isatty())
   start = time.monotonic()
   with _Signals(console) as signals:
