@@ -79,6 +79,21 @@ class PackageImportTest(unittest.TestCase):
         self.assertIn(f"usage: python -m {module}", done.stdout, done.stderr)
         self.assertTrue(done.stdout.endswith("exit 0 False\n"), done.stdout)
 
+  def test_the_environment_report_says_tensorflow_is_missing(self):
+    done = python(WITHOUT_TENSORFLOW, """
+        import runpy, sys
+        sys.argv = ["replicator_strategy"]
+        try:
+          runpy.run_module("replicator_strategy", run_name="__main__")
+        except SystemExit as e:
+          print("exit", e.code)
+        """)
+    self.assertIn("replicator-strategy 0.1.0\nPython ", done.stdout)
+    self.assertIn("TensorFlow: replicator_strategy needs TensorFlow 2.21 or "
+                  "newer, which is not installed.", done.stdout)
+    self.assertTrue(done.stdout.endswith("1 problem found (above).\nexit 1\n"),
+                    done.stdout + done.stderr)
+
   def test_the_launcher_imports_no_tensorflow(self):
     # TensorFlow installed, as usual: the launcher still leaves it alone, so
     # it starts at once.
