@@ -4,4 +4,5 @@ import sys
 
 from replicator_strategy import environment_report
 
-sys.exit(environment_report.main())
+if __name__ == "__main__":
+  sys.exit(environment_report.main())

@@ -279,6 +279,8 @@ class LaunchTest(unittest.TestCase):
         "pathlib.Path(sys.argv[1], f'{restart}-{i}').write_text("
         "json.dumps(config['cluster']))\n"
         "if i == 1 and restart < 2:\n"
+        "  while not pathlib.Path(sys.argv[1], f'{restart}-0').exists():\n"
+        "    time.sleep(0.01)  # Worker 0 has logged this start too.\n"
         "  sys.exit(3)\n"
         "time.sleep(1 if i == 1 else 0.5)\n")
     for max_restarts, status, starts in (("2", 0, 3), ("1", 3, 2)):
