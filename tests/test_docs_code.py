@@ -2,7 +2,9 @@
 
 Each file's ```python blocks run in order, as one script, in a fresh process
 in an empty directory (they split the CPU themselves, as a reader's script
-would). docs/multi-worker.md's run as 2 workers under the launcher. Every
+would). docs/multi-worker.md's run as 2 workers under the launcher; the
+README's as if pasted into an interactive `python` (where a blank line must
+end each indented block before the next statement). Every
 file with a python block is checked: a new page is covered without a change
 here.
 """
@@ -22,6 +24,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 PAGES = ["README.md"] + sorted(
     str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md"))
 MULTI_WORKER = {"docs/multi-worker.md": 2}  # Page: workers.
+PASTED = ("README.md",)
 # Page: the last logged loss must be below this (ten classes: 2.3 by chance).
 FINAL_LOSS_BELOW = {"README.md": 1.0}
 TIMEOUT_SECONDS = 300
@@ -33,12 +36,15 @@ def python_blocks(relative_path):
 
 
 def command(relative_path, script):
+  """The command that runs `script`, and what it reads on stdin."""
+  if relative_path in PASTED:
+    return [sys.executable, "-i"], script
   python = [sys.executable, "-c", script]
   workers = MULTI_WORKER.get(relative_path)
   if workers is None:
-    return python
+    return python, None
   return [sys.executable, "-m", "replicator_strategy.launch", "--workers",
-          str(workers), "--timeout", str(TIMEOUT_SECONDS), "--", *python]
+          str(workers), "--timeout", str(TIMEOUT_SECONDS), "--", *python], None
 
 
 class DocsCodeTest(unittest.TestCase):
@@ -65,13 +71,16 @@ class DocsCodeTest(unittest.TestCase):
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", KERAS_BACKEND="tensorflow",
                PYTHONPATH=str(ROOT))
     env.pop("TF_CONFIG", None)
+    args, stdin = command(relative_path, script)
     with tempfile.TemporaryDirectory() as cwd:
-      done = subprocess.run(command(relative_path, script), cwd=cwd, env=env,
+      done = subprocess.run(args, input=stdin, cwd=cwd, env=env,
                             capture_output=True, text=True,
                             timeout=TIMEOUT_SECONDS + 30)
-    self.assertEqual(done.returncode, 0,
-                     f"{relative_path} failed:\n{done.stdout[-2000:]}\n"
-                     f"{done.stderr[-3000:]}")
+    failed = (f"{relative_path} failed:\n{done.stdout[-2000:]}\n"
+              f"{done.stderr[-3000:]}")
+    self.assertEqual(done.returncode, 0, failed)
+    # The interactive interpreter goes on after an error, and exits 0.
+    self.assertNotRegex(done.stderr, r"Traceback|\w+Error: ", failed)
     if relative_path in FINAL_LOSS_BELOW:
       losses = re.findall(r"loss: (\d+\.\d+)", done.stdout)
       self.assertTrue(losses, done.stdout[-2000:])
