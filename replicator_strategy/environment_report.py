@@ -5,14 +5,14 @@
 prints the versions (package, Python, TensorFlow, Keras), the devices
 TensorFlow finds, what a default `ReplicatorStrategy()` would replicate over
 and which all-reduce it would choose, and, when `TF_CONFIG` is set, whether
-it is valid and every other worker's address answers (this worker's own port
-must be free). It exits 1 when something is wrong, so a job script can run it
-first. TensorFlow is imported only after the arguments are read: `--help`
-answers at once, without TensorFlow installed.
+it is valid, this worker's port is free and every other worker's host
+answers on its port (a closed port is fine: that worker has not started
+yet). It exits 1 when something is wrong, so a job script can run it first.
+TensorFlow is imported only after the arguments are read: `--help` answers at
+once, without TensorFlow installed.
 
->>> lines, problems = check_address("127.0.0.1:1", own=False)  # port 1: closed
->>> problems, "nothing listens" in lines
-(1, True)
+>>> check_address("127.0.0.1:1", own=False)  # Port 1: nothing listens.
+('the host answers; nothing listens on port 1 yet (fine before the job starts)', 0)
 """
 
 import argparse
@@ -28,9 +28,10 @@ CONNECT_SECONDS = 3.0
 def check_address(address, own):
   """(a description of `address`, 1 if it is a problem else 0).
 
-  A peer's address must answer a TCP connection; this worker's own (`own`)
-  must be free to listen on, as TensorFlow's server listens on every
-  interface at that port.
+  A peer's host must answer a TCP connection at its port, accepting it or
+  refusing it (its worker not started yet); this worker's own port (`own`)
+  must be free to listen on, as TensorFlow's server listens there on every
+  interface.
   """
   host, _, port = address.rpartition(":")
   host = host.strip("[]")  # An IPv6 literal: "[::1]:2222".
@@ -56,14 +57,15 @@ def check_address(address, own):
     try:
       s.connect(socket_address)
     except ConnectionRefusedError:
-      return ("nothing listens there (worker not started yet, or the wrong "
-              "port)", 1)
+      return (f"the host answers; nothing listens on port {port} yet (fine "
+              f"before the job starts)", 0)
     except (socket.timeout, TimeoutError):
-      return (f"no answer within {CONNECT_SECONDS:g} s (host down, or a "
-              f"firewall drops the port)", 1)
+      return (f"no answer within {CONNECT_SECONDS:g} s: the host is down, or "
+              f"a firewall drops port {port}, which every worker must reach",
+              1)
     except OSError as e:
       return f"unreachable ({e.strerror or e})", 1
-  return "reachable", 0
+  return "reachable: a worker listens there", 0
 
 
 def _versions():

@@ -32,24 +32,35 @@ class EnvironmentReportTest(unittest.TestCase):
       self.assertIn(expected, done.stdout)
 
   def test_every_worker_address_is_checked(self):
-    # This worker's port, a peer that listens and a peer that does not.
-    own, listening, closed = launch.free_ports(3)
-    with socket.socket() as peer:
+    # This worker's port; a peer that listens; one not started (its port is
+    # closed); one whose host does not answer: its listen queue is full, so
+    # the kernel drops new connections, as a firewall would.
+    own, listening, closed, silent = launch.free_ports(4)
+    with socket.socket() as peer, socket.socket() as full, \
+        socket.socket() as queued:
       peer.bind(("127.0.0.1", listening))
       peer.listen()
-      addresses = [f"127.0.0.1:{p}" for p in (own, listening, closed)]
-      with mock.patch.dict(os.environ, tf_config(addresses)):
+      full.bind(("127.0.0.1", silent))
+      full.listen(0)
+      queued.connect(("127.0.0.1", silent))
+      addresses = [f"127.0.0.1:{p}" for p in (own, listening, closed, silent)]
+      with mock.patch.dict(os.environ, tf_config(addresses)), \
+          mock.patch.object(environment_report, "CONNECT_SECONDS", 0.5):
         lines, problems = environment_report.report()
     text = "\n".join(lines)
     self.assertEqual(problems, 1, text)
-    self.assertIn("ReplicatorStrategy() here: 12 replicas (4 on this worker: "
-                  "CPU:0, CPU:1, CPU:2, CPU:3 x 3 workers); all-reduce ring",
+    self.assertIn("ReplicatorStrategy() here: 16 replicas (4 on this worker: "
+                  "CPU:0, CPU:1, CPU:2, CPU:3 x 4 workers); all-reduce ring",
                   text)
-    self.assertIn("TF_CONFIG: 3 workers; this is worker 0 (the chief)", text)
-    self.assertIn(f"  worker 0 127.0.0.1:{own}: this worker; port {own} is free",
-                  lines)
-    self.assertIn(f"  worker 1 127.0.0.1:{listening}: reachable", lines)
-    self.assertIn(f"worker 2 127.0.0.1:{closed}: nothing listens there", text)
+    self.assertIn("TF_CONFIG: 4 workers; this is worker 0 (the chief)", text)
+    self.assertEqual(lines[-4:], [
+        f"  worker 0 127.0.0.1:{own}: this worker; port {own} is free",
+        f"  worker 1 127.0.0.1:{listening}: reachable: a worker listens there",
+        f"  worker 2 127.0.0.1:{closed}: the host answers; nothing listens on "
+        f"port {closed} yet (fine before the job starts)",
+        f"  worker 3 127.0.0.1:{silent}: no answer within 0.5 s: the host is "
+        f"down, or a firewall drops port {silent}, which every worker must "
+        f"reach"])
 
   def test_a_taken_port_and_an_invalid_tf_config_are_problems(self):
     with socket.socket() as taken:
@@ -58,7 +69,7 @@ class EnvironmentReportTest(unittest.TestCase):
       own_port_taken = tf_config([f"127.0.0.1:{port}", "127.0.0.1:1"])
       with mock.patch.dict(os.environ, own_port_taken):
         lines, problems = environment_report.report()
-    self.assertEqual(problems, 2)
+    self.assertEqual(problems, 1)
     self.assertIn(f"port {port} is taken", "\n".join(lines))
     no_port = {"TF_CONFIG": json.dumps({
         "cluster": {"worker": ["127.0.0.1:2222", "127.0.0.1"]},
