@@ -734,7 +734,8 @@ def bench_multi_worker():
   with tempfile.TemporaryDirectory() as out:
     done = subprocess.run(
         [sys.executable, "-m", "replicator_strategy.launch", "--workers", "2",
-         "--timeout", "500", "--", sys.executable, __file__, "--child",
+         "--timeout", "500", "--output", "all", "--", sys.executable,
+         __file__, "--child",
          "fit_step", "--devices", "2"] + (["--quick"] if ARGS.quick else []),
         stdout=subprocess.PIPE, text=True, timeout=560, check=True, cwd=out)
   lines = [l.split("] ", 1)[1] for l in done.stdout.splitlines()

@@ -2,6 +2,10 @@
 
 The data is scikit-learn's `load_digits()`: 1797 8x8 grey images of the
 digits 0-9 that ship inside the package, so nothing is downloaded.
+
+Importing this module loads nothing heavy, so a script can read its command
+line (and answer `--help`) before TensorFlow starts; TensorFlow, Keras and
+scikit-learn come with the functions that use them.
 """
 
 import argparse
@@ -9,15 +13,6 @@ import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
-
-# pylint: disable=g-import-not-at-top
-import keras
-from sklearn import datasets
-from sklearn import model_selection
-import tensorflow as tf
-
-import replicator_strategy
-# pylint: enable=g-import-not-at-top
 
 
 def parse_args(description, epochs):
@@ -36,13 +31,23 @@ def parse_args(description, epochs):
 
 
 def set_up_devices(num_replicas):
-  """Splits the CPU when there is no GPU; must run before TF makes devices."""
+  """Splits the CPU when there is no GPU; must run before TF makes devices.
+
+  The package imports TensorFlow here, first, which keeps its start-up log
+  lines out (TF_CPP_MIN_LOG_LEVEL is 2 unless set).
+  """
+  import replicator_strategy  # pylint: disable=g-import-not-at-top
+  tf = replicator_strategy.check_tensorflow()
   if not tf.config.list_physical_devices("GPU"):
     replicator_strategy.split_cpu(num_replicas)
 
 
 def load_data():
   """Returns `(x_train, x_test, y_train, y_test)`: 80% train, 20% test."""
+  # pylint: disable=g-import-not-at-top
+  from sklearn import datasets
+  from sklearn import model_selection
+  # pylint: enable=g-import-not-at-top
   digits = datasets.load_digits()
   x = (digits.images / 16.0).astype("float32")[..., None]  # NHWC in [0, 1]
   return model_selection.train_test_split(
@@ -51,6 +56,7 @@ def load_data():
 
 def build_model():
   """A small convnet that outputs logits for the 10 digits."""
+  import keras  # pylint: disable=g-import-not-at-top
   return keras.Sequential([
       keras.Input(shape=(8, 8, 1)),
       keras.layers.Conv2D(32, 3, padding="same", activation="relu"),

@@ -1,29 +1,98 @@
 """replicator-strategy: TF-Replicator as a `tf.distribute.Strategy`.
 
+>>> import keras
 >>> import replicator_strategy as rs
->>> strategy = rs.ReplicatorStrategy()
+>>> strategy = rs.ReplicatorStrategy()   # every GPU, else every CPU device
 >>> with strategy.scope():
-...   model = build_model()  # any single-device Keras model
+...   model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+>>> model.count_params()
+4
+
+Importing the package loads nothing heavy: TensorFlow and Keras (and the
+Keras patches, `replicator_strategy.keras.install()`) come with the first
+public name used, so the launcher and `python -m replicator_strategy --help`
+start at once, and without TensorFlow installed. The TensorFlow check runs
+there too: a missing or too old TensorFlow is an `ImportError` that says
+which extra to install.
 """
 
-from replicator_strategy import keras
-from replicator_strategy.devices import local_devices
-from replicator_strategy.devices import split_cpu
-from replicator_strategy.extended import ReplicatorExtended
-from replicator_strategy.preemption_checkpoint import PreemptionCheckpoint
-from replicator_strategy.reduce_op import ReduceOp
-from replicator_strategy.replica_context import ReplicaContext
-from replicator_strategy.strategy import ReplicatorStrategy
+import importlib
+import re
 
-__all__ = [
-    "PreemptionCheckpoint",
-    "ReduceOp",
-    "ReplicaContext",
-    "ReplicatorExtended",
-    "ReplicatorStrategy",
-    "local_devices",
-    "split_cpu",
-]
+from replicator_strategy import tensorflow_logs
+
 __version__ = "0.1.0"
 
-keras.install()
+# Public name -> the module that defines it.
+_PUBLIC = {
+    "PreemptionCheckpoint": "replicator_strategy.preemption_checkpoint",
+    "ReduceOp": "replicator_strategy.reduce_op",
+    "ReplicaContext": "replicator_strategy.replica_context",
+    "ReplicatorExtended": "replicator_strategy.extended",
+    "ReplicatorStrategy": "replicator_strategy.strategy",
+    "local_devices": "replicator_strategy.devices",
+    "split_cpu": "replicator_strategy.devices",
+}
+__all__ = sorted(_PUBLIC)
+
+MIN_TENSORFLOW = (2, 21)
+_INSTALL_HINT = (
+    "Install the package with the extra that brings TensorFlow: "
+    "pip install 'replicator-strategy[cpu]' (tensorflow-cpu) or "
+    "pip install 'replicator-strategy[gpu]' (TensorFlow with CUDA); from a "
+    "clone of the repository: pip install '.[cpu]' or '.[gpu]'.")
+
+
+def check_tensorflow():
+  """Imports TensorFlow; an ImportError naming the extra if it is missing or old.
+
+  >>> check_tensorflow().__version__.startswith("2.")
+  True
+  """
+  try:
+    tf = tensorflow_logs.quiet_import()
+  except ModuleNotFoundError as e:
+    if e.name is None or e.name.split(".")[0] != "tensorflow":
+      raise
+    raise ImportError(
+        f"replicator_strategy needs TensorFlow "
+        f"{'.'.join(map(str, MIN_TENSORFLOW))} or newer, which is not "
+        f"installed. {_INSTALL_HINT}") from None
+  found = getattr(tf, "__version__", "unknown")
+  numbers = re.match(r"(\d+)\.(\d+)", found)
+  if not numbers or tuple(map(int, numbers.groups())) < MIN_TENSORFLOW:
+    raise ImportError(
+        f"replicator_strategy needs TensorFlow "
+        f"{'.'.join(map(str, MIN_TENSORFLOW))} or newer. Found: TensorFlow "
+        f"{found} (at {getattr(tf, '__file__', 'unknown')}). {_INSTALL_HINT}")
+  return tf
+
+
+_loading = False
+
+
+def _load():
+  global _loading
+  _loading = True
+  try:
+    check_tensorflow()
+    keras_patches = importlib.import_module("replicator_strategy.keras")
+    for name, module in _PUBLIC.items():
+      globals()[name] = getattr(importlib.import_module(module), name)
+    keras_patches.install()
+  finally:
+    _loading = False
+
+
+def __getattr__(name):
+  # While loading, the submodules' own `from replicator_strategy import x`
+  # must fall through to importing x.
+  if (name in _PUBLIC or name == "keras") and not _loading:
+    _load()
+    return globals()[name]
+  raise AttributeError(f"module 'replicator_strategy' has no attribute "
+                       f"{name!r}")
+
+
+def __dir__():
+  return sorted(set(globals()) | set(_PUBLIC) | {"keras"})

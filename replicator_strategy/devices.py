@@ -1,9 +1,7 @@
 """Which devices a ReplicatorStrategy replicates over, and splitting the CPU.
 
->>> import replicator_strategy as rs
->>> rs.split_cpu(4)  # before TensorFlow touches a device
->>> rs.local_devices()
-('/job:localhost/replica:0/task:0/device:CPU:0', ..., '/job:localhost/replica:0/task:0/device:CPU:3')
+`split_cpu` and `local_devices` are public (each with an example);
+`resolve_devices` checks the `devices` a user passes.
 """
 
 import numbers
@@ -52,12 +50,23 @@ def local_devices():
 
   Every local GPU if there is one, else every logical CPU device. In a
   cluster, this worker's only.
+
+  >>> import replicator_strategy as rs
+  >>> rs.split_cpu(4)  # before TensorFlow touches a device
+  >>> rs.local_devices()
+  ('/job:localhost/replica:0/task:0/device:CPU:0', ..., '/job:localhost/replica:0/task:0/device:CPU:3')
   """
   for device_type in ("GPU", "CPU"):
     found = _this_tasks(tf.config.list_logical_devices(device_type))
     if found:
       return tuple(_canonical(d.name) for d in found)
   raise RuntimeError("TensorFlow reports no CPU or GPU device.")
+
+
+def is_lone_cpu(devices):
+  """Whether `devices` is this worker's one CPU, unsplit: a single replica."""
+  return (len(devices) == 1 and
+          tf.DeviceSpec.from_string(devices[0]).device_type == "CPU")
 
 
 def _this_tasks(logical_devices):

@@ -5,7 +5,8 @@ variable creation, reductions, updates, input distribution and replica
 execution. Subclasses TF's `StrategyExtendedV1`, the base every TF strategy
 uses, because `Strategy.run` calls its `call_for_each_replica`.
 
->>> strategy = ReplicatorStrategy()
+>>> import replicator_strategy as rs
+>>> strategy = rs.ReplicatorStrategy()
 >>> strategy.extended.worker_devices
 ('/job:localhost/replica:0/task:0/device:CPU:0', ...)
 """
@@ -32,6 +33,13 @@ class ReplicatorExtended(tfi.StrategyExtendedV1):
   How replicas exchange values, alone or with other workers (a `cluster`,
   see `replicator_strategy.cluster`), is the `communicator`'s business,
   chosen here once.
+
+  >>> import replicator_strategy as rs
+  >>> strategy = rs.ReplicatorStrategy(devices=["/cpu:0", "/cpu:1"])
+  >>> isinstance(strategy.extended, rs.ReplicatorExtended)
+  True
+  >>> strategy.extended.all_reduce_choice
+  'add_on_one_device: devices share host memory'
   """
 
   def __init__(self, container_strategy, devices, all_reduce, cluster=None,

@@ -3,8 +3,18 @@
     python -m replicator_strategy.launch --workers 2 -- python train.py --epochs 3
 
 Every worker gets `TF_CONFIG` naming a cluster of N workers on 127.0.0.1 and
-free ports, and its own task index (worker 0 is the chief). Each line a
-worker prints comes out prefixed with `[worker i]`. When one worker fails,
+free ports, and its own task index (worker 0 is the chief).
+
+Output: each line a worker prints comes out prefixed with `[worker i]`, a
+progress bar's carriage-return redraws as its final line. By default the
+chief's output comes in full and the other workers' stderr (their warnings,
+errors and tracebacks; their stdout repeats the chief's); `--output all`
+shows everything. The launcher's own lines start with `[launch]`, the last
+one a summary: workers, wall time, each worker's exit status. Workers get
+`TF_CPP_MIN_LOG_LEVEL=1` (TensorFlow's C++ INFO lines off, its start-up
+lines too: see `tensorflow_logs`) unless it is set.
+
+When one worker fails,
 the others are stopped and the launcher exits with the failed worker's
 status (128 + N for a worker killed by signal N); after `--timeout` seconds
 every worker is stopped and it exits 124. Every process a worker started is
@@ -45,8 +55,11 @@ import sys
 import threading
 import time
 
+from replicator_strategy import tensorflow_logs
+
 _STOP_SECONDS = 5  # How long a worker stopped because another failed gets.
 TIMEOUT_STATUS = 124
+OUTPUT_CHIEF, OUTPUT_ALL = "chief", "all"
 RESTART_COUNT_ENV = "REPLICATOR_RESTART_COUNT"
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
@@ -136,11 +149,70 @@ def exit_status(returncode):
   return 128 - returncode if returncode < 0 else returncode
 
 
-def _forward(stream, prefix, lock):
-  for line in iter(stream.readline, b""):
-    with lock:
-      sys.stdout.buffer.write(prefix + line)
-      sys.stdout.buffer.flush()
+class _Console:
+  """Where the workers' lines go: each prefixed, progress-bar redraws handled.
+
+  A progress bar (Keras's) redraws its line with carriage returns (and
+  backspaces); under several prefixes these would overwrite each other, so a
+  finished line comes out once, in its last state. On a terminal the latest
+  unfinished state of each shown stream is drawn on a status line meanwhile.
+  """
+
+  def __init__(self, stdout, stderr, live):
+    self._out = {"stdout": stdout, "stderr": stderr}
+    self._live = live
+    # Re-entrant: a signal handler may speak while its thread holds it.
+    self._lock = threading.RLock()
+    self._status_shown = False
+
+  def say(self, message):
+    """The launcher's own message, on stderr, prefixed `[launch]`."""
+    self.line("stderr", f"[launch] {message}".encode())
+
+  def line(self, stream, text):
+    with self._lock:
+      self._clear_status()
+      self._out[stream].write(text + b"\n")
+      self._out[stream].flush()
+
+  def redraw(self, text):
+    if not self._live:
+      return
+    with self._lock:
+      self._out["stdout"].write(b"\r\x1b[K" + text)
+      self._out["stdout"].flush()
+      self._status_shown = True
+
+  def _clear_status(self):
+    if self._status_shown:
+      self._out["stdout"].write(b"\r\x1b[K")
+      self._out["stdout"].flush()
+      self._status_shown = False
+
+
+def _last_redraw(segment):
+  """What a terminal would show of `segment`: the text after its last `\\r`."""
+  return segment.rstrip(b"\r").rsplit(b"\r", 1)[-1].replace(b"\b", b"")
+
+
+def _forward(stream, prefix, console, name, shown, keep=lambda line: True):
+  """Copies `stream` to `console` line by line until it closes.
+
+  Only lines `keep` accepts come through. A stream not `shown` is still read
+  to its end, so the worker never blocks on a full pipe.
+  """
+  pending = b""
+  for chunk in iter(lambda: stream.read1(1 << 16), b""):
+    if not shown:
+      continue
+    *lines, pending = (pending + chunk).split(b"\n")
+    for line in lines:
+      if keep(line):
+        console.line(name, prefix + _last_redraw(line))
+    if b"\r" in pending:
+      console.redraw(prefix + _last_redraw(pending))
+  if pending:
+    console.line(name, prefix + _last_redraw(pending))
   stream.close()
 
 
@@ -179,9 +251,10 @@ def _wait(workers, seconds):
 class _Signals:
   """Passes SIGTERM, SIGINT and SIGHUP on to the workers; remembers the first."""
 
-  def __init__(self):
+  def __init__(self, console):
     self.received = None
     self.workers = []
+    self._console = console
     self._previous = {}
 
   def __enter__(self):
@@ -197,8 +270,8 @@ class _Signals:
     del frame
     if self.received is None:
       self.received = sig
-      print(f"[launch] received {signal.Signals(sig).name}; passing it on to "
-            f"every worker.", file=sys.stderr, flush=True)
+      self._console.say(f"received {signal.Signals(sig).name}; passing it on "
+                        f"to every worker.")
     for process in self.workers:
       _signal_group(process, sig)
 
@@ -206,9 +279,13 @@ class _Signals:
 class _Launch:
   """One cluster of local workers: its first start and any restarts."""
 
-  def __init__(self, command, num_workers, timeout, grace_period, signals):
+  def __init__(self, command, num_workers, timeout, grace_period, signals,
+               console, output):
     self.command = command
     self.num_workers = num_workers
+    self.console = console
+    self.output = output
+    self.statuses = []  # Each worker's exit status, after the last start.
     self.timeout = timeout
     self.deadline = None if timeout is None else time.monotonic() + timeout
     self.grace_period = grace_period
@@ -231,28 +308,35 @@ class _Launch:
     except BrokenPipeError:
       # Someone killed it: the launcher still stops its workers itself, it
       # only can no longer do so if it is killed outright too.
-      print("[launch] the watchdog process is gone.", file=sys.stderr)
+      self.console.say("the watchdog process is gone.")
 
   def run_once(self, restart):
     """One start of the cluster; (exit status, whether a restart may help)."""
     addresses = [f"127.0.0.1:{port}" for port in free_ports(self.num_workers)]
-    lock = threading.Lock()
     workers, forwarders = [], []
     self.signals.workers = workers
     try:
       for index in range(self.num_workers):
-        env = {**os.environ, "TF_CONFIG": tf_config(addresses, index),
+        env = {tensorflow_logs.LEVEL_ENV: "1", **os.environ,
+               "TF_CONFIG": tf_config(addresses, index),
                RESTART_COUNT_ENV: str(restart)}
         process = subprocess.Popen(
             self.command, env=env, stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT, start_new_session=True)
+            stderr=subprocess.PIPE, start_new_session=True)
         workers.append(process)
         self._tell_watchdog(f"+{process.pid}")
-        forwarder = threading.Thread(
-            target=_forward, daemon=True,
-            args=(process.stdout, f"[worker {index}] ".encode(), lock))
-        forwarder.start()
-        forwarders.append(forwarder)
+        prefix = f"[worker {index}] ".encode()
+        for name in ("stdout", "stderr"):
+          # The other workers' stdout repeats the chief's (same program,
+          # same global logs); their stderr has what went wrong.
+          shown = (index == 0 or name == "stderr" or
+                   self.output == OUTPUT_ALL)
+          forwarder = threading.Thread(
+              target=_forward, daemon=True,
+              args=(getattr(process, name), prefix, self.console, name,
+                    shown, self._keep(env)))
+          forwarder.start()
+          forwarders.append(forwarder)
       return self._watch(workers)
     finally:
       if self.signals.received is None:
@@ -263,6 +347,13 @@ class _Launch:
         self._tell_watchdog(f"-{process.pid}")
       for forwarder in forwarders:
         forwarder.join(timeout=_STOP_SECONDS)
+      self.statuses = [exit_status(p.returncode) for p in workers]
+
+  @staticmethod
+  def _keep(env):
+    if not tensorflow_logs.info_hidden(env):
+      return lambda line: True
+    return lambda line: not tensorflow_logs.is_start_up_info(line)
 
   def _watch(self, workers):
     while True:
@@ -275,38 +366,50 @@ class _Launch:
         status = exit_status(returncode)
         how = (f"was killed by {signal.Signals(-returncode).name}"
                if returncode < 0 else f"exited with status {status}")
-        print(f"[launch] worker {index} {how}; stopping the others.",
-              file=sys.stderr, flush=True)
+        self.console.say(f"worker {index} {how}; stopping the others.")
         return status, True
       if all(s == 0 for s in statuses):
         return 0, False
       if self.deadline is not None and time.monotonic() > self.deadline:
-        print(f"[launch] timed out after {self.timeout} s; stopping every "
-              f"worker.", file=sys.stderr, flush=True)
+        self.console.say(f"timed out after {self.timeout} s; stopping every "
+                         f"worker.")
         return TIMEOUT_STATUS, False
       time.sleep(0.1)
 
 
-def run(command, num_workers, timeout=None, max_restarts=0, grace_period=25):
+def run(command, num_workers, timeout=None, max_restarts=0, grace_period=25,
+        output=OUTPUT_CHIEF):
   """Runs `command` as `num_workers` workers; returns the exit status.
 
-  `timeout` bounds the whole run, restarts included.
+  `timeout` bounds the whole run, restarts included. `output`: "chief"
+  shows worker 0's output in full and the others' stderr, "all" everything.
+  Ends with a summary line: workers, starts, wall time, exit statuses.
   """
-  with _Signals() as signals:
-    launch = _Launch(command, num_workers, timeout, grace_period, signals)
+  console = _Console(sys.stdout.buffer, sys.stderr.buffer,
+                    live=sys.stdout.isatty())
+  start = time.monotonic()
+  with _Signals(console) as signals:
+    launch = _Launch(command, num_workers, timeout, grace_period, signals,
+                     console, output)
+    restart = 0
     try:
-      restart = 0
       while True:
         status, may_restart = launch.run_once(restart)
         if (not may_restart or restart >= max_restarts or
             signals.received is not None):
-          return status
+          break
         restart += 1
-        print(f"[launch] restarting every worker on fresh ports (restart "
-              f"{restart} of at most {max_restarts}).", file=sys.stderr,
-              flush=True)
+        console.say(f"restarting every worker on fresh ports (restart "
+                    f"{restart} of at most {max_restarts}).")
     finally:
       launch.close()
+    statuses = ", ".join(f"worker {i}: {s}"
+                         for i, s in enumerate(launch.statuses))
+    starts = f", {restart + 1} starts" if restart else ""
+    console.say(f"{num_workers} worker{'s' if num_workers > 1 else ''}"
+                f"{starts}, {time.monotonic() - start:.1f} s; exit status "
+                f"{status} ({statuses}).")
+  return status
 
 
 def main(argv=None):
@@ -336,6 +439,13 @@ def main(argv=None):
                       "(TensorFlow's server listens on every interface); "
                       "host: the machine's network, for scripts that "
                       "download data")
+  parser.add_argument("--output", choices=(OUTPUT_CHIEF, OUTPUT_ALL),
+                      default=OUTPUT_CHIEF,
+                      help="chief (default): worker 0's output in full and the "
+                      "other workers' stderr (warnings, errors, tracebacks); "
+                      "all: every worker's output in full. Either way each "
+                      "line is prefixed [worker i] and a progress bar's "
+                      "redraws come out as its final line")
   parser.add_argument("command", nargs=argparse.REMAINDER,
                       help="the command each worker runs, after `--`")
   args = parser.parse_args(argv)
@@ -361,7 +471,7 @@ def main(argv=None):
             f"TensorFlow's server listens on every interface. Use "
             f"--network host to silence this.", file=sys.stderr, flush=True)
   return run(command, args.workers, args.timeout, args.max_restarts,
-             args.grace_period)
+             args.grace_period, args.output)
 
 
 if __name__ == "__main__":

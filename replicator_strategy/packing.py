@@ -7,8 +7,18 @@ batch all-reduce (as optimizers and Keras issue them) are flattened and
 concatenated on each replica, reduced once, and split back; large values are
 reduced as they are (copying them into a buffer would cost more than it saves).
 
->>> packed, unpack = pack(per_replica_values)   # [PerReplica, ...]
->>> reduced = unpack([ops.reduce("sum", p, destinations=p) for p in packed])
+>>> import replicator_strategy as rs
+>>> strategy = rs.ReplicatorStrategy(devices=["/cpu:0", "/cpu:1"])
+>>> bias = strategy.run(lambda: tf.ones([3]))
+>>> scale = strategy.run(lambda: tf.ones([2]))
+>>> to_reduce, unpack = pack([bias, scale])  # one float32 buffer of 5
+>>> [r.values[0].shape.as_list() for r in to_reduce]
+[[5]]
+>>> sum_op = tf.distribute.ReduceOp.SUM
+>>> reduced = unpack([strategy.extended.reduce_to(sum_op, r, r)
+...                   for r in to_reduce])
+>>> [m.values[0].numpy().tolist() for m in reduced]
+[[2.0, 2.0, 2.0], [2.0, 2.0]]
 """
 
 import tensorflow as tf

@@ -26,7 +26,12 @@ does so in `fit` (see `replicator_strategy.keras.preemption_saves`). SIGTERM whi
 no such loop runs (another loop, evaluation, start-up) exits at once with 143;
 the other workers then fail naming this one.
 
->>> model.fit(x, y, callbacks=[keras.callbacks.BackupAndRestore(backup_dir)])
+A loop's part, here alone (no cluster: nothing to agree on, never a stop):
+
+>>> start_watching()
+>>> [step_done() for _ in range(3)]  # after each step; True: save, `stop()`
+[False, False, False]
+>>> stop_watching()
 """
 
 import atexit

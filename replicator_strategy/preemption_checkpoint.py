@@ -5,13 +5,7 @@ for a loop of your own over a `tf.train.Checkpoint`. Put the step count in
 the checkpoint and start the loop from it: a restarted run then resumes at
 the very step where the preempted one stopped.
 
->>> step = tf.Variable(0, dtype=tf.int64)
->>> checkpoint = tf.train.Checkpoint(model=model, optimizer=optimizer, step=step)
->>> with rs.PreemptionCheckpoint(strategy, checkpoint, "ckpt") as preemption:
-...   for batch in dataset.skip(int(step.numpy())):  # restored from "ckpt"
-...     train_step(batch)
-...     step.assign_add(1)
-...     preemption.step_done()  # on preemption: saves, exits 143
+(Example: the class's docstring.)
 
 (TF's `tf.distribute.experimental.PreemptionCheckpointHandler` is not used:
 it asks a cloud metadata server over the network whether it runs on GCP when
@@ -30,6 +24,32 @@ class PreemptionCheckpoint:
   Across workers, every worker saves (reading some variables takes part in
   collectives) but only the chief's checkpoint lands in `directory`; the
   others write to scratch. `directory` must be readable by every worker.
+
+  >>> import keras
+  >>> import replicator_strategy as rs
+  >>> strategy = rs.ReplicatorStrategy()
+  >>> with strategy.scope():
+  ...   model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+  ...   optimizer = keras.optimizers.SGD(0.1)
+  >>> @tf.function
+  ... def train_step(x):
+  ...   def replica_step(x):
+  ...     with tf.GradientTape() as tape:
+  ...       loss = tf.reduce_sum(model(x) ** 2) / 8  # 8: the global batch
+  ...     grads = tape.gradient(loss, model.trainable_variables)
+  ...     optimizer.apply_gradients(zip(grads, model.trainable_variables))
+  ...   strategy.run(replica_step, args=(x,))
+  >>> dataset = tf.data.Dataset.from_tensor_slices(tf.ones((32, 2))).batch(8)
+  >>> step = tf.Variable(0, dtype=tf.int64)
+  >>> checkpoint = tf.train.Checkpoint(model=model, optimizer=optimizer, step=step)
+  >>> with rs.PreemptionCheckpoint(strategy, checkpoint, "ckpt") as preemption:
+  ...   for batch in strategy.experimental_distribute_dataset(
+  ...       dataset.skip(int(step.numpy()))):  # the step restored from "ckpt"
+  ...     train_step(batch)
+  ...     step.assign_add(1, read_value=False)
+  ...     preemption.step_done()  # on preemption: saves, exits 143
+  >>> int(step.numpy())
+  4
   """
 
   def __init__(self, strategy, checkpoint, directory):

@@ -18,7 +18,13 @@ import tensorflow as tf
 
 
 class ReduceOp(enum.Enum):
-  """How values from all replicas are combined."""
+  """How values from all replicas are combined.
+
+  Wherever a reduce op is taken, its string name ("max") does as well.
+
+  >>> ReduceOp.MAX.is_extremum, ReduceOp.SUM.to_tf()
+  (True, <ReduceOp.SUM: 'SUM'>)
+  """
   SUM = "SUM"
   MEAN = "MEAN"
   MIN = "MIN"

@@ -8,16 +8,7 @@ meet, so there collectives are launched per replica instead
 (`replica_collectives`).
 On top of `tf.distribute.ReplicaContext` this adds MIN/MAX all-reduce,
 `broadcast`, `reduce_scatter` and `all_to_all`, all differentiable, on both
-paths.
-
->>> import replicator_strategy as rs
->>> strategy = rs.ReplicatorStrategy()
->>> def step():
-...   ctx = tf.distribute.get_replica_context()
-...   x = tf.cast(ctx.replica_id_in_sync_group, tf.float32)
-...   return ctx.all_reduce("max", x), ctx.broadcast(x + 10.0)
->>> strategy.experimental_local_results(strategy.run(step))[0]
-(<tf.Tensor: ... numpy=3.0>, <tf.Tensor: ... numpy=10.0>)
+paths (example: `ReplicaContext`).
 
 Design after TF-Replicator (Buchlovsky et al., 2019, arXiv:1902.00465).
 """
@@ -36,7 +27,19 @@ from replicator_strategy import reduce_op as reduce_op_lib
 
 class ReplicaContext(tfi.ThreadReplicaContext):
   """`tf.distribute.ReplicaContext` with MIN/MAX all-reduce, broadcast,
-  reduce-scatter and all-to-all."""
+  reduce-scatter and all-to-all.
+
+  What `tf.distribute.get_replica_context()` returns inside `strategy.run`:
+
+  >>> import replicator_strategy as rs
+  >>> strategy = rs.ReplicatorStrategy()
+  >>> def step():
+  ...   ctx = tf.distribute.get_replica_context()
+  ...   x = tf.cast(ctx.replica_id_in_sync_group, tf.float32)
+  ...   return ctx.all_reduce("max", x), ctx.broadcast(x + 10.0)
+  >>> strategy.experimental_local_results(strategy.run(step))[0]
+  (<tf.Tensor: ... numpy=3.0>, <tf.Tensor: ... numpy=10.0>)
+  """
 
   def __init__(self, strategy, replica_id_in_sync_group, inputs=()):
     super().__init__(strategy, replica_id_in_sync_group)
@@ -216,6 +219,7 @@ class ReplicaContext(tfi.ThreadReplicaContext):
     a local reduction (TF has no reduce-scatter on CPU; this moves half of
     what an all-reduce does).
 
+    >>> from replicator_strategy import ReplicatorStrategy
     >>> strategy = ReplicatorStrategy(devices=["/cpu:0", "/cpu:1"])
     >>> def step():
     ...   ctx = tf.distribute.get_replica_context()
@@ -256,6 +260,7 @@ class ReplicaContext(tfi.ThreadReplicaContext):
     `split_axis` must be multiples of N. The gradient is the all-to-all of
     the upstream gradients with the axes swapped.
 
+    >>> from replicator_strategy import ReplicatorStrategy
     >>> strategy = ReplicatorStrategy(devices=["/cpu:0", "/cpu:1"])
     >>> def step():
     ...   ctx = tf.distribute.get_replica_context()

@@ -25,10 +25,13 @@ step's three parts (`reduce_scatter`, `update_shards`, `all_gather`).
 Design after ZeRO (Rajbhandari et al., 2020, arXiv:1910.02054), stages 1 and
 2.
 
+>>> import keras
+>>> from replicator_strategy import ReplicatorStrategy
 >>> strategy = ReplicatorStrategy(shard_optimizer_state=True)
 >>> with strategy.scope():
-...   model = build_model()
+...   model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(4)])
 ...   model.compile(keras.optimizers.Adam(), "mse")
+...   model.optimizer.build(model.trainable_variables)
 >>> [slot.value.shard_devices for slot in model.optimizer.variables[2:4]]
 [('.../device:CPU:0', ..., '.../device:CPU:3'), ...]
 """

@@ -23,6 +23,7 @@ variables that TF's partitioners cut along axis 0 (`RowLayout`); their
 optimizer slots follow (`create_like`). `lookup` reads only the rows a batch
 needs from a sharded table.
 
+>>> from replicator_strategy import ReplicatorStrategy
 >>> partitioner = tf.distribute.experimental.partitioners.FixedShardsPartitioner(4)
 >>> strategy = ReplicatorStrategy(variable_partitioner=partitioner)
 >>> with strategy.scope():

@@ -1,16 +1,6 @@
 """`ReplicatorStrategy`: single-device code, replicated over every local device.
 
->>> import replicator_strategy as rs
->>> rs.split_cpu(4)                      # demo/test only: 4 virtual CPUs
->>> strategy = rs.ReplicatorStrategy()   # every GPU, else every CPU device
->>> strategy.num_replicas_in_sync
-4
->>> with strategy.scope():
-...   model = keras.Sequential([keras.layers.Dense(1)])
-...   model.compile("sgd", "mse")
->>> model.fit(x, y, batch_size=64)       # the global batch, split 4 ways
-
-On several machines the same script runs on each, with `TF_CONFIG` (or a
+The class's docstring opens with an example. On several machines the same script runs on each, with `TF_CONFIG` (or a
 cluster resolver) saying which worker it is; see docs/multi-worker.md.
 
 TF-Replicator (Buchlovsky et al., 2019, arXiv:1902.00465) rebuilt as a
@@ -20,6 +10,7 @@ TF-Replicator (Buchlovsky et al., 2019, arXiv:1902.00465) rebuilt as a
 import math
 import numbers
 
+from absl import logging
 import tensorflow as tf
 
 from replicator_strategy import _tf_internal as tfi
@@ -40,6 +31,24 @@ MAX_TIMEOUT_SECONDS = 10**9
 
 class ReplicatorStrategy(tf.distribute.Strategy):
   """Synchronous data-parallel replication over local devices and workers.
+
+  >>> import keras
+  >>> import numpy as np
+  >>> import replicator_strategy as rs
+  >>> rs.split_cpu(4)                     # no GPU here: 4 logical CPUs
+  >>> strategy = rs.ReplicatorStrategy()  # every GPU, else every logical CPU
+  >>> strategy.num_replicas_in_sync
+  4
+  >>> with strategy.scope():
+  ...   model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+  ...   model.compile("sgd", "mse")
+  >>> x, y = np.ones((64, 3)), np.ones((64, 1))
+  >>> history = model.fit(x, y, batch_size=16, verbose=0)  # 4 rows a replica
+
+  Without a GPU and without `split_cpu`, the CPU is one device: one replica
+  (an INFO log line says so). `print(strategy)` shows the replicas, devices
+  and all-reduce; `python -m replicator_strategy` what the default would use
+  on this machine.
 
   Args:
     devices: this worker's devices to replicate over, one replica each: a
@@ -95,6 +104,11 @@ class ReplicatorStrategy(tf.distribute.Strategy):
       if devices_lib.tpu_present():
         raise NotImplementedError(devices_lib.tpu_not_supported_message())
       devices = devices_lib.local_devices()
+      if devices_lib.is_lone_cpu(devices):
+        logging.info(
+            "ReplicatorStrategy: no GPU, so 1 replica on the CPU. For "
+            "testing, replicator_strategy.split_cpu(n) before any TensorFlow "
+            "op gives n replicas on n logical CPU devices.")
     else:
       devices = devices_lib.resolve_devices(devices)
     super().__init__(extended_lib.ReplicatorExtended(
@@ -105,7 +119,12 @@ class ReplicatorStrategy(tf.distribute.Strategy):
   def reduce(self, reduce_op, value, axis):
     """`tf.distribute.Strategy.reduce`, also with "min" and "max".
 
-    >>> strategy.reduce("max", per_replica_values, axis=None)
+    >>> strategy = ReplicatorStrategy()  # 4 replicas here
+    >>> def replica_id():
+    ...   ctx = tf.distribute.get_replica_context()
+    ...   return tf.cast(ctx.replica_id_in_sync_group, tf.float32)
+    >>> float(strategy.reduce("max", strategy.run(replica_id), axis=None))
+    3.0
     """
     op = reduce_op_lib.parse(reduce_op)
     replica_context.reject_none(value, "value", "strategy.reduce")

@@ -5,6 +5,7 @@ TF's `MirroredVariable` (on-write, every aggregation) and `SyncOnReadVariable`
 Keras integration, so they are reused; this module only decides where the
 components live and what each starts from.
 
+>>> from replicator_strategy import ReplicatorStrategy
 >>> strategy = ReplicatorStrategy()
 >>> with strategy.scope():
 ...   v = tf.Variable(1.0)

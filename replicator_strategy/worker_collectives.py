@@ -7,9 +7,10 @@ Two kinds, both among every worker of a cluster:
 - `WorkerBroadcast`: the chief's value of a tensor to every worker (the
   initial value of each variable).
 
->>> ops = KeyedCollectiveOps(devices, group_size=4, timeout_seconds=120,
-...                          eager_ops=collective_all_reduce)  # 2 workers x 2
->>> ops.reduce("sum", per_replica, destinations=per_replica)
+A ReplicatorStrategy over several workers all-reduces with
+`KeyedCollectiveOps` (its `extended.communicator.cross_device_ops`); with a
+single worker there is nothing for them to do, so they have no example here:
+tests/test_multi_worker.py runs them on 2 workers x 2 replicas.
 """
 
 import itertools

@@ -7,8 +7,10 @@ wait bounded by one timeout so that a missing or dead worker fails the others
 instead of hanging them: every task must register within it, and a task
 whose heartbeats stop for half of it is reported by name to the others.
 
->>> cluster = cluster_lib.from_environment()
->>> start(cluster, timeout_seconds=120)   # once per process, before any op
+`ReplicatorStrategy()` calls `start(cluster, timeout_seconds)` once per
+process, before any op, when `TF_CONFIG` (or a cluster resolver) names
+several workers; a process that started it is a worker for good, so it has
+no example here (tests/test_multi_worker.py starts real workers).
 
 TensorFlow's gRPC runtime has no authentication: run it on a trusted network.
 """

@@ -84,7 +84,8 @@ class AcrossWorkersTest(unittest.TestCase):
       self, _, what):
     done = subprocess.run(
         [sys.executable, "-m", "replicator_strategy.launch", "--workers", "2",
-         "--timeout", "120", "--", sys.executable, MAIN, "uneven_steps", what],
+         "--timeout", "120", "--output", "all", "--", sys.executable, MAIN,
+         "uneven_steps", what],
         capture_output=True, text=True, timeout=180, check=False)
     results = {}
     for line in done.stdout.splitlines():

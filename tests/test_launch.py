@@ -7,6 +7,7 @@ check the launcher alone and run in seconds.
 import json
 import os
 import pathlib
+import pty
 import signal
 import subprocess
 import sys
@@ -17,9 +18,18 @@ import unittest
 LAUNCH = [sys.executable, "-m", "replicator_strategy.launch"]
 
 
-def launch(*args, timeout=120):
+def launch(*args, timeout=120, env=None):
   return subprocess.run(LAUNCH + list(args), capture_output=True, text=True,
-                        timeout=timeout, check=False)
+                        timeout=timeout, check=False,
+                        env={**os.environ, **(env or {})})
+
+
+def read_terminal(fd):
+  """What a program wrote to a pseudo-terminal; b"" once it is closed."""
+  try:
+    return os.read(fd, 4096)
+  except OSError:  # EIO: every writer closed it.
+    return b""
 
 
 def alive(pid):
@@ -71,12 +81,90 @@ def start_sleepers(out, num_workers=2, ignore_sigterm=False, grace="5"):
   return launcher, [int(p) for f in files for p in f.read_text().split()]
 
 
+# Two epochs of a progress bar written as Keras's `Progbar` writes it (its
+# dynamic display, on in any POSIX process): backspaces over the previous
+# state, a carriage return, the new state; a newline ends the epoch. Then a
+# line on stdout and a warning on stderr. First, on stderr, one of the INFO
+# lines TensorFlow logs when imported, whatever TF_CPP_MIN_LOG_LEVEL says.
+PROGRESS_BARS = r"""
+import json, os, sys, time
+i = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
+print("I0000 00:00:1795517664.615734  9522 port.cc:153] oneDNN custom "
+      "operations are on.", file=sys.stderr)
+for epoch in (1, 2):
+  width = 0
+  for step in (1, 2, 3):
+    state = f"{step}/3 ━━━━ 0s 5ms/step - loss: {epoch + step / 10:.1f}"
+    sys.stdout.write("\b" * width + "\r" + state)
+    sys.stdout.flush()
+    width = len(state)
+    time.sleep(0.02)
+  sys.stdout.write("\n")
+print(f"trained on worker {i}", flush=True)
+print(f"UserWarning: worker {i} warns", file=sys.stderr)
+"""
+SUMMARY = (r"^\[launch\] {workers} workers, \d+\.\d s; exit status {status} "
+           r"\({statuses}\)\.$")
+
+
 class LaunchTest(unittest.TestCase):
+
+  def test_progress_bars_show_the_chief_in_full_and_the_others_warnings(self):
+    done = launch("--workers", "2", "--", sys.executable, "-c", PROGRESS_BARS,
+                  env={"TF_CPP_MIN_LOG_LEVEL": "1"})
+    self.assertEqual(done.returncode, 0, done.stderr)
+    self.assertEqual(done.stdout.splitlines(), [
+        "[worker 0] 3/3 ━━━━ 0s 5ms/step - loss: 1.3",
+        "[worker 0] 3/3 ━━━━ 0s 5ms/step - loss: 2.3",
+        "[worker 0] trained on worker 0"])
+    stderr = done.stderr.splitlines()
+    self.assertEqual(sorted(stderr[:-1]),
+                     ["[worker 0] UserWarning: worker 0 warns",
+                      "[worker 1] UserWarning: worker 1 warns"])
+    self.assertRegex(stderr[-1], SUMMARY.format(
+        workers=2, status=0, statuses="worker 0: 0, worker 1: 0"))
+
+  def test_on_a_terminal_a_progress_bar_redraws_on_one_status_line(self):
+    terminal, launcher_end = pty.openpty()
+    with subprocess.Popen(
+        LAUNCH + ["--workers", "2", "--", sys.executable, "-c",
+                  PROGRESS_BARS], stdout=launcher_end,
+        stderr=subprocess.DEVNULL) as launcher:
+      os.close(launcher_end)
+      shown = b""
+      while chunk := read_terminal(terminal):
+        shown += chunk
+      self.assertEqual(launcher.wait(timeout=60), 0)
+    os.close(terminal)
+    shown = shown.decode()
+    clear = "\r\x1b[K"  # Back to the line's start, and erase it.
+    for step in (1, 2, 3):
+      self.assertIn(
+          f"{clear}[worker 0] {step}/3 ━━━━ 0s 5ms/step - loss: 2.{step}", shown)
+    self.assertTrue(shown.endswith(
+        f"{clear}[worker 0] 3/3 ━━━━ 0s 5ms/step - loss: 2.3\r\n"
+        f"[worker 0] trained on worker 0\r\n"), repr(shown[-300:]))
+    self.assertNotIn("[worker 1]", shown)
+
+  def test_output_all_shows_every_workers_lines_each_with_its_prefix(self):
+    done = launch("--workers", "2", "--output", "all", "--", sys.executable,
+                  "-c", PROGRESS_BARS, env={"TF_CPP_MIN_LOG_LEVEL": "0"})
+    self.assertEqual(done.returncode, 0, done.stderr)
+    self.assertEqual(done.stderr.count("port.cc:153] oneDNN"), 2, done.stderr)
+    for i in range(2):
+      mine = [line for line in done.stdout.splitlines()
+              if line.startswith(f"[worker {i}] ")]
+      self.assertEqual(mine, [
+          f"[worker {i}] 3/3 ━━━━ 0s 5ms/step - loss: 1.3",
+          f"[worker {i}] 3/3 ━━━━ 0s 5ms/step - loss: 2.3",
+          f"[worker {i}] trained on worker {i}"])
+    self.assertEqual(len(done.stdout.splitlines()), 6, done.stdout)
 
   def test_each_worker_gets_its_tf_config_and_a_prefix(self):
     script = ("import json, os; c = json.loads(os.environ['TF_CONFIG']); "
               "print(json.dumps(c))")
-    done = launch("--workers", "3", "--", sys.executable, "-c", script)
+    done = launch("--workers", "3", "--output", "all", "--", sys.executable,
+                  "-c", script)
     self.assertEqual(done.returncode, 0, done.stderr)
     configs = {}
     for line in done.stdout.splitlines():
@@ -112,6 +200,8 @@ class LaunchTest(unittest.TestCase):
       self.assertLess(time.monotonic() - start, 60)
       self.assertEqual(done.returncode, 3, done.stderr)
       self.assertIn("worker 1 exited with status 3", done.stderr)
+      self.assertRegex(done.stderr.splitlines()[-1], SUMMARY.format(
+          workers=2, status=3, statuses="worker 0: 143, worker 1: 3"))
       pids = [int(p) for i in range(2)
               for p in pathlib.Path(tmp, f"pids{i}").read_text().split()]
     time.sleep(0.5)
@@ -189,6 +279,8 @@ class LaunchTest(unittest.TestCase):
         "pathlib.Path(sys.argv[1], f'{restart}-{i}').write_text("
         "json.dumps(config['cluster']))\n"
         "if i == 1 and restart < 2:\n"
+        "  while not pathlib.Path(sys.argv[1], f'{restart}-0').exists():\n"
+        "    time.sleep(0.01)  # Worker 0 has logged this start too.\n"
         "  sys.exit(3)\n"
         "time.sleep(1 if i == 1 else 0.5)\n")
     for max_restarts, status, starts in (("2", 0, 3), ("1", 3, 2)):

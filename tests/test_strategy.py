@@ -87,6 +87,18 @@ class ConstructionTest(unittest.TestCase):
     self.assertEqual(len(logs.output), 1)
     self.assertRegex(logs.output[0], "2 replica.*CPU:0.*CPU:1.*add_on_one_device")
 
+  def test_a_lone_cpu_gets_a_hint_that_split_cpu_gives_more_replicas(self):
+    lone_cpu = ("/job:localhost/replica:0/task:0/device:CPU:0",)
+    with mock.patch.object(devices, "local_devices", return_value=lone_cpu), \
+        self.assertLogs("absl", level="INFO") as logs:
+      self.assertEqual(rs.ReplicatorStrategy().num_replicas_in_sync, 1)
+    self.assertIn("no GPU, so 1 replica on the CPU. For testing, "
+                  "replicator_strategy.split_cpu(n) before any TensorFlow op "
+                  "gives n replicas", logs.output[0])
+    with self.assertLogs("absl", level="INFO") as logs:
+      rs.ReplicatorStrategy()  # 4 logical CPUs: no hint.
+    self.assertNotIn("split_cpu", "\n".join(logs.output))
+
 
 def _per_replica(strategy, fn):
   return strategy.experimental_distribute_values_from_function(fn)

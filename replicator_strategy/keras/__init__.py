@@ -1,7 +1,7 @@
 """What ReplicatorStrategy changes in Keras 3, in one table, and its undoing.
 
 - `patches`: the table `PATCHES` (what is wrapped, why, when it acts),
-  `install()` (done on import of `replicator_strategy`) and `uninstall()`.
+  `install()` (done on the first use of `replicator_strategy`) and `uninstall()`.
 - `training`: global per-batch logs, rows once from `predict_on_batch`, loss
   scaled by each replica's share of the rows, the model built from the whole
   first batch, clipping after the all-reduce, `predict` across workers.

@@ -16,11 +16,17 @@ that no longer run.
   on storage every worker reads (one machine, or a shared file system).
 - `TensorBoard` logs.
 
-Entries of `replicator_strategy.keras.PATCHES`, applied on import of
+Entries of `replicator_strategy.keras.PATCHES`, applied on the first use of
 `replicator_strategy`; inert unless the model's
 strategy is a ReplicatorStrategy over several workers, on a non-chief one.
 
+>>> import keras
+>>> import replicator_strategy as rs
+>>> with rs.ReplicatorStrategy().scope():
+...   model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
 >>> model.save("model.keras")  # on worker 1: written to scratch, then deleted
+>>> os.path.exists("model.keras")  # alone, or on the chief
+True
 """
 
 import atexit

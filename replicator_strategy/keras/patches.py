@@ -2,7 +2,8 @@
 
 Keras 3 has no hook for what ReplicatorStrategy must change (global logs,
 exact loss scaling, files written once across workers, saving on
-preemption), so the package wraps Keras functions on import. Every wrapper is
+preemption), so the package wraps Keras functions when first used (its
+first public name, such as `replicator_strategy.ReplicatorStrategy`). Every wrapper is
 listed in `PATCHES`: what it wraps, why, and when it acts; each calls Keras's
 own code unchanged where it does not act. The wrapped names, private ones
 included, were checked against the Keras versions that `replicator_strategy.keras._internal`
@@ -113,7 +114,7 @@ _originals = []  # (owner, name, what it was), in the order applied.
 
 
 def install():
-  """Applies every patch in `PATCHES`, once (on import of the package)."""
+  """Applies every patch in `PATCHES`, once (on the package's first use)."""
   if _originals:
     return
   for patch in PATCHES:

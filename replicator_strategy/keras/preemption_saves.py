@@ -7,7 +7,17 @@ watches for that step from `on_train_begin`, counts steps in
 `replicator_strategy.keras.PATCHES`; inert unless a ReplicatorStrategy
 cluster is running.
 
->>> model.fit(x, y, callbacks=[keras.callbacks.BackupAndRestore(backup_dir)])
+>>> import keras
+>>> import numpy as np
+>>> import replicator_strategy as rs
+>>> with rs.ReplicatorStrategy().scope():
+...   model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+...   model.compile("sgd", "mse")
+>>> backup = keras.callbacks.BackupAndRestore("backup")  # every worker reads it
+>>> history = model.fit(np.ones((8, 2)), np.ones(8), epochs=2, verbose=0,
+...                     callbacks=[backup])
+>>> history.epoch
+[0, 1]
 """
 
 import functools

@@ -19,9 +19,11 @@ fit Keras to that:
 - `Embedding.call`: a sharded table gives only the rows the batch asks for
   (`sharded_variables.lookup`), never the whole table.
 
+>>> from replicator_strategy import ReplicatorStrategy
 >>> partitioner = tf.distribute.experimental.partitioners.FixedShardsPartitioner(4)
 >>> with ReplicatorStrategy(variable_partitioner=partitioner).scope():
-...   model = keras.Sequential([keras.layers.Embedding(1000, 8)])
+...   model = keras.Sequential([keras.Input((5,), dtype="int32"),
+...                             keras.layers.Embedding(1000, 8)])
 >>> [c.shape.as_list() for c in model.weights[0].value.values]
 [[250, 8], [250, 8], [250, 8], [250, 8]]
 """

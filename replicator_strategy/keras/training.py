@@ -32,15 +32,17 @@
   strategy. Here each replica's step is compiled on its own device, and
   `"auto"` means XLA on accelerators, as without a strategy.
 
-Each wrapper is an entry of `replicator_strategy.keras.PATCHES`, applied on import of
-`replicator_strategy`, on `keras.Model`, `keras.optimizers.Optimizer` and
+Each wrapper is an entry of `replicator_strategy.keras.PATCHES`, applied on the first
+use of `replicator_strategy`, on `keras.Model`, `keras.optimizers.Optimizer` and
 Keras's loss-scaling functions; every wrapper calls Keras's own code
 unchanged for any other strategy.
 
->>> with ReplicatorStrategy().scope():
-...   model = build_and_compile()
->>> model.predict_on_batch(x).shape[0] == len(x)
-True
+>>> import numpy as np
+>>> import replicator_strategy as rs
+>>> with rs.ReplicatorStrategy().scope():  # 4 replicas here
+...   model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+>>> model.predict_on_batch(np.ones((10, 3))).shape  # 10 rows, not 4 x 10
+(10, 2)
 """
 
 import functools
