@@ -1,0 +1,154 @@
+"""What the ResNet, SN-GAN and D4PG examples share around their training.
+
+The command line (`--replicas`, `--quick`, `--output-dir`), the devices, the
+topology printed first and the wall time printed last, curves drawn to a PNG
+and TensorBoard logs. Files are written by the chief only, so every example
+also runs as several workers:
+
+  python -m replicator_strategy.launch --workers 2 -- \\
+      python keras_examples/resnet_digits.py --replicas 2 --quick
+
+Use it as
+
+  run = harness.start(__doc__, add_arguments)  # parses, sets up, prints
+  ... train under run.strategy, log to run.summary_writer() ...
+  run.plot_curves("curves.png", {"loss": losses}, x_label="epoch")
+  run.finish()                                  # prints the wall time
+"""
+
+import argparse
+import os
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+
+# pylint: disable=g-import-not-at-top
+import tensorflow as tf
+
+import replicator_strategy
+# pylint: enable=g-import-not-at-top
+
+
+def parse_args(description, add_arguments=None, argv=None):
+  """The shared flags, plus those `add_arguments(parser)` adds."""
+  lines = description.strip().splitlines()
+  parser = argparse.ArgumentParser(
+      description=lines[0], epilog="\n".join(lines[1:]),
+      formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument(
+      "--replicas", type=int, default=None,
+      help="replicas on this machine: without a GPU, the CPU is split into "
+      "this many logical devices; with GPUs, the first this many GPUs "
+      "(default: every device a default ReplicatorStrategy uses)")
+  parser.add_argument(
+      "--quick", action="store_true",
+      help="a run of under a minute that checks everything works, "
+      "not a result")
+  parser.add_argument(
+      "--output-dir", default=None,
+      help="where the plots and TensorBoard logs go (default: "
+      "example_runs/<example name>)")
+  if add_arguments is not None:
+    add_arguments(parser)
+  args = parser.parse_args(argv)
+  if args.replicas is not None and args.replicas < 1:
+    parser.error(f"--replicas must be at least 1, got {args.replicas}")
+  return args
+
+
+def make_strategy(num_replicas):
+  """A ReplicatorStrategy over `num_replicas` devices (None: the default).
+
+  Must run before TensorFlow creates its devices: it splits the CPU when
+  there is no GPU.
+  """
+  gpus = tf.config.list_physical_devices("GPU")
+  if num_replicas is None:
+    return replicator_strategy.ReplicatorStrategy()
+  if not gpus:
+    replicator_strategy.split_cpu(num_replicas)
+    return replicator_strategy.ReplicatorStrategy()
+  if num_replicas > len(gpus):
+    raise ValueError(
+        f"--replicas {num_replicas} asks for more GPUs than this machine "
+        f"has ({len(gpus)}). Pass --replicas {len(gpus)} or fewer.")
+  return replicator_strategy.ReplicatorStrategy(
+      devices=[f"/gpu:{i}" for i in range(num_replicas)])
+
+
+class ExampleRun:
+  """One run of an example: its arguments, strategy, output files and clock."""
+
+  def __init__(self, name, args, strategy, start_time):
+    self.name = name
+    self.args = args
+    self.strategy = strategy
+    self.output_dir = args.output_dir or os.path.join("example_runs", name)
+    self._start_time = start_time
+    if self.is_chief:
+      os.makedirs(self.output_dir, exist_ok=True)
+
+  @property
+  def is_chief(self):
+    """Whether this worker writes the files (true in a single process)."""
+    return self.strategy.extended.should_checkpoint
+
+  @property
+  def tensorboard_dir(self):
+    return os.path.join(self.output_dir, "tensorboard")
+
+  def path(self, file_name):
+    return os.path.join(self.output_dir, file_name)
+
+  def summary_writer(self):
+    """A `tf.summary` writer into `tensorboard_dir`; a no-op off the chief."""
+    if not self.is_chief:
+      return tf.summary.create_noop_writer()
+    return tf.summary.create_file_writer(self.tensorboard_dir)
+
+  def plot_curves(self, file_name, curves, x_label, title=None):
+    """Draws `{panel: {label: values}}` as side-by-side panels into a PNG.
+
+    Each panel is one subplot; its lines share the x axis (`x_label`,
+    counted from 1). Only the chief draws. Returns the file's path.
+    """
+    path = self.path(file_name)
+    if not self.is_chief:
+      return path
+    import matplotlib  # pylint: disable=g-import-not-at-top
+    matplotlib.use("Agg")
+    from matplotlib import pyplot  # pylint: disable=g-import-not-at-top
+    figure, axes = pyplot.subplots(
+        1, len(curves), figsize=(4 * len(curves), 3), squeeze=False)
+    for axis, (panel, lines) in zip(axes[0], curves.items()):
+      for label, values in lines.items():
+        axis.plot(range(1, len(values) + 1), values, label=label)
+      axis.set_xlabel(x_label)
+      axis.set_title(panel)
+      axis.grid(alpha=0.3)
+      if len(lines) > 1:
+        axis.legend()
+    if title:
+      figure.suptitle(title)
+    figure.tight_layout()
+    figure.savefig(path, dpi=80)
+    pyplot.close(figure)
+    print(f"wrote {path}")
+    return path
+
+  def finish(self):
+    print(f"wall time: {time.perf_counter() - self._start_time:.1f} s")
+
+
+def start(name, description, add_arguments=None, argv=None):
+  """Parses the command line, makes the strategy and prints its topology.
+
+  Call it first, before any other TensorFlow op: it may split the CPU, and
+  across workers the strategy must exist before TensorFlow starts.
+  """
+  start_time = time.perf_counter()
+  args = parse_args(description, add_arguments, argv)
+  strategy = make_strategy(args.replicas)
+  print(strategy, flush=True)
+  return ExampleRun(name, args, strategy, start_time)
