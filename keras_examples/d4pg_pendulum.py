@@ -267,10 +267,9 @@ def evaluate(actors, actor, episodes):
 
 
 def main():
-  run = harness.start("d4pg_pendulum", __doc__, add_arguments)
+  run = harness.start("d4pg_pendulum", __doc__, add_arguments, quick={
+      "iterations": 2, "updates": 40, "eval_episodes": 2})
   args = run.args
-  if args.quick:
-    args.iterations, args.updates, args.eval_episodes = 2, 40, 2
   strategy = run.strategy
   if args.global_batch_size % strategy.num_replicas_in_sync:
     raise ValueError(
@@ -280,7 +279,6 @@ def main():
     raise ValueError(
         f"--updates {args.updates} must be a multiple of --updates-per-call "
         f"{args.updates_per_call}.")
-  keras.utils.set_random_seed(0)
   # Each worker's actors and buffer are seeded apart; the networks are not.
   seed = 1000 * strategy.extended.first_replica_id
   actors = Actors(args.actors, seed)
@@ -313,8 +311,8 @@ def main():
   run.plot_curves("curves.png", {
       name: {name: values} for name, values in curves.items()},
       x_label="iteration", title=(
-          f"D4PG on {ENV_ID}, {strategy.num_replicas_in_sync} replicas, "
-          f"{args.actors} actors per worker"))
+          f"D4PG on {ENV_ID}, {run.replicas}, {args.actors} actors per "
+          f"worker"))
   print(f"average return over {args.eval_episodes} episodes: "
         f"{average_return:.1f}")
   run.finish()

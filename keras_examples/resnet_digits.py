@@ -71,11 +71,9 @@ def large_batch_schedule(base_lr, global_batch, steps_per_epoch, epochs,
 
 
 def main():
-  run = harness.start("resnet_digits", __doc__, add_arguments)
+  run = harness.start("resnet_digits", __doc__, add_arguments,
+                      quick={"epochs": 3, "warmup_epochs": 1})
   args = run.args
-  if args.quick:
-    args.epochs, args.warmup_epochs = 3, 1
-  keras.utils.set_random_seed(0)
   x_train, x_test, y_train, y_test = digits.load_data()
   steps_per_epoch = len(x_train) // args.global_batch_size
   schedule = large_batch_schedule(args.base_lr, args.global_batch_size,
@@ -107,8 +105,8 @@ def main():
       "learning rate": {"end of epoch": [
           float(schedule(steps_per_epoch * e))
           for e in range(1, args.epochs + 1)]},
-  }, x_label="epoch", title=f"ResNet on digits, {run.strategy.num_replicas_in_sync}"
-     f" replicas, global batch {args.global_batch_size}")
+  }, x_label="epoch", title=f"ResNet on digits, {run.replicas}, global batch "
+     f"{args.global_batch_size}")
   print(f"test accuracy: {test_accuracy:.4f}")
   run.finish()
 

@@ -232,11 +232,9 @@ def train_with_custom_loop(gan, dataset, args, score, run):
 
 
 def main():
-  run = harness.start("sngan_digits", __doc__, add_arguments)
+  run = harness.start("sngan_digits", __doc__, add_arguments,
+                      quick={"steps": 40, "interval": 20})
   args = run.args
-  if args.quick:
-    args.steps, args.interval = 40, 20
-  keras.utils.set_random_seed(0)
   x_train, _, y_train, _ = digits.load_data()
   score = GeneratorScore(x_train, y_train)
   dataset = (tf.data.Dataset.from_tensor_slices(
@@ -260,8 +258,7 @@ def main():
       "generated digits classified as intended": {
           "accuracy": curves["class_accuracy"]},
   }, x_label=f"x {args.interval} steps", title=(
-      f"SN-GAN on digits ({args.loop}), "
-      f"{run.strategy.num_replicas_in_sync} replicas"))
+      f"SN-GAN on digits ({args.loop}), {run.replicas}"))
   if run.is_chief:
     score.write_grid(gan.generator, run.path("samples.png"))
   print(f"generated digits classified as intended: {accuracy:.4f}")
