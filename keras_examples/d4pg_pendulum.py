@@ -287,7 +287,6 @@ def main():
   action_dim = actors.envs[0].action_space.shape[0]
   learner = Learner(strategy, obs_dim, action_dim, args)
 
-  writer = run.summary_writer()
   curves = {"training return": [], "critic loss": [], "mean value": []}
   for iteration in range(1, args.iterations + 1):
     observations, actions, rewards, returns = actors.play(
@@ -299,12 +298,7 @@ def main():
     critic_loss, value = np.mean(np.array(losses, dtype=float), axis=0)
     for name, number in zip(curves, (np.mean(returns), critic_loss, value)):
       curves[name].append(float(number))
-    with writer.as_default(step=iteration):
-      for name, values in curves.items():
-        tf.summary.scalar(name.replace(" ", "_"), values[-1])
-    print(f"iteration {iteration}: transitions {buffer.size}, " + ", ".join(
-        f"{name} {values[-1]:.2f}" for name, values in curves.items()),
-          flush=True)
+    run.log("iteration", iteration, curves)
 
   average_return = evaluate(Actors(args.actors, seed + 10**6), learner.actor,
                             args.eval_episodes)

@@ -84,6 +84,7 @@ class ExampleRun:
     self.strategy = strategy
     self.output_dir = args.output_dir or os.path.join("example_runs", name)
     self._start_time = start_time
+    self._writer = None
     if self.is_chief:
       os.makedirs(self.output_dir, exist_ok=True)
 
@@ -105,11 +106,22 @@ class ExampleRun:
   def path(self, file_name):
     return os.path.join(self.output_dir, file_name)
 
-  def summary_writer(self):
-    """A `tf.summary` writer into `tensorboard_dir`; a no-op off the chief."""
-    if not self.is_chief:
-      return tf.summary.create_noop_writer()
-    return tf.summary.create_file_writer(self.tensorboard_dir)
+  def log(self, label, step, curves):
+    """Writes each curve's latest value to TensorBoard, and prints them.
+
+    For loops of one's own (Keras `fit` has its TensorBoard callback):
+    `curves` maps names to lists of numbers; one line `label step: ...`.
+    Only the chief writes the logs.
+    """
+    if self._writer is None:
+      self._writer = (tf.summary.create_file_writer(self.tensorboard_dir)
+                      if self.is_chief else tf.summary.create_noop_writer())
+    with self._writer.as_default(step=step):
+      for name, values in curves.items():
+        tf.summary.scalar(name.replace(" ", "_"), values[-1])
+    print(f"{label} {step}: " + ", ".join(
+        f"{name} {values[-1]:.5g}" for name, values in curves.items()),
+          flush=True)
 
   def plot_curves(self, file_name, curves, x_label, title=None):
     """Draws `{panel: {label: values}}` as side-by-side panels into a PNG.

@@ -210,7 +210,6 @@ def train_with_custom_loop(gan, dataset, args, score, run):
             strategy.reduce("mean", g_loss, axis=None))
 
   curves = {"d_loss": [], "g_loss": [], "class_accuracy": []}
-  writer = run.summary_writer()
   batches = iter(strategy.experimental_distribute_dataset(dataset))
   d_losses, g_losses = [], []
   for step in range(1, args.steps + 1):
@@ -222,12 +221,7 @@ def train_with_custom_loop(gan, dataset, args, score, run):
       curves["g_loss"].append(np.mean(g_losses))
       curves["class_accuracy"].append(score(gan.generator))
       d_losses, g_losses = [], []
-      with writer.as_default(step=step):
-        for name, values in curves.items():
-          tf.summary.scalar(name, values[-1])
-      print(f"step {step}: " + ", ".join(
-          f"{name} {values[-1]:.4f}" for name, values in curves.items()),
-            flush=True)
+      run.log("step", step, curves)
   return curves
 
 
