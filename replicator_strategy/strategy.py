@@ -18,6 +18,7 @@ from replicator_strategy import cluster as cluster_lib
 from replicator_strategy import collective_watchdog
 from replicator_strategy import devices as devices_lib
 from replicator_strategy import extended as extended_lib
+from replicator_strategy import gradient_compression as compression_lib
 from replicator_strategy import reduce_op as reduce_op_lib
 from replicator_strategy import replica_context
 from replicator_strategy import worker_runtime
@@ -78,12 +79,27 @@ class ReplicatorStrategy(tf.distribute.Strategy):
       k > 1 shards gets one shard on each of the first min(k, N) replicas
       (the rest hold none); its optimizer state is sharded alike. Default
       None: no variable is sharded.
+    gradient_compression: None (default), "bfloat16" or "float16": the
+      Keras optimizer's gradient all-reduce sends float32 gradients as
+      16-bit floats and sums them so, half the bytes; the update itself is
+      float32 (see `replicator_strategy.gradient_compression` for the
+      precision). Not with sharded state or variables yet.
   """
 
   def __init__(self, devices=None, all_reduce="auto", cluster_resolver=None,
                timeout_seconds=collective_watchdog.DEFAULT_TIMEOUT_SECONDS,
-               shard_optimizer_state=False, variable_partitioner=None):
+               shard_optimizer_state=False, variable_partitioner=None,
+               gradient_compression=None):
     _check_timeout(timeout_seconds)
+    compression_lib.wire_dtype(gradient_compression)  # Checks the name.
+    if gradient_compression and (shard_optimizer_state or
+                                 variable_partitioner is not None):
+      raise ValueError(
+          "`gradient_compression` applies to the all-reduce of mirrored "
+          "weights' gradients; sharded optimizer state and sharded variables "
+          "reduce-scatter theirs uncompressed, so the combination is not "
+          "supported yet. Drop `gradient_compression`, or "
+          "`shard_optimizer_state` and `variable_partitioner`.")
     if not isinstance(shard_optimizer_state, bool):
       raise ValueError(
           f"Expected `shard_optimizer_state` to be True or False. Received: "
@@ -115,6 +131,7 @@ class ReplicatorStrategy(tf.distribute.Strategy):
         self, devices, all_reduce, cluster, timeout_seconds,
         variable_partitioner))
     self.shard_optimizer_state = shard_optimizer_state
+    self.gradient_compression = gradient_compression
 
   def reduce(self, reduce_op, value, axis):
     """`tf.distribute.Strategy.reduce`, also with "min" and "max".

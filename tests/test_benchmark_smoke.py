@@ -69,7 +69,21 @@ class BenchmarkSmokeTest(unittest.TestCase):
     for key in ("first_epoch_s", "peak_rss_mb"):
       self.assertEqual(sorted(first[key]), ["mirrored", "none", "replicator"])
       self.assertTrue(all(v > 0 for v in first[key].values()))
-    self.assertTrue(results["multi"][0]["agree"], results["multi"])
+    self.assertEqual([r["variant"] for r in results["multi"]],
+                     ["plain", "bfloat16", "accumulate 4"])
+    for row in results["multi"]:
+      self.assertTrue(row["agree"], row)
+    xla, = [r for r in results["xla"] if r["model"] == "mlp"]
+    # MirroredStrategy cannot compile its replicated step with XLA.
+    self.assertEqual(set(xla["ms"]) | set(xla["failed"]), {
+        f"{name}{xla_suffix}" for name in ("none", "mirrored", "replicator")
+        for xla_suffix in ("", "+xla")})
+    self.assertIn("replicator+xla", xla["ms"])
+    self.assertTrue(xla["agree"], xla)
+    self.assertEqual([r["replicas"] for r in results["overhead"]], [1, 2, 4])
+    for row in results["overhead"]:
+      self.assertEqual(sorted(row["ms"]), ["mirrored", "none", "replicator"])
+      self.assertTrue(row["agree"], row)
     sharding, = [r for r in results["sharding"] if r["measure"] == "memory"]
     contenders = ["mirrored", "replicator", "sharded", "zero3"]
     for key in ("optimizer_mb_per_device_max", "weight_mb_per_device_max",

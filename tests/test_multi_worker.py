@@ -23,6 +23,7 @@ import pytest
 import tensorflow as tf
 
 import multi_worker_runs
+import test_gradient_compression
 import topology
 from replicator_strategy import launch
 from test_launch import alive
@@ -245,6 +246,21 @@ class ShardedOptimizerStateTest(RunsOnWorkers, unittest.TestCase):
     slots = [v.numpy().tolist() for v in loaded.optimizer.variables
              if v.path.split("/")[-1] not in ("iteration", "learning_rate")]
     assert_close_nested(self, slots, self.workers[0]["sharded_state"]["slots"])
+
+
+@pytest.mark.slow
+class GradientCompressionTest(RunsOnWorkers, unittest.TestCase):
+  """gradient_compression="bfloat16" across workers: 16-bit collective sums."""
+  RUNS = ("custom_loop", "keras_fit")
+  ENV = {"MULTI_WORKER_GRADIENT_COMPRESSION": "bfloat16"}
+
+  def test_training_stays_within_the_precision_of_one_device(self):
+    for run in self.RUNS:
+      want = getattr(multi_worker_runs, run)(topology.strategy_over(1))
+      for index, worker in enumerate(self.workers):
+        with self.subTest(run=run, worker=index):
+          test_gradient_compression.assert_compressed_close(
+              self, worker[run], want, "bfloat16")
 
 
 @pytest.mark.slow

@@ -32,6 +32,10 @@
   strategy. Here each replica's step is compiled on its own device, and
   `"auto"` means XLA on accelerators, as without a strategy.
 
+And one thing Keras has no word for: with
+`ReplicatorStrategy(gradient_compression=...)` the optimizer's gradient
+all-reduce sends 16-bit floats (`replicator_strategy.gradient_compression`).
+
 Each wrapper is an entry of `replicator_strategy.keras.PATCHES`, applied on the first
 use of `replicator_strategy`, on `keras.Model`, `keras.optimizers.Optimizer` and
 Keras's loss-scaling functions; every wrapper calls Keras's own code
@@ -52,6 +56,7 @@ import tensorflow as tf
 
 from replicator_strategy.keras import _internal as ki
 from replicator_strategy import _tf_internal as tfi
+from replicator_strategy import gradient_compression as compression_lib
 from replicator_strategy import replica_context
 from replicator_strategy import strategy as strategy_lib
 
@@ -160,6 +165,28 @@ def reduce_before_clipping(backend_apply_gradients):
                                      trainable_variables)
     finally:
       self._gradients_reduced = False  # pylint: disable=protected-access
+
+  return wrapper
+
+
+def compressed_on_the_wire(all_reduce_sum_gradients):
+  """The optimizer's gradient sum, sent as the strategy's 16-bit floats.
+
+  `ReplicatorStrategy(gradient_compression=...)`; see
+  `replicator_strategy.gradient_compression`.
+  """
+  @functools.wraps(all_reduce_sum_gradients)
+  def wrapper(self, grads_and_vars):
+    strategy = tf.distribute.get_strategy()
+    wire = (compression_lib.wire_dtype(strategy.gradient_compression)
+            if _in_our_replicas() else None)
+    if wire is None:
+      return all_reduce_sum_gradients(self, grads_and_vars)
+    pairs = list(grads_and_vars)
+    summed = iter(compression_lib.all_reduce_sum(
+        tf.distribute.get_replica_context(),
+        [g for g, _ in pairs if g is not None], wire))
+    return [(None if g is None else next(summed), v) for g, v in pairs]
 
   return wrapper
 

@@ -1,0 +1,89 @@
+"""ReplicatorStrategy(gradient_compression=...): the gradient sum in 16 bits.
+
+Training with compressed gradients stays within the documented precision of
+one device (a dozen steps of the same data, weights and global batch), and
+is not bit-equal to it: the 16-bit sum really happened.
+"""
+
+import unittest
+
+import numpy as np
+from parameterized import parameterized
+import tensorflow as tf
+
+import multi_worker_runs
+import topology
+from replicator_strategy import gradient_compression
+
+# (rtol, atol) after 12 steps: a sum rounded to 8 (bfloat16) or 11 (float16)
+# mantissa bits each step; docs/performance.md states the same bounds.
+TOLERANCE = {"bfloat16": (2e-2, 5e-3), "float16": (2e-3, 5e-4)}
+RUNS = {"custom_loop": multi_worker_runs.custom_loop,
+        "keras_fit": multi_worker_runs.keras_fit}
+
+
+def flatten(results):
+  """Every number in a run's nested results, in a fixed order."""
+  if isinstance(results, dict):
+    return np.concatenate([flatten(results[k]) for k in sorted(results)])
+  if isinstance(results, (list, tuple)):
+    return (np.concatenate([flatten(r) for r in results]) if results
+            else np.zeros([0]))
+  return np.asarray([results], dtype=float)
+
+
+def assert_compressed_close(test, got, want, wire):
+  got, want = flatten(got), flatten(want)
+  rtol, atol = TOLERANCE[wire]
+  np.testing.assert_allclose(got, want, rtol=rtol, atol=atol)
+  test.assertGreater(np.abs(got - want).max(), 1e-6,
+                     "bit-equal to uncompressed: nothing was compressed")
+
+
+class GradientCompressionTest(unittest.TestCase):
+
+  @parameterized.expand([(f"{run}_{n}_replicas_{wire}", run, n, wire)
+                         for run in RUNS for n in (2, 4)
+                         for wire in TOLERANCE])
+  def test_training_stays_within_the_precision_of_one_device(
+      self, _, run, n, wire):
+    want = RUNS[run](topology.strategy_over(1))
+    got = RUNS[run](topology.strategy_over(n, gradient_compression=wire))
+    assert_compressed_close(self, got, want, wire)
+
+  @parameterized.expand([("bfloat16",), ("float16",)])
+  def test_the_sum_is_rounded_to_the_wire_dtype_and_returned_as_float32(
+      self, wire):
+    strategy = topology.strategy_over(4)
+    third = np.float32(1 / 3)
+
+    def step():
+      ctx = tf.distribute.get_replica_context()
+      total, count = gradient_compression.all_reduce_sum(
+          ctx, [tf.constant(third), tf.constant(1, tf.int32)],
+          gradient_compression.WIRE_DTYPES[wire])
+      return total, count
+
+    total, count = (strategy.experimental_local_results(r)[0]
+                    for r in strategy.run(step))
+    self.assertEqual(total.dtype, tf.float32)
+    self.assertEqual(int(count), 4)
+    rounded = tf.cast(tf.constant(third), gradient_compression.WIRE_DTYPES[
+        wire])
+    expected = float(tf.cast(rounded * 2 + rounded * 2, tf.float32))
+    self.assertEqual(float(total), expected)
+    self.assertNotEqual(float(total), float(np.float32(third) * 4))
+
+  def test_a_wrong_name_is_refused_with_the_choices(self):
+    with self.assertRaisesRegex(ValueError, 'None, "float16" or "bfloat16".*'
+                                "Received: gradient_compression='fp8'"):
+      topology.strategy_over(2, gradient_compression="fp8")
+
+  def test_sharded_state_with_compression_is_refused(self):
+    with self.assertRaisesRegex(ValueError, "not supported yet"):
+      topology.strategy_over(2, gradient_compression="bfloat16",
+                             shard_optimizer_state=True)
+
+
+if __name__ == "__main__":
+  unittest.main()
