@@ -21,8 +21,8 @@ replicas, so the sum is the mean gradient and does not grow with N. With a
 ...   ctx = tf.distribute.get_replica_context()
 ...   return all_reduce_sum(ctx, [tf.constant(1 / 3)], tf.bfloat16)[0]
 >>> total = strategy.experimental_local_results(strategy.run(step))[0]
->>> total.dtype.name, round(float(total), 4)  # 2/3 rounded to 8 bits
-('float32', 0.6680)
+>>> total.dtype.name, float(total)  # 2 x (1/3 in bfloat16: 0.333984375)
+('float32', 0.66796875)
 """
 
 import tensorflow as tf
