@@ -327,8 +327,45 @@ def bench_xla(n):
 
 
 def bench_overhead(n):
-  """Per-step cost with negligible compute: a tiny model's fit step."""
-  return bench_fit(n, model_names=("tiny",), section="overhead")
+  """Per-step cost with negligible compute: a tiny model's fit step, and the
+  part of it that is input (`input_fetch`)."""
+  return (bench_fit(n, model_names=("tiny",), section="overhead") +
+          [input_fetch(n)])
+
+
+def input_fetch(n):
+  """The input part of a fit step, alone: a traced function that takes the
+  iterator as its argument (as Keras's step does), gets the next batch and
+  sums each replica's part; nothing else.
+  """
+  x, _ = data("tiny", SIZE["fit_steps"])
+  runs = {}
+  for name, strategy in contenders(n):
+    dataset = tf.data.Dataset.from_tensor_slices(x).batch(
+        SIZE["global_batch"]).repeat()
+    if strategy is None:
+      fetch = tf.function(lambda it: [tf.reduce_sum(next(it))])
+      iterator = iter(dataset)
+    else:
+      fetch = tf.function(
+          lambda it, s=strategy: s.experimental_local_results(
+              s.run(tf.reduce_sum, args=(next(it),))))
+      iterator = iter(strategy.experimental_distribute_dataset(dataset))
+    first = sum(float(t) for t in fetch(iterator))  # Traces; the first batch.
+    runs[name] = {"fetch": fetch, "iterator": iterator, "first": first,
+                  "times": []}
+  for _ in range(SIZE["rounds"]):
+    for run in runs.values():
+      for _ in range(SIZE["fit_steps"]):
+        start = time.perf_counter()
+        run["fetch"](run["iterator"])
+        run["times"].append(time.perf_counter() - start)
+  row = {"model": "input fetch", "replicas": n,
+         "ms": {name: median_ms(r["times"]) for name, r in runs.items()},
+         "failed": {},
+         "agree": agree([r["first"] for r in runs.values()], rtol=1e-4)}
+  print_progress("overhead", row)
+  return row
 
 
 # 2. Custom loop.
@@ -937,12 +974,17 @@ def table(results):
   lines += xla_table(results.get("xla", []))
   if results.get("overhead"):
     lines += ["", "Per-step overhead: fit step of one Dense layer "
-              f"({SIZE['image'] ** 2}x10), ms (median)",
-              f"{'replicas':>8} {'none':>8} {'mirrored':>9} {'replicator':>11} "
-              f"{'R/none':>7} {'M/none':>7} {'R/mirrored':>10}  agree"]
-    for r in results["overhead"]:
+              f"({SIZE['image'] ** 2}x10), and its input fetch alone (the "
+              "next batch from the iterator Keras passes to its step), ms "
+              "(median)",
+              f"{'part':12} {'replicas':>8} {'none':>8} {'mirrored':>9} "
+              f"{'replicator':>11} {'R/none':>7} {'M/none':>7} "
+              f"{'R/mirrored':>10}  agree"]
+    for r in sorted(results["overhead"], key=lambda r: r["model"] != "tiny"):
       ms = r["ms"]
+      part = "fit step" if r["model"] == "tiny" else r["model"]
       lines.append(
+          f"{part:12} "
           f"{r['replicas']:>8} {ms['none']:>8.2f} {ms['mirrored']:>9.2f} "
           f"{ms['replicator']:>11.2f} {ms['replicator'] / ms['none']:>7.2f} "
           f"{ms['mirrored'] / ms['none']:>7.2f} "

@@ -80,7 +80,9 @@ class BenchmarkSmokeTest(unittest.TestCase):
         for xla_suffix in ("", "+xla")})
     self.assertIn("replicator+xla", xla["ms"])
     self.assertTrue(xla["agree"], xla)
-    self.assertEqual([r["replicas"] for r in results["overhead"]], [1, 2, 4])
+    self.assertEqual([(r["model"], r["replicas"]) for r in results["overhead"]],
+                     [(part, n) for n in (1, 2, 4)
+                      for part in ("tiny", "input fetch")])
     for row in results["overhead"]:
       self.assertEqual(sorted(row["ms"]), ["mirrored", "none", "replicator"])
       self.assertTrue(row["agree"], row)
