@@ -16,6 +16,7 @@ import tensorflow as tf
 
 from replicator_strategy import _tf_internal as tfi
 from replicator_strategy import collective_watchdog
+from replicator_strategy import global_batch_input
 from replicator_strategy import communicator as communicator_lib
 from replicator_strategy import packing
 from replicator_strategy import reduce_op as reduce_op_lib
@@ -265,6 +266,10 @@ class ReplicatorExtended(tfi.StrategyExtendedV1):
     if self._num_replicas_in_sync > 1:
       _reject_unbatched(dataset, self._num_replicas_in_sync)
     self.communicator.check_dataset(dataset)
+    if self.num_workers == 1 and global_batch_input.splits_on_host(
+        dataset, self._devices, options):
+      return global_batch_input.GlobalBatchDataset(dataset, self._devices,
+                                                   self.host_device)
     return tfi.input_util.get_distributed_dataset(
         dataset, self._input_workers_with_options(options),
         tfi.container_strategy(self),

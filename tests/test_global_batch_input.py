@@ -1,0 +1,168 @@
+"""The one-op input path deals out each global batch as TF's distributed dataset does.
+
+The reference is MirroredStrategy's distributed dataset (TF's rebatching and
+per-device iterators) over the same logical CPUs: every replica must get the
+same rows, step by step, and the same element spec.
+"""
+
+import unittest
+
+import numpy as np
+from parameterized import parameterized
+import tensorflow as tf
+
+from replicator_strategy import global_batch_input
+import topology
+
+
+def _rows(num_rows, batch_size, drop_remainder=False):
+  features = np.arange(num_rows * 3, dtype=np.float32).reshape(num_rows, 3)
+  return tf.data.Dataset.from_tensor_slices(
+      {"x": features, "y": np.arange(num_rows)}).batch(
+          batch_size, drop_remainder=drop_remainder)
+
+
+def _per_replica_rows(strategy, dataset):
+  """For each step, each replica's rows as lists."""
+  return [[[part.numpy().tolist() for part in
+            strategy.experimental_local_results(leaf)]
+           for leaf in tf.nest.flatten(batch)]
+          for batch in strategy.experimental_distribute_dataset(dataset)]
+
+
+# (name, rows, global batch, replicas, drop_remainder): even splits, uneven
+# ones (10 rows on 4 replicas: 3, 3, 3, 1), short last batches, fewer rows
+# than replicas, and static shapes, even and not.
+_CASES = [
+    ("even", 16, 8, 4, False),
+    ("uneven", 23, 10, 4, False),
+    ("short_last", 10, 4, 2, False),
+    ("three_replicas", 19, 7, 3, False),
+    ("fewer_rows_than_replicas", 5, 3, 4, False),
+    ("one_replica", 5, 2, 1, False),
+    ("static", 20, 8, 4, True),
+    ("static_uneven", 20, 10, 4, True),
+]
+
+
+class SplitLikeTFTest(unittest.TestCase):
+
+  @parameterized.expand(_CASES)
+  def test_same_rows_and_spec_as_mirrored(self, _, rows, batch, replicas,
+                                          drop_remainder):
+    ours = topology.strategy_over(replicas)
+    mirrored = tf.distribute.MirroredStrategy(
+        [f"/cpu:{i}" for i in range(replicas)])
+    dataset = _rows(rows, batch, drop_remainder)
+    self.assertIsInstance(ours.experimental_distribute_dataset(dataset),
+                          global_batch_input.GlobalBatchDataset)
+    self.assertEqual(_per_replica_rows(ours, dataset),
+                     _per_replica_rows(mirrored, dataset))
+    # Ours may know a static part size TF leaves unknown (10 rows on 4).
+    for spec, tf_spec in zip(
+        tf.nest.flatten(
+            ours.experimental_distribute_dataset(dataset).element_spec),
+        tf.nest.flatten(
+            mirrored.experimental_distribute_dataset(dataset).element_spec)):
+      self.assertTrue(tf_spec.is_compatible_with(spec), (spec, tf_spec))
+
+  def test_a_short_batch_mid_stream_stays_one_step(self):
+    dataset = tf.data.Dataset.range(10).batch(4).repeat(2)
+    mirrored = tf.distribute.MirroredStrategy([f"/cpu:{i}" for i in range(4)])
+    rows = _per_replica_rows(topology.strategy_over(4), dataset)
+    self.assertEqual(rows[2], [[[8], [9], [], []]])
+    self.assertEqual(rows, _per_replica_rows(mirrored, dataset))
+
+  def test_parts_are_on_their_replicas_devices(self):
+    strategy = topology.strategy_over(4)
+    batch = next(iter(strategy.experimental_distribute_dataset(_rows(8, 8))))
+    self.assertEqual(
+        [tf.DeviceSpec.from_string(part.device).device_index
+         for part in strategy.experimental_local_results(batch["x"])],
+        [0, 1, 2, 3])
+
+
+class InsideTFFunctionTest(unittest.TestCase):
+
+  def setUp(self):
+    super().setUp()
+    self.strategy = topology.strategy_over(4)
+    self.batches = self.strategy.experimental_distribute_dataset(_rows(10, 4))
+
+  def _sum_on_replicas(self, batch):
+    return self.strategy.reduce(
+        "SUM", self.strategy.run(lambda b: tf.reduce_sum(b["y"]), (batch,)),
+        axis=None)
+
+  def test_for_loop_in_a_tf_function_sees_every_row(self):
+    @tf.function
+    def total(batches):
+      result = tf.constant(0, tf.int64)
+      for batch in batches:
+        result += self._sum_on_replicas(batch)
+      return result
+    self.assertEqual(int(total(self.batches)), sum(range(10)))
+
+  def test_new_iterators_reuse_one_trace(self):
+    step = tf.function(lambda it: self._sum_on_replicas(next(it)))
+    for _ in range(3):
+      iterator = iter(self.batches)
+      self.assertEqual(int(step(iterator)), 0 + 1 + 2 + 3)
+      self.assertEqual(int(step(iterator)), 4 + 5 + 6 + 7)
+    self.assertEqual(step.experimental_get_tracing_count(), 1)
+
+  def test_optional_is_empty_after_the_last_batch(self):
+    @tf.function
+    def fetch(iterator):
+      optional = iterator.get_next_as_optional()
+      return optional.has_value(), tf.cond(
+          optional.has_value(),
+          lambda: self._sum_on_replicas(optional.get_value()),
+          lambda: tf.constant(-1, tf.int64))
+    iterator = iter(self.batches)
+    self.assertEqual([(bool(h), int(s)) for h, s in
+                      (fetch(iterator) for _ in range(4))],
+                     [(True, 6), (True, 22), (True, 17), (False, -1)])
+
+  def test_eager_iteration_stops(self):
+    iterator = iter(self.batches)
+    self.assertEqual(len(list(iterator)), 3)
+    with self.assertRaises(StopIteration):
+      next(iterator)
+
+
+class FallsBackToTFTest(unittest.TestCase):
+  """Inputs the one-op path does not take keep TF's distributed dataset."""
+
+  def test_ragged_elements(self):
+    ragged = tf.ragged.constant([[1], [2, 3], [], [4, 5, 6]])
+    strategy = topology.strategy_over(2)
+    distributed = strategy.experimental_distribute_dataset(
+        tf.data.Dataset.from_tensor_slices(ragged).batch(4))
+    self.assertNotIsInstance(distributed,
+                             global_batch_input.GlobalBatchDataset)
+    batch = next(iter(distributed))
+    self.assertEqual(
+        [part.to_list() for part in
+         strategy.experimental_local_results(batch)],
+        [[[1], [2, 3]], [[], [4, 5, 6]]])
+
+  def test_input_options(self):
+    strategy = topology.strategy_over(2)
+    options = tf.distribute.InputOptions(experimental_fetch_to_device=False)
+    distributed = strategy.experimental_distribute_dataset(_rows(4, 4),
+                                                           options)
+    self.assertNotIsInstance(distributed,
+                             global_batch_input.GlobalBatchDataset)
+    batch = next(iter(distributed))
+    self.assertEqual([part.numpy().tolist() for part in
+                      strategy.experimental_local_results(batch["y"])],
+                     [[0, 1], [2, 3]])
+
+  def test_gpu_devices(self):
+    self.assertFalse(global_batch_input.splits_on_host(
+        _rows(4, 4), ["/gpu:0", "/gpu:1"], None))
+
+
+if __name__ == "__main__":
+  unittest.main()
