@@ -85,6 +85,12 @@ class GlobalBatchDataset(tf.distribute.DistributedDataset):
   def element_spec(self):
     return self._element_spec
 
+  @property
+  def cardinality(self):
+    """The number of batches (or `tf.data.INFINITE_CARDINALITY`, or
+    `tf.data.UNKNOWN_CARDINALITY`), a number as on TF's distributed dataset."""
+    return int(self._parts.cardinality())
+
   def __iter__(self):
     with tf.device(self._host_device):
       parts = iter(self._parts)

@@ -36,6 +36,7 @@ check_keras_version()
 # pylint: disable=g-import-not-at-top,unused-import
 from keras.src.backend.tensorflow import trainer as tf_trainer
 from keras.src.losses import loss  # Where Keras scales losses.
+from keras.src.trainers import data_adapters  # Which data fit takes.
 from keras.src.trainers import trainer
 # pylint: enable=g-import-not-at-top,unused-import
 

@@ -32,6 +32,11 @@
   strategy. Here each replica's step is compiled on its own device, and
   `"auto"` means XLA on accelerators, as without a strategy.
 
+And one thing Keras could not know: `fit` takes a dataset the strategy
+distributed itself (`experimental_distribute_dataset`) only if TF's own
+classes made it, by name, so it is told that a
+`replicator_strategy.global_batch_input.GlobalBatchDataset` is one too.
+
 And one thing Keras has no word for: with
 `ReplicatorStrategy(gradient_compression=...)` the optimizer's gradient
 all-reduce sends 16-bit floats (`replicator_strategy.gradient_compression`).
@@ -56,6 +61,7 @@ import tensorflow as tf
 
 from replicator_strategy.keras import _internal as ki
 from replicator_strategy import _tf_internal as tfi
+from replicator_strategy import global_batch_input
 from replicator_strategy import gradient_compression as compression_lib
 from replicator_strategy import replica_context
 from replicator_strategy import strategy as strategy_lib
@@ -198,6 +204,16 @@ def skip_if_reduced(all_reduce_sum_gradients):
     if getattr(self, "_gradients_reduced", False):
       return list(grads_and_vars)
     return all_reduce_sum_gradients(self, grads_and_vars)
+
+  return wrapper
+
+
+def takes_global_batch_dataset(is_tf_dataset):
+
+  @functools.wraps(is_tf_dataset)
+  def wrapper(x):
+    return (isinstance(x, global_batch_input.GlobalBatchDataset) or
+            is_tf_dataset(x))
 
   return wrapper
 
