@@ -72,6 +72,21 @@ def one_replica_spec(spec):
   return spec
 
 
+class CheckpointedThrough(tf.__internal__.tracking.Trackable):
+  """A base for objects a `tf.train.Checkpoint` saves through `children()`.
+
+  The subclass's `children()` names the trackable objects (a `tf.data`
+  iterator, say) that hold its state; TF's protocol method is this class's.
+  """
+
+  def children(self):
+    raise NotImplementedError
+
+  def _trackable_children(self, save_type="checkpoint", **kwargs):
+    del save_type, kwargs
+    return self.children()
+
+
 # Private members of TF objects, each reached through one function here.
 
 

@@ -5,6 +5,7 @@ per-device iterators) over the same logical CPUs: every replica must get the
 same rows, step by step, and the same element spec.
 """
 
+import tempfile
 import unittest
 
 import numpy as np
@@ -124,11 +125,50 @@ class InsideTFFunctionTest(unittest.TestCase):
                       (fetch(iterator) for _ in range(4))],
                      [(True, 6), (True, 22), (True, 17), (False, -1)])
 
+  def test_optional_of_statically_uneven_parts(self):
+    # 10 rows on 4 replicas with drop_remainder: parts of static sizes
+    # 3, 3, 3, 1, which the empty optional's spec must match.
+    batches = self.strategy.experimental_distribute_dataset(
+        tf.data.Dataset.range(20).batch(10, drop_remainder=True))
+    @tf.function
+    def total(iterator):
+      optional = iterator.get_next_as_optional()
+      return tf.cond(optional.has_value(),
+                     lambda: self._sum_on_replicas({"y": optional.get_value()}),
+                     lambda: tf.constant(-1, tf.int64))
+    iterator = iter(batches)
+    self.assertEqual([int(total(iterator)) for _ in range(3)],
+                     [sum(range(10)), sum(range(10, 20)), -1])
+
   def test_eager_iteration_stops(self):
     iterator = iter(self.batches)
     self.assertEqual(len(list(iterator)), 3)
     with self.assertRaises(StopIteration):
       next(iterator)
+
+
+class CheckpointTest(unittest.TestCase):
+  """A saved iterator goes on with the next batch, on any number of replicas."""
+
+  @parameterized.expand([("same_replicas", 2, 2), ("2_to_4_replicas", 2, 4),
+                         ("4_to_1_replica", 4, 1)])
+  def test_restored_iterator_continues_with_the_next_batch(
+      self, _, saved_on, restored_on):
+    dataset = tf.data.Dataset.range(40).shuffle(40, seed=1).batch(8)
+    saving = topology.strategy_over(saved_on)
+    iterator = iter(saving.experimental_distribute_dataset(dataset))
+    next(iterator)
+    path = tf.train.Checkpoint(input=iterator).save(
+        tempfile.mkdtemp() + "/ckpt")
+    expected = [np.concatenate(saving.experimental_local_results(next(i)))
+                for i in [iterator] * 2]
+    restoring = topology.strategy_over(restored_on)
+    restored = iter(restoring.experimental_distribute_dataset(dataset))
+    tf.train.Checkpoint(input=restored).restore(path).assert_consumed()
+    step = tf.function(restoring.experimental_local_results)
+    got = [np.concatenate(restoring.experimental_local_results(next(restored))),
+           np.concatenate(step(next(restored)))]
+    np.testing.assert_array_equal(got, expected)
 
 
 class FallsBackToTFTest(unittest.TestCase):
