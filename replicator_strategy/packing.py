@@ -7,6 +7,14 @@ batch all-reduce (as optimizers and Keras issue them) are flattened and
 concatenated on each replica, reduced once, and split back; large values are
 reduced as they are (copying them into a buffer would cost more than it saves).
 
+A buffer holds at most `BUCKET_BYTES` (per replica; a
+`tf.distribute.experimental.CommunicationOptions(bytes_per_pack=...)` sets
+another), filled in the values' order, so a model of many small weights gets
+several buffers, each of neighbouring layers. In a traced step each buffer's
+all-reduce then waits only for its own gradients and runs while the backward
+pass computes the earlier layers' (DDP's gradient buckets; large values,
+reduced alone, overlap so already).
+
 >>> import replicator_strategy as rs
 >>> strategy = rs.ReplicatorStrategy(devices=["/cpu:0", "/cpu:1"])
 >>> bias = strategy.run(lambda: tf.ones([3]))
@@ -28,6 +36,10 @@ from replicator_strategy import _tf_internal as tfi
 # Values at most this large (bytes, per replica) are packed.
 SMALL_BYTES = 256 * 1024
 
+# A packed buffer holds at most this many bytes per replica (DDP's default
+# bucket).
+BUCKET_BYTES = 25 * 1024 * 1024
+
 
 def packable(value):
   """Whether `value` (a PerReplica) is a dense tensor small enough to pack."""
@@ -41,22 +53,32 @@ def packable(value):
           all(v.shape == first.shape for v in value.values))
 
 
-def pack(values):
+def pack(values, bucket_bytes=BUCKET_BYTES):
   """Groups packable `values` by dtype into flat PerReplica buffers.
 
-  Returns `(to_reduce, unpack)`: reduce each of `to_reduce` to its own devices
-  and pass the results, in order, to `unpack`, which returns one Mirrored per
-  input value, in the input order.
+  Each buffer holds neighbouring values (in the order given) of at most
+  `bucket_bytes` per replica. Returns `(to_reduce, unpack)`: reduce each of
+  `to_reduce` to its own devices and pass the results, in order, to
+  `unpack`, which returns one Mirrored per input value, in the input order.
   """
-  groups = {}  # dtype: indices of the values packed together
+  buckets = []  # Indices of the values packed together, one list per buffer.
+  filling = {}  # dtype: (the bucket being filled, its bytes)
   for index, value in enumerate(values):
-    if packable(value) and len(values) > 1:
-      groups.setdefault(value.values[0].dtype, []).append(index)
-  groups = {d: ix for d, ix in groups.items() if len(ix) > 1}
-  packed_indices = {i for ix in groups.values() for i in ix}
+    if not packable(value) or len(values) == 1:
+      continue
+    first = value.values[0]
+    size = first.shape.num_elements() * first.dtype.size
+    bucket, filled = filling.get(first.dtype, (None, 0))
+    if bucket is None or filled + size > bucket_bytes:
+      bucket, filled = [], 0
+      buckets.append(bucket)
+    bucket.append(index)
+    filling[first.dtype] = (bucket, filled + size)
+  groups = [bucket for bucket in buckets if len(bucket) > 1]
+  packed_indices = {i for ix in groups for i in ix}
   alone = [i for i in range(len(values)) if i not in packed_indices]
   to_reduce = [values[i] for i in alone]
-  for indices in groups.values():
+  for indices in groups:
     parts = []
     devices = [part.device for part in values[indices[0]].values]
     for replica, device in enumerate(devices):
@@ -69,7 +91,7 @@ def pack(values):
     out = [None] * len(values)
     for i, result in zip(alone, reduced):
       out[i] = result
-    for indices, buffer in zip(groups.values(), reduced[len(alone):]):
+    for indices, buffer in zip(groups, reduced[len(alone):]):
       shapes = [values[i].values[0].shape for i in indices]
       per_replica = []
       parts = (buffer.values if isinstance(buffer, tfi.values.DistributedValues)

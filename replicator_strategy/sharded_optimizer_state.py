@@ -67,7 +67,8 @@ class Layout:
     """Shard `index` of a full-shaped `tensor`, flat, zero-padded at the end."""
     start = min(index * self.shard_size, self.size)
     stop = min(start + self.shard_size, self.size)
-    piece = tf.reshape(tensor, [-1])[start:stop]
+    flat = tensor if tensor.shape.rank == 1 else tf.reshape(tensor, [-1])
+    piece = flat[start:stop]
     if stop - start < self.shard_size:
       piece = tf.pad(piece, [[0, self.shard_size - (stop - start)]])
     return piece
@@ -138,6 +139,10 @@ def reduce_scatter(communicator, layout, gradients, summed):
   gradients = [dense(g) for g in gradients]
   first = communicator.first_replica_id
   if summed:
+    if communicator.shares_memory:  # Every copy holds the same sum: cut one.
+      with tf.device(communicator.devices[0]):
+        flat = tf.reshape(gradients[0], [-1])
+      gradients = [flat] * len(gradients)
     return [_on(device, layout.shard, g, first + r)
             for r, (device, g) in enumerate(zip(communicator.devices,
                                                 gradients))]
@@ -171,28 +176,45 @@ def dense(gradient):
 _warned_dense = []
 
 
-def update_shards(layout, weight, first_shard, update_fn):
+def update_shards(communicator, layout, weight, update_fn):
   """New shards of `weight`: `update_fn(r, shard)` in `UpdateContext(r)`.
 
-  `update_fn` returns the new value of weight shard `first_shard + r`; slots
-  read inside it are that shard too.
+  `update_fn` returns the new value of this worker's r-th shard (global
+  shard `first_replica_id + r`); slots read inside it are that shard too.
+  Replicas that share memory cut their shards from one read of the first
+  copy (every copy holds the same value); others read their own copy.
   """
+  first = communicator.first_replica_id
+  if communicator.shares_memory:
+    with tf.device(weight.values[0].device):
+      whole = tf.reshape(weight.values[0].read_value(), [-1])
   new_shards = []
   for r, component in enumerate(weight.values):
     with tf.device(component.device), tfi.UpdateContext(r), tf.name_scope(
         f"update_shard_{r}"):
-      new_shards.append(update_fn(
-          r, layout.shard(component.read_value(), first_shard + r)))
+      value = whole if communicator.shares_memory else component.read_value()
+      new_shards.append(update_fn(r, layout.shard(value, first + r)))
   return new_shards
 
 
 def all_gather(communicator, layout, weight, new_shards):
-  """Every component of `weight` set from every replica's new shard."""
-  gathered = communicator.all_gather(sharded_variables.per_replica(new_shards), axis=0)
+  """Every component of `weight` set from every replica's new shard.
+
+  Replicas that share memory assemble the weight once, on the first device,
+  and every copy is assigned from it; others all-gather the shards.
+  """
+  if communicator.shares_memory:
+    with tf.device(weight.values[0].device):
+      whole = layout.assemble(new_shards)
+    assembled = [whole] * len(weight.values)
+  else:
+    gathered = communicator.all_gather(
+        sharded_variables.per_replica(new_shards), axis=0)
+    assembled = [_on(c.device, layout.assemble, [g]) for c, g in zip(
+        weight.values, sharded_variables.parts(gathered))]
   return tf.group([
-      _on(c.device, lambda c=c, g=g: c.assign(layout.assemble([g]),
-                                               read_value=False))
-      for c, g in zip(weight.values, sharded_variables.parts(gathered))])
+      _on(c.device, lambda c=c, a=a: c.assign(a, read_value=False))
+      for c, a in zip(weight.values, assembled)])
 
 
 def _on(device, fn, *args):

@@ -168,8 +168,7 @@ def _step(strategy, optimizer, grads, weights, learning_rate, summed):
           tfi.distribute_utils.select_replica(r, learning_rate))
       return stand_in.value
 
-    new_shards = sharded.update_shards(layout, weight,
-                                       communicator.first_replica_id,
+    new_shards = sharded.update_shards(communicator, layout, weight,
                                        update_shard)
     updates.append(sharded.all_gather(communicator, layout, weight,
                                       new_shards))
