@@ -89,10 +89,11 @@ def parse_args(argv=None):
                       help="logical CPU devices when there is no GPU (default 4)")
   parser.add_argument("--sections",
                       default="fit,custom,allreduce,reducescatter,parts,"
-                      "update,first,multi,sharding,embedding,xla,overhead",
+                      "update,first,multi,exchange,sharding,embedding,xla,"
+                      "overhead",
                       help="comma-separated subset of fit,custom,allreduce,"
-                      "reducescatter,parts,update,first,multi,sharding,"
-                      "embedding,xla,overhead")
+                      "reducescatter,parts,update,first,multi,exchange,"
+                      "sharding,embedding,xla,overhead")
   parser.add_argument("--child", help=argparse.SUPPRESS)
   return parser.parse_args(argv)
 
@@ -760,7 +761,9 @@ def fit_step_child(variant):
   """In a child (maybe a worker): the MLP fit step under `variant`, in ms.
 
   The mean step of each round (accumulation steps and update steps alike),
-  median over rounds.
+  median over rounds; with gradient accumulation also the median of each
+  kind of step: those that only accumulate and those that all-reduce and
+  update.
   """
   strategy_kwargs, optimizer_kwargs = MULTI_VARIANTS[variant]
   strategy = rs.ReplicatorStrategy(**strategy_kwargs)
@@ -771,43 +774,140 @@ def fit_step_child(variant):
     model.compile(
         optimizer=keras.optimizers.SGD(0.01, momentum=0.9, **optimizer_kwargs),
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-  rounds = []
+  every = optimizer_kwargs.get("gradient_accumulation_steps")
+  rounds, by_kind, steps_done = [], {"accumulate": [], "update": []}, 0
   for round_index in range(SIZE["rounds"] + 1):
     timer = StepTimer()
     history = model.fit(x, y, batch_size=SIZE["global_batch"], epochs=1,
                         shuffle=False, verbose=0, callbacks=[timer])
     if round_index:
       rounds.append(statistics.mean(timer.times[1:]))
+      for i, step_time in enumerate(timer.times[1:], start=steps_done + 1):
+        if every:  # Keras updates on the steps where (iterations + 1) % every == 0.
+          by_kind["update" if (i + 1) % every == 0 else "accumulate"].append(
+              step_time)
     else:
       first_loss = history.history["loss"][0]
-  print(json.dumps({"ms": median_ms(rounds), "first_loss": first_loss}))
+    steps_done += len(timer.times)
+  result = {"ms": median_ms(rounds), "first_loss": first_loss}
+  if every:
+    result["ms by kind"] = {kind: median_ms(times)
+                            for kind, times in by_kind.items() if times}
+  print(json.dumps(result))
+
+
+def _on_two_workers(spec):
+  """`--child spec` on 2 workers x 2 devices (under the launcher): each
+  worker's JSON."""
+  with tempfile.TemporaryDirectory() as out:
+    done = subprocess.run(
+        [sys.executable, "-m", "replicator_strategy.launch", "--workers",
+         "2", "--timeout", "500", "--output", "all", "--", sys.executable,
+         __file__, "--child", spec, "--devices", "2"] + (
+             ["--quick"] if ARGS.quick else []),
+        stdout=subprocess.PIPE, text=True, timeout=560, check=True, cwd=out)
+  lines = [l.split("] ", 1)[1] for l in done.stdout.splitlines()
+           if l.startswith("[worker ") and
+           l.split("] ", 1)[1].startswith("{")]
+  return [json.loads(l) for l in lines]
 
 
 def bench_multi_worker():
   rows = []
   for variant in MULTI_VARIANTS:
     single = _child(f"fit_step:{variant}")
-    with tempfile.TemporaryDirectory() as out:
-      done = subprocess.run(
-          [sys.executable, "-m", "replicator_strategy.launch", "--workers",
-           "2", "--timeout", "500", "--output", "all", "--", sys.executable,
-           __file__, "--child", f"fit_step:{variant}", "--devices", "2"] + (
-               ["--quick"] if ARGS.quick else []),
-          stdout=subprocess.PIPE, text=True, timeout=560, check=True, cwd=out)
-    lines = [l.split("] ", 1)[1] for l in done.stdout.splitlines()
-             if l.startswith("[worker ") and
-             l.split("] ", 1)[1].startswith("{")]
-    workers = [json.loads(l) for l in lines]
+    workers = _on_two_workers(f"fit_step:{variant}")
     row = {"variant": variant,
            "ms": {"1 process x 4": single["ms"],
                   "2 workers x 2": statistics.median(
                       w["ms"] for w in workers)},
+           "ms by kind": {
+               f"{kind}, {where}": statistics.median(
+                   r["ms by kind"][kind] for r in results)
+               for where, results in (("1 process x 4", [single]),
+                                      ("2 workers x 2", workers))
+               for kind in single.get("ms by kind", {})},
            # 16-bit sums differ from float32 ones by ~1e-3 relative.
            "agree": agree([single["first_loss"]] +
                           [w["first_loss"] for w in workers], rtol=1e-3)}
     print_progress("multi", row)
     rows.append(row)
   return rows
+
+
+EXCHANGES = ("tf.function", "run, nothing", "run, 2 scalars",
+             "run, gradients")
+
+
+def exchange_child(spec):
+  """In a child (maybe a worker): traced steps that all-reduce nothing, two
+  scalars, or the MLP's gradients (2.7 MB) in `strategy.run`, and beside
+  them the same math on the replicas' devices in a plain `tf.function`; ms
+  (median).
+
+  A `strategy.run` step also all-reduces each replica's rows (the batch
+  share Keras's loss scaling reads): in one process that is pruned when
+  unused; across workers it is a collective, so it runs in every step.
+  """
+  del spec
+  strategy = rs.ReplicatorStrategy()
+  shapes = [w.shape for w in initial_weights("mlp")]
+  values = strategy.experimental_distribute_values_from_function(
+      lambda ctx: [tf.fill(s, float(ctx.replica_id_in_sync_group + 1))
+                   for s in shapes] + [tf.constant(1.0), tf.constant(2.0)])
+
+  def step(exchange):
+    if exchange == "tf.function":
+      last_grads = strategy.experimental_local_results(values[-3])
+
+      def by_hand():
+        results = []
+        for part in last_grads:
+          with tf.device(part.device):
+            results.append(part[0] * 2)
+        return results
+      return tf.function(by_hand)
+
+    def replica_fn(values):
+      ctx = tf.distribute.get_replica_context()
+      grads, scalars = values[:-2], values[-2:]
+      if exchange == "run, 2 scalars":
+        return ctx.all_reduce("sum", scalars)[0]
+      if exchange == "run, gradients":
+        return ctx.all_reduce("sum", grads)[-1][0]
+      return grads[-1][0] * 2
+
+    return tf.function(lambda: strategy.run(replica_fn, (values,)))
+
+  steps = {exchange: step(exchange) for exchange in EXCHANGES}
+  for fn in steps.values():  # Traces them.
+    fn()
+  # The sums, the same on every replica of every worker.
+  results = {exchange: float(strategy.experimental_local_results(
+      steps[exchange]())[0]) for exchange in ("run, 2 scalars",
+                                              "run, gradients")}
+  times = {exchange: [] for exchange in EXCHANGES}
+  for _ in range(SIZE["rounds"] * SIZE["fit_steps"]):
+    for exchange, fn in steps.items():
+      start = time.perf_counter()
+      fn()
+      times[exchange].append(time.perf_counter() - start)
+  print(json.dumps({"ms": {e: median_ms(t) for e, t in times.items()},
+                    "results": results}))
+
+
+def bench_exchange():
+  """What a traced step pays to exchange between workers, beside one process."""
+  single = _child("exchange:")
+  workers = _on_two_workers("exchange:")
+  row = {"ms": {f"{exchange}, {where}": statistics.median(
+      r["ms"][exchange] for r in results)
+                for where, results in (("1 process x 4", [single]),
+                                       ("2 workers x 2", workers))
+                for exchange in EXCHANGES},
+         "agree": all(w["results"] == single["results"] for w in workers)}
+  print_progress("exchange", row)
+  return [row]
 
 
 # 7. Sharded optimizer state.
@@ -1067,6 +1167,32 @@ def table(results):
           f"{ms['2 workers x 2']:>7.2f} "
           f"{ms['2 workers x 2'] / ms['1 process x 4']:>8.2f} "
           f"{ms['2 workers x 2'] / plain:>14.2f} {r['agree']}")
+    for r in results["multi"]:
+      kinds = sorted({k.split(", ")[0] for k in r["ms by kind"]})
+      if not kinds:
+        continue
+      lines += ["", f"{r['variant']}: each kind of step, ms (median): "
+                f"accumulate = add the gradient to each replica's "
+                f"accumulator, no gradient exchange; update = all-reduce and update",
+                f"{'step':14} {'1 x 4':>7} {'2 x 2':>7} {'2x2/1x4':>8}"]
+      for kind in kinds:
+        one, two = (r["ms by kind"][f"{kind}, {where}"]
+                    for where in ("1 process x 4", "2 workers x 2"))
+        lines.append(f"{kind:14} {one:>7.2f} {two:>7.2f} {two / one:>8.2f}")
+  if "exchange" in results:
+    r, = results["exchange"]
+    lines += ["", "Exchange alone: a traced strategy.run step that all-reduces "
+              "nothing, two scalars or the MLP's gradients (2.7 MB), and the "
+              "same math in a plain tf.function on the replicas' devices, ms "
+              "(median; across workers every run also all-reduces the "
+              "replicas' rows, the batch share)",
+              f"{'exchange':14} {'1 x 4':>7} {'2 x 2':>7} {'2x2 - 1x4':>10} "
+              f"agree"]
+    for exchange in EXCHANGES:
+      one, two = (r["ms"][f"{exchange}, {where}"]
+                  for where in ("1 process x 4", "2 workers x 2"))
+      lines.append(f"{exchange:14} {one:>7.2f} {two:>7.2f} {two - one:>10.2f} "
+                   f"{r['agree']}")
   return "\n".join(lines)
 
 
@@ -1182,6 +1308,7 @@ IN_PROCESS_SECTIONS = {"fit": bench_fit, "custom": bench_custom,
 # Sections (or their parts) that start fresh processes of their own.
 FRESH_PROCESS_SECTIONS = {"first": bench_first_epoch,
                           "multi": bench_multi_worker,
+                          "exchange": bench_exchange,
                           "sharding": bench_sharding_memory,
                           "embedding": bench_embedding}
 
@@ -1190,7 +1317,7 @@ def main():
   if ARGS.child:
     kind, _, spec = ARGS.child.partition(":")
     return {"first": first_epoch_child, "replicas": replicas_child,
-            "fit_step": fit_step_child,
+            "fit_step": fit_step_child, "exchange": exchange_child,
             "sharding": sharding_memory_child,
             "embedding": embedding_child}[kind](spec)
   start = time.perf_counter()

@@ -483,6 +483,16 @@ def input_pipelines(strategy):
   return {"contexts": contexts, "rows": rows, "warnings": warnings}
 
 
+def batch_share(strategy):
+  """Each replica's share of the rows; replica r has r + 1 of them."""
+  values = strategy.experimental_distribute_values_from_function(
+      lambda ctx: tf.ones([ctx.replica_id_in_sync_group + 1, 2]))
+  shares = tf.function(lambda: strategy.run(
+      lambda x: tf.distribute.get_replica_context().local_batch_share(),
+      (values,)))
+  return [float(s) for s in strategy.experimental_local_results(shares())]
+
+
 @contextlib.contextmanager
 def _captured_warnings():
   caught = []
@@ -515,7 +525,8 @@ RUNS = {"custom_loop": custom_loop, "primitives": primitives,
         "slicing_collectives": slicing_collectives,
         "sharded_state": sharded_state, "embedding_fit": embedding_fit,
         "keras_custom_steps": keras_custom_steps,
-        "fewer_rows_than_replicas": fewer_rows_than_replicas}
+        "fewer_rows_than_replicas": fewer_rows_than_replicas,
+        "batch_share": batch_share}
 # Runs that take the output directory as their working directory.
 TAKES_WORKDIR = ("keras_files", "keras_backup_and_restore", "keras_preempted",
                  "keras_killed", "keras_until_stopped",

@@ -73,6 +73,12 @@ class BenchmarkSmokeTest(unittest.TestCase):
                      ["plain", "bfloat16", "accumulate 4"])
     for row in results["multi"]:
       self.assertTrue(row["agree"], row)
+    exchange, = results["exchange"]
+    self.assertEqual(len(exchange["ms"]), 8)  # 4 exchanges, 1 x 4 and 2 x 2.
+    self.assertTrue(exchange["agree"], exchange)
+    self.assertEqual(sorted(results["multi"][-1]["ms by kind"]), [
+        f"{kind}, {where}" for kind in ("accumulate", "update")
+        for where in ("1 process x 4", "2 workers x 2")])
     xla, = [r for r in results["xla"] if r["model"] == "mlp"]
     # MirroredStrategy cannot compile its replicated step with XLA.
     self.assertEqual(set(xla["ms"]) | set(xla["failed"]), {

@@ -90,12 +90,13 @@ class RunsOnWorkers:
 @pytest.mark.slow
 class TwoWorkersTest(RunsOnWorkers, unittest.TestCase):
   RUNS = ("primitives", "custom_loop", "keras_fit",
-          "keras_fit_steps_per_execution", "input_pipelines")
+          "keras_fit_steps_per_execution", "input_pipelines", "batch_share")
 
   def test_workers_agree_on_everything_but_ids_and_input_shards(self):
     first, second = (dict(w) for w in self.workers)
-    first.pop("input_pipelines")
-    second.pop("input_pipelines")
+    for run in ("input_pipelines", "batch_share"):
+      first.pop(run)
+      second.pop(run)
     first["primitives"] = {k: dict(v) if isinstance(v, dict) else v
                            for k, v in first["primitives"].items()}
     second["primitives"] = {k: dict(v) if isinstance(v, dict) else v
@@ -122,6 +123,10 @@ class TwoWorkersTest(RunsOnWorkers, unittest.TestCase):
       self.assertEqual(got["gather"], [0.0, 1.0, 2.0, 3.0])
     self.assertEqual(self.workers[0]["primitives"]["function"]["in_cond"],
                      [3.0, 3.0])
+
+  def test_the_batch_share_counts_every_workers_rows(self):
+    np.testing.assert_allclose([w["batch_share"] for w in self.workers],
+                               [[0.1, 0.2], [0.3, 0.4]], rtol=1e-6)
 
   def test_unseeded_variables_start_from_the_chiefs_value(self):
     values = [w["primitives"]["unseeded_variable"] for w in self.workers]
