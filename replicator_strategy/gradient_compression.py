@@ -4,7 +4,8 @@
 each floating gradient wider than 16 bits down before the optimizer's
 all-reduce and the sum back up after, as Horovod's `Compression.fp16` does.
 Only the transfer and the sum are 16-bit: the optimizer updates its float32
-weights and slots from a float32 gradient, as without compression.
+weights and slots from a float32 gradient, as without compression. With
+`shard_optimizer_state=True` the gradients' reduce-scatter travels so too.
 
 What it costs in precision: the sum of N replicas' gradients rounded to 16
 bits, a relative error of at most about N * 2**-8 for "bfloat16" (8-bit
@@ -44,8 +45,19 @@ def wire_dtype(gradient_compression):
 
 def _compressed(gradient, wire):
   """Whether `gradient` travels as `wire`: a dense float wider than it."""
-  return (isinstance(gradient, tf.Tensor) and gradient.dtype.is_floating and
-          gradient.dtype.size > wire.size)
+  return (wire is not None and isinstance(gradient, tf.Tensor) and
+          gradient.dtype.is_floating and gradient.dtype.size > wire.size)
+
+
+def to_wire(gradient, wire):
+  """`gradient` as it is sent: cast to `wire` (None: no compression) if it is
+  a dense float wider than that, else unchanged."""
+  return tf.cast(gradient, wire) if _compressed(gradient, wire) else gradient
+
+
+def from_wire(received, dtype):
+  """A sum received as 16-bit floats, back in its gradient's `dtype`."""
+  return received if received.dtype == dtype else tf.cast(received, dtype)
 
 
 def all_reduce_sum(replica_context, gradients, wire):
@@ -56,7 +68,7 @@ def all_reduce_sum(replica_context, gradients, wire):
   ones) are summed as they are, in the same all-reduce.
   """
   gradients = list(gradients)
-  sent = [tf.cast(g, wire) if _compressed(g, wire) else g for g in gradients]
-  summed = replica_context.all_reduce(tf.distribute.ReduceOp.SUM, sent)
-  return [tf.cast(s, g.dtype) if _compressed(g, wire) else s
+  summed = replica_context.all_reduce(
+      tf.distribute.ReduceOp.SUM, [to_wire(g, wire) for g in gradients])
+  return [from_wire(s, g.dtype) if _compressed(g, wire) else s
           for s, g in zip(summed, gradients)]

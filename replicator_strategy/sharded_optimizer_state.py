@@ -45,6 +45,7 @@ from absl import logging
 import tensorflow as tf
 
 from replicator_strategy import _tf_internal as tfi
+from replicator_strategy import gradient_compression as compression_lib
 from replicator_strategy import reduce_op as reduce_op_lib
 from replicator_strategy import sharded_variables
 
@@ -130,11 +131,13 @@ def create_slot(strategy, devices, next_creator, **kwargs):
 # gradient, update the shards, all-gather the weight.
 
 
-def reduce_scatter(communicator, layout, gradients, summed):
+def reduce_scatter(communicator, layout, gradients, summed, wire=None):
   """This worker's shards of the summed gradient, shard `first + r` on device r.
 
   `gradients` holds each local replica's gradient (on its device), or, if
-  `summed`, each one's copy of the already summed gradient.
+  `summed`, each one's copy of the already summed gradient. With a 16-bit
+  `wire` dtype (`gradient_compression`), the gradients travel and are summed
+  as that.
   """
   gradients = [dense(g) for g in gradients]
   first = communicator.first_replica_id
@@ -146,10 +149,13 @@ def reduce_scatter(communicator, layout, gradients, summed):
     return [_on(device, layout.shard, g, first + r)
             for r, (device, g) in enumerate(zip(communicator.devices,
                                                 gradients))]
-  padded = [_on(device, layout.padded_flat, g)
+  padded = [_on(device, lambda g: compression_lib.to_wire(
+      layout.padded_flat(g), wire), g)
             for device, g in zip(communicator.devices, gradients)]
-  return list(sharded_variables.parts(communicator.reduce_scatter(
-      reduce_op_lib.ReduceOp.SUM, sharded_variables.per_replica(padded), axis=0)))
+  shards = sharded_variables.parts(communicator.reduce_scatter(
+      reduce_op_lib.ReduceOp.SUM, sharded_variables.per_replica(padded), axis=0))
+  return [_on(device, compression_lib.from_wire, shard, gradients[0].dtype)
+          for device, shard in zip(communicator.devices, shards)]
 
 
 def dense(gradient):

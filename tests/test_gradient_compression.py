@@ -5,8 +5,10 @@ one device (a dozen steps of the same data, weights and global batch), and
 is not bit-equal to it: the 16-bit sum really happened.
 """
 
+import functools
 import unittest
 
+import keras
 import numpy as np
 from parameterized import parameterized
 import tensorflow as tf
@@ -19,7 +21,10 @@ from replicator_strategy import gradient_compression
 # mantissa bits each step; docs/performance.md states the same bounds.
 TOLERANCE = {"bfloat16": (2e-2, 5e-3), "float16": (2e-3, 5e-4)}
 RUNS = {"custom_loop": multi_worker_runs.custom_loop,
-        "keras_fit": multi_worker_runs.keras_fit}
+        "keras_fit": multi_worker_runs.keras_fit,
+        # The sharded step then runs inside each replica's tf.cond.
+        "keras_fit_accumulation": functools.partial(
+            multi_worker_runs.keras_fit, accumulation_steps=2)}
 
 
 def flatten(results):
@@ -43,16 +48,47 @@ def assert_compressed_close(test, got, want, wire):
 class GradientCompressionTest(unittest.TestCase):
 
   @parameterized.expand([
-      (f"{run}_{n}_replicas_{wire}", run, n, wire)
-      for run, n, wire in (("custom_loop", 2, "bfloat16"),
-                           ("custom_loop", 4, "float16"),
-                           ("keras_fit", 2, "float16"),
-                           ("keras_fit", 4, "bfloat16"))])
+      (f"{run}_{n}_replicas_{wire}{'_sharded' if shard else ''}", run, n,
+       wire, shard)
+      for run, n, wire, shard in (("custom_loop", 2, "bfloat16", False),
+                                  ("custom_loop", 4, "float16", False),
+                                  ("keras_fit", 2, "float16", False),
+                                  ("keras_fit", 4, "bfloat16", False),
+                                  ("custom_loop", 4, "bfloat16", True),
+                                  ("keras_fit", 2, "bfloat16", True),
+                                  ("keras_fit", 4, "float16", True),
+                                  ("keras_fit_accumulation", 2, "bfloat16",
+                                   True))])
   def test_training_stays_within_the_precision_of_one_device(
-      self, _, run, n, wire):
+      self, _, run, n, wire, shard_optimizer_state):
     want = RUNS[run](topology.strategy_over(1))
-    got = RUNS[run](topology.strategy_over(n, gradient_compression=wire))
+    got = RUNS[run](topology.strategy_over(
+        n, gradient_compression=wire,
+        shard_optimizer_state=shard_optimizer_state))
     assert_compressed_close(self, got, want, wire)
+
+  def test_with_sharded_state_the_gradient_exchange_is_16_bit(self):
+    # The gradients of the sharded step travel as bfloat16: the traced
+    # apply_gradients casts them so before the sum.
+    strategy = topology.strategy_over(
+        2, gradient_compression="bfloat16", shard_optimizer_state=True)
+    with strategy.scope():
+      weight = tf.Variable(tf.ones([6]))
+      optimizer = keras.optimizers.SGD(0.1, momentum=0.5)
+      optimizer.build([weight])
+
+    @tf.function
+    def step():
+      return strategy.run(lambda: optimizer.apply_gradients(
+          [(tf.fill([6], 1 / 3), weight)]))
+
+    casts = [op for op in step.get_concrete_function().graph.get_operations()
+             if op.type == "Cast" and op.get_attr("DstT") == tf.bfloat16]
+    self.assertEqual(len(casts), 2)  # One on each replica.
+    step()
+    # 2 x (1/3 as bfloat16: 0.333984375), times the learning rate.
+    np.testing.assert_allclose(weight.values[0], 1 - 0.1 * 0.66796875,
+                               rtol=1e-7)
 
   @parameterized.expand([("bfloat16",), ("float16",)])
   def test_the_sum_is_rounded_to_the_wire_dtype_and_returned_as_float32(
@@ -82,10 +118,13 @@ class GradientCompressionTest(unittest.TestCase):
                                 "Received: gradient_compression='fp8'"):
       topology.strategy_over(2, gradient_compression="fp8")
 
-  def test_sharded_state_with_compression_is_refused(self):
-    with self.assertRaisesRegex(ValueError, "not supported yet"):
-      topology.strategy_over(2, gradient_compression="bfloat16",
-                             shard_optimizer_state=True)
+  def test_sharded_variables_with_compression_are_refused(self):
+    with self.assertRaisesRegex(ValueError, "not supported yet.*Drop"):
+      topology.strategy_over(
+          2, gradient_compression="bfloat16",
+          variable_partitioner=(
+              tf.distribute.experimental.partitioners.FixedShardsPartitioner(
+                  2)))
 
 
 if __name__ == "__main__":

@@ -269,6 +269,13 @@ class GradientCompressionTest(RunsOnWorkers, unittest.TestCase):
 
 
 @pytest.mark.slow
+class ShardedStateGradientCompressionTest(GradientCompressionTest):
+  """The same with shard_optimizer_state=True: a 16-bit reduce-scatter."""
+  ENV = {"MULTI_WORKER_GRADIENT_COMPRESSION": "bfloat16",
+         "MULTI_WORKER_SHARD_OPTIMIZER_STATE": "1"}
+
+
+@pytest.mark.slow
 class KerasCustomStepsTest(RunsOnWorkers, unittest.TestCase):
   RUNS = ("keras_custom_steps", "fewer_rows_than_replicas")
 

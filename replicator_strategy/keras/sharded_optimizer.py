@@ -9,7 +9,8 @@ Wrappers, entries of `replicator_strategy.keras.PATCHES`, act when the strategy 
 - `_backend_update_step` (Keras's TF step: all-reduce, then `update_step`
   per weight and per device) reduce-scatters the gradients instead (on
   logical CPUs, which share memory: all-reduces them packed, each replica
-  reading its slice of the one sum), runs the
+  reading its slice of the one sum; with `gradient_compression`, as 16-bit
+  floats), runs the
   optimizer's own `update_step` once per shard, and all-gathers the weights:
   in one `merge_call` where the replicas can meet, else (inside a replica's
   control flow, as gradient accumulation's `tf.cond`) each replica steps its
@@ -44,6 +45,7 @@ import keras
 import tensorflow as tf
 
 from replicator_strategy import _tf_internal as tfi
+from replicator_strategy import gradient_compression as compression_lib
 from replicator_strategy import replica_context
 from replicator_strategy import sharded_optimizer_state as sharded
 from replicator_strategy import sharded_variables
@@ -146,19 +148,25 @@ def sharded_update_step(backend_update_step):
 def _step(strategy, optimizer, grads, weights, learning_rate, summed):
   """One sharded step for every weight, in cross-replica context."""
   communicator = strategy.extended.communicator
+  wire = compression_lib.wire_dtype(strategy.gradient_compression)
+  grads = [strategy.experimental_local_results(g) for g in grads]
   if communicator.shares_memory and not summed:
     # Every replica reads the one sum in place, so the (packed) all-reduce
     # costs no more than a reduce-scatter and launches far fewer ops.
-    grads = strategy.extended.batch_reduce_to(
-        tf.distribute.ReduceOp.SUM, [(g, g) for g in grads])
+    sent = [sharded_variables.per_replica(_on_devices(
+        lambda g: compression_lib.to_wire(g, wire), parts)) for parts in grads]
+    sums = strategy.extended.batch_reduce_to(
+        tf.distribute.ReduceOp.SUM, [(g, g) for g in sent])
+    grads = [_on_devices(lambda s, d=parts[0].dtype: compression_lib.from_wire(
+        s, d), strategy.experimental_local_results(total))
+             for parts, total in zip(grads, sums)]
     summed = True
   updates = []
   for grad, weight in zip(grads, weights):
     layout = sharded.Layout(tuple(weight.shape.as_list()),
                             communicator.num_replicas)
-    grad_shards = sharded.reduce_scatter(
-        communicator, layout, strategy.experimental_local_results(grad),
-        summed)
+    grad_shards = sharded.reduce_scatter(communicator, layout, grad, summed,
+                                         wire)
 
     def update_shard(r, weight_shard, weight=weight, grad_shards=grad_shards):
       stand_in = WeightShard(weight, weight_shard)
@@ -178,6 +186,7 @@ def _step(strategy, optimizer, grads, weights, learning_rate, summed):
 def _replica_step(strategy, optimizer, grads, weights, learning_rate, summed):
   """One sharded step for every weight, run by each replica on its own shard."""
   communicator = strategy.extended.communicator
+  wire = compression_lib.wire_dtype(strategy.gradient_compression)
   ctx = tf.distribute.get_replica_context()
   local = ctx.local_index
   shard = communicator.first_replica_id + local
@@ -189,7 +198,9 @@ def _replica_step(strategy, optimizer, grads, weights, learning_rate, summed):
     if summed:
       grad_shard = layout.shard(grad, shard)
     else:
-      grad_shard = ctx.reduce_scatter("sum", layout.padded_flat(grad), axis=0)
+      grad_shard = compression_lib.from_wire(ctx.reduce_scatter(
+          "sum", compression_lib.to_wire(layout.padded_flat(grad), wire),
+          axis=0), grad.dtype)
     component = tfi.component(weight, local)
     stand_in = WeightShard(weight, layout.shard(component.read_value(), shard))
     with tfi.UpdateContext(local):
@@ -198,6 +209,15 @@ def _replica_step(strategy, optimizer, grads, weights, learning_rate, summed):
     new_weight = layout.assemble([ctx.all_gather(stand_in.value, axis=0)])
     updates.append(component.assign(new_weight, read_value=False))
   return tf.group(updates)
+
+
+def _on_devices(fn, parts):
+  """`fn` of each of `parts`, on the part's own device."""
+  results = []
+  for part in parts:
+    with tf.device(part.device):
+      results.append(fn(part))
+  return results
 
 
 class WeightShard:
