@@ -135,17 +135,19 @@ def reduce_scatter(communicator, layout, gradients, summed, wire=None):
   """This worker's shards of the summed gradient, shard `first + r` on device r.
 
   `gradients` holds each local replica's gradient (on its device), or, if
-  `summed`, each one's copy of the already summed gradient. With a 16-bit
+  `summed`, each one's copy of the already summed gradient, or that sum
+  once (from cross-replica context). With a 16-bit
   `wire` dtype (`gradient_compression`), the gradients travel and are summed
   as that.
   """
   gradients = [dense(g) for g in gradients]
   first = communicator.first_replica_id
   if summed:
-    if communicator.shares_memory:  # Every copy holds the same sum: cut one.
+    if communicator.shares_memory or len(gradients) == 1:
+      # Every copy holds the same sum: cut one.
       with tf.device(communicator.devices[0]):
         flat = tf.reshape(gradients[0], [-1])
-      gradients = [flat] * len(gradients)
+      gradients = [flat] * len(communicator.devices)
     return [_on(device, layout.shard, g, first + r)
             for r, (device, g) in enumerate(zip(communicator.devices,
                                                 gradients))]

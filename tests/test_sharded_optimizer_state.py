@@ -321,6 +321,31 @@ class CustomLoopTest(unittest.TestCase):
                          atol=ATOL, what=v.path)
 
 
+  @parameterized.expand([(f"{n}_replicas_{name}", n, name)
+                         for n in topology.REPLICA_COUNTS
+                         for name in ("momentum", "adam")])
+  def test_apply_gradients_outside_run_takes_them_as_the_global_ones(
+      self, _, n, optimizer_name):
+    # Outside strategy.run (cross-replica context) Keras takes the gradients
+    # as already summed, mirrored state or sharded; it used to fail sharded.
+    gradients = [np.full(w.shape, 0.1 * (i + 1), "float32")
+                 for i, w in enumerate(models.initial_weights())]
+    want = fresh_model()
+    want_optimizer = _OPTIMIZERS[optimizer_name]()
+    strategy = sharding(n)
+    with strategy.scope():
+      model = fresh_model()
+      optimizer = _OPTIMIZERS[optimizer_name]()
+    for _ in range(2):
+      want_optimizer.apply_gradients(zip(gradients, want.trainable_variables))
+      with strategy.scope():
+        optimizer.apply_gradients(zip(gradients, model.trainable_variables))
+    self.assertTrue(slots(optimizer))
+    for v, w in zip(model.weights, want.weights):
+      assert_per_replica(self, strategy, v.value, [w.numpy()] * n, rtol=RTOL,
+                         atol=ATOL, what=v.path)
+
+
 class SavingTest(unittest.TestCase):
   """Slots save whole, so any replica count (or none) restores them."""
 
