@@ -41,6 +41,7 @@ that their losses and all-reduce results agree ("agree" column).
 
 import argparse
 import functools
+import itertools
 import json
 import os
 import platform
@@ -56,6 +57,9 @@ os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 
 SIZES = {  # name: (full run, --quick)
     "mlp_hidden": (512, 16),
+    # The update section's MLP widths: the benchmark MLP's, then wider, to
+    # show how the update's fixed costs per weight weigh as weights grow.
+    "update_hidden": ((512, 1024, 2048), (16, 32)),
     "conv_filters": (16, 4),
     "image": (28, 8),
     "global_batch": (256, 32),
@@ -170,8 +174,8 @@ def scope(strategy):
 
 # Models and data.
 
-def mlp():
-  h = SIZE["mlp_hidden"]
+def mlp(h=None):
+  h = h or SIZE["mlp_hidden"]
   return keras.Sequential([
       keras.Input((SIZE["image"] ** 2,)),
       keras.layers.Dense(h, activation="relu"),
@@ -607,20 +611,24 @@ def bench_update(n):
   padded flat for reduce_scatter as the sharded update does). "apply -
   exchange" is then the update: for mirrored state every replica's whole
   update, for sharded state the update of one shard per replica and the
-  all-gather of the new weights.
+  all-gather of the new weights. Run for the MLP at each width of
+  `update_hidden`, the benchmark's first.
   """
   if n != replica_counts()[-1]:
     return []
-  weights = initial_weights("mlp")
-  rng = np.random.default_rng(1)
-  grads = [1e-3 * rng.normal(size=w.shape).astype("float32") for w in weights]
   rows = []
-  for optimizer in OPTIMIZERS:
+  for hidden, optimizer in itertools.product(SIZE["update_hidden"],
+                                             OPTIMIZERS):
+    keras.utils.set_random_seed(0)
+    weights = mlp(hidden).get_weights()
+    rng = np.random.default_rng(1)
+    grads = [1e-3 * rng.normal(size=w.shape).astype("float32")
+             for w in weights]
     runs, finals = {}, {}
     for name in UPDATE_CONTENDERS:
       strategy = contender(name, n)
       with strategy.scope():
-        model = mlp()
+        model = mlp(hidden)
         model.set_weights(weights)
         opt = OPTIMIZERS[optimizer]()
         opt.build(model.trainable_variables)
@@ -643,7 +651,9 @@ def bench_update(n):
           times[key].append(time.perf_counter() - start)
     ms = {f"{name} {measure}": median_ms(times[name, measure])
           for name, measure in runs}
-    rows.append({"optimizer": optimizer, "replicas": n, "ms": ms,
+    rows.append({"optimizer": optimizer, "hidden": hidden,
+                 "parameters": sum(w.size for w in weights),
+                 "replicas": n, "ms": ms,
                  "agree": agree([np.concatenate([w.ravel()
                                                  for w in m.get_weights()])
                                  for m in finals.values()], rtol=1e-4)})
@@ -676,13 +686,14 @@ def update_table(rows):
   for r in rows:
     ms = r["ms"]
     if not lines:
-      lines += ["", f"Optimizer update alone, MLP 784-512-512-10, "
+      lines += ["", f"Optimizer update alone, MLP 784-h-h-10 (h: hidden "
+                f"width, M: parameters), "
                 f"{r['replicas']} replicas, ms (median; apply = "
                 f"apply_gradients of fixed gradients inside strategy.run; "
                 f"exchange = their all-reduce, or the reduce-scatter a "
                 f"sharded update starts with where the replicas do not share "
                 f"memory; update = apply - exchange)",
-                f"{'optimizer':10} {'measure':17} " +
+                f"{'h (M)':12} {'optimizer':9} {'measure':9} " +
                 " ".join(f"{n:>10}" for n in UPDATE_CONTENDERS) +
                 f" {'S/mirrored':>10} {'S/replicator':>12}  agree"]
     update = {n: ms[f"{n} apply"] - ms[f"{n} exchange"]
@@ -692,8 +703,9 @@ def update_table(rows):
                      ("exchange", {n: ms[f"{n} exchange"]
                                    for n in UPDATE_CONTENDERS}),
                      ("update", update)):
+      model = f"{r['hidden']} ({r['parameters'] / 1e6:.3g})"
       lines.append(
-          f"{r['optimizer']:10} {label:17} " +
+          f"{model:12} {r['optimizer']:9} {label:9} " +
           " ".join(f"{v[n]:>10.2f}" for n in UPDATE_CONTENDERS) +
           f" {v['sharded'] / v['mirrored']:>10.2f}"
           f" {v['sharded'] / v['replicator']:>12.2f}  {r['agree']}")

@@ -58,8 +58,10 @@ class BenchmarkSmokeTest(unittest.TestCase):
       self.assertEqual(sorted(row["ms"]), ["mirrored", "none", "none, sliced",
                                            "replicator", "sharded"])
       self.assertTrue(row["agree"], row)
-    self.assertEqual([(r["optimizer"], r["replicas"])
-                      for r in results["update"]], [("sgd", 4), ("adam", 4)])
+    self.assertEqual(
+        [(r["hidden"], r["optimizer"], r["replicas"])
+         for r in results["update"]],
+        [(h, o, 4) for h in (16, 32) for o in ("sgd", "adam")])
     for row in results["update"]:
       self.assertEqual(set(row["ms"]), {
           f"{name} {measure}" for name in ("mirrored", "replicator", "sharded")
