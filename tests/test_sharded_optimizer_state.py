@@ -66,6 +66,19 @@ _OPTIMIZERS = {
         learning_rate=0.1, momentum=0.9, gradient_accumulation_steps=2),
     # Each shard decays in the step (merge and replica paths), biases not.
     "adamw_accumulation_no_bias_decay": _adamw_accumulating_without_bias_decay,
+    # The other elementwise Keras optimizers, each with its own slots.
+    "adagrad": lambda: keras.optimizers.Adagrad(learning_rate=0.1),
+    "adadelta": lambda: keras.optimizers.Adadelta(learning_rate=1.0),
+    "adamax": lambda: keras.optimizers.Adamax(learning_rate=0.01),
+    # Also a mirrored scalar (its momentum schedule's product) it assigns
+    # inside each replica before the step.
+    "nadam": lambda: keras.optimizers.Nadam(learning_rate=0.01),
+    "lion": lambda: keras.optimizers.Lion(learning_rate=0.01),
+    # Reads the weight itself in its math, and assigns it whole.
+    "ftrl": lambda: keras.optimizers.Ftrl(
+        learning_rate=0.1, l1_regularization_strength=0.01,
+        l2_regularization_strength=0.01,
+        l2_shrinkage_regularization_strength=0.01),
 }
 # Every optimizer on 4 replicas (uneven shards, padding); on 1 and 2, one of
 # each path: merge, clipping (summed first), EMA, loss scaling, tf.cond.
@@ -285,7 +298,9 @@ def reference_loop(optimizer_name):
 
 _IN_COND_CASES = [(f"{n}_replicas_{name}_in_cond", n, name, True, True)
                   for n in topology.REPLICA_COUNTS
-                  for name in ("momentum", "adam", "adam_clipnorm")]
+                  for name in ("momentum", "adam", "adam_clipnorm")] + [
+                      (f"4_replicas_{name}_in_cond", 4, name, True, True)
+                      for name in ("nadam", "ftrl")]
 
 
 class CustomLoopTest(unittest.TestCase):

@@ -52,8 +52,14 @@ from replicator_strategy import sharded_variables
 from replicator_strategy import strategy as strategy_lib
 from replicator_strategy.keras import _internal as ki
 
+# Keras's optimizers whose `update_step` is elementwise on the weight, its
+# gradient and slots shaped like it (Lamb's layer norms, Adafactor's factored
+# moments and Muon's orthogonalisation are not).
 SUPPORTED_OPTIMIZERS = (keras.optimizers.SGD, keras.optimizers.Adam,
-                        keras.optimizers.AdamW, keras.optimizers.RMSprop)
+                        keras.optimizers.AdamW, keras.optimizers.RMSprop,
+                        keras.optimizers.Adagrad, keras.optimizers.Adadelta,
+                        keras.optimizers.Adamax, keras.optimizers.Nadam,
+                        keras.optimizers.Lion, keras.optimizers.Ftrl)
 
 
 # Optimizer variables that stay mirrored: EMA copies of the weights, which
