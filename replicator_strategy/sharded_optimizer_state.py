@@ -164,19 +164,23 @@ def dense(gradient):
   """`gradient` as a dense tensor, warning once if it was sparse.
 
   Keras on one device squares each row occurrence of an `IndexedSlices`
-  gradient separately (Adam's and RMSprop's second moments); a dense
-  gradient sums a row's occurrences first, so those moments differ from one
-  device for rows used more than once in a batch.
+  gradient separately (Adam's second moment, Adagrad's accumulator; Adamax
+  takes each one's absolute value); a dense gradient sums a row's
+  occurrences first, so those slots differ from one device for rows used
+  more than once in a batch. SGD's and Lion's math is linear in the gradient
+  and does not differ.
   """
   if isinstance(gradient, tf.IndexedSlices) and not _warned_dense:
     _warned_dense.append(True)
     logging.warning(
         "shard_optimizer_state=True makes a sparse gradient (an Embedding's, "
-        "say) dense before cutting it into shards. Adam's and RMSprop's second moments "
-        "then square each row's summed gradient, where Keras on one device "
-        "squares each occurrence's separately: for rows looked up several "
-        "times in a batch, training differs from one device. To keep sparse "
-        "updates, shard the table itself with "
+        "say) dense before cutting it into shards. Optimizers that square "
+        "the gradient or take its absolute value (every supported one but "
+        "SGD and Lion: Adam's second moment, Adagrad's accumulator, ...) then "
+        "treat each row's summed gradient, where Keras on one device treats "
+        "each occurrence separately: for rows looked up several times in a "
+        "batch, training differs from one device. To keep sparse updates, "
+        "shard the table itself with "
         "ReplicatorStrategy(variable_partitioner=...).")
   return tf.convert_to_tensor(gradient)
 

@@ -478,6 +478,28 @@ class SparseGradientTest(unittest.TestCase):
     self.assertEqual(len(said), 1, logs.output)
     self.assertIn("variable_partitioner", said[0])
 
+  @parameterized.expand([("sgd", lambda: keras.optimizers.SGD(0.1, 0.9)),
+                         ("lion", lambda: keras.optimizers.Lion(0.01))])
+  def test_a_dense_step_is_exact_for_math_linear_in_the_gradient(
+      self, _, optimizer):
+    # Ids repeat within the batch: a row's occurrences are summed first.
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 4, size=(16, 3)).astype(np.int32)
+    y = rng.normal(size=(16, 1)).astype(np.float32)
+    tables = []
+    for strategy in (None, sharding(2)):
+      with strategy.scope() if strategy else contextlib.nullcontext():
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((3,), dtype="int32"),
+                                  keras.layers.Embedding(10, 2),
+                                  keras.layers.Flatten(), keras.layers.Dense(1)])
+        model.compile(optimizer(), "mse", jit_compile=False)
+      start = model.get_weights()[0]
+      model.fit(x, y, batch_size=16, epochs=3, verbose=0)
+      tables.append(model.get_weights()[0])
+    self.assertGreater(np.abs(tables[0] - start).max(), 1e-3)  # it trained
+    np.testing.assert_allclose(tables[1], tables[0], rtol=RTOL, atol=ATOL)
+
 
 class RefusalTest(unittest.TestCase):
 
