@@ -5,7 +5,9 @@ each floating gradient wider than 16 bits down before the optimizer's
 all-reduce and the sum back up after, as Horovod's `Compression.fp16` does.
 Only the transfer and the sum are 16-bit: the optimizer updates its float32
 weights and slots from a float32 gradient, as without compression. With
-`shard_optimizer_state=True` the gradients' reduce-scatter travels so too.
+`shard_optimizer_state=True` the gradients' reduce-scatter travels so too;
+with `variable_partitioner`, the sharded weights' gradient exchange (see
+`sharded_variables`).
 
 What it costs in precision: the sum of N replicas' gradients rounded to 16
 bits, a relative error of at most about N * 2**-8 for "bfloat16" (8-bit

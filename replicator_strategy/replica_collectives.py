@@ -137,6 +137,11 @@ class ReplicaCollectives:
       size_key, key = keys[GATHER_KEYS * i:GATHER_KEYS * (i + 1)]
       moved = tf.experimental.numpy.moveaxis(tf.convert_to_tensor(tensor),
                                              axis, 0)
+      # TF's gather kernel has no bfloat16; a gather only moves bits, so
+      # they travel as float16's.
+      carried = moved.dtype
+      if carried == tf.bfloat16:
+        moved = tf.bitcast(moved, tf.float16)
       gather = tfi.collective_ops.all_gather_v2
       size = tf.shape(moved)[:1]
       sizes = self._launch(local_index, _GATHER, gather, size, size_key)
@@ -146,8 +151,10 @@ class ReplicaCollectives:
       gathered = self._launch(local_index, _GATHER, gather,
                               tf.pad(moved, padding), key)
       rows = tf.reshape(tf.sequence_mask(sizes, largest), [-1])
-      out.append(tf.experimental.numpy.moveaxis(
-          tf.boolean_mask(gathered, rows), 0, axis))
+      gathered = tf.boolean_mask(gathered, rows)
+      if gathered.dtype != carried:
+        gathered = tf.bitcast(gathered, carried)
+      out.append(tf.experimental.numpy.moveaxis(gathered, 0, axis))
     return out
 
   def all_to_all(self, local_index, tensors, split_axes, concat_axes, keys):

@@ -41,6 +41,7 @@ import numpy as np
 import tensorflow as tf
 
 from replicator_strategy import _tf_internal as tfi
+from replicator_strategy import gradient_compression as compression_lib
 
 REPLICA_READS = ("whole", "shard", None)
 
@@ -219,13 +220,17 @@ def gather_whole(ctx, layout, shard_value, shard):
   """The whole variable, in replica context, from this replica's shard.
 
   Gradient: reduce-scatter, so this replica's shard gets its rows of the
-  gradient summed over every replica (half the traffic of an all-reduce).
+  gradient summed over every replica (half the traffic of an all-reduce),
+  sent and summed as 16-bit floats with the strategy's
+  `gradient_compression`.
   """
+  wire = _wire(ctx)
 
   @tf.custom_gradient
   def gather(padded):
     def grad(dy):
-      return ctx.reduce_scatter("sum", dy, axis=0)
+      return compression_lib.from_wire(ctx.reduce_scatter(
+          "sum", compression_lib.to_wire(dy, wire), axis=0), dy.dtype)
     return ctx.all_gather(padded, axis=0), grad
 
   return layout.assemble_padded(gather(layout.pad(shard_value, shard)))
@@ -258,8 +263,35 @@ def lookup(variable, ids):
   else:
     picked = tf.zeros(tf.concat([tf.shape(every_id), width], 0),
                       variable.dtype)
-  mine = ctx.reduce_scatter("sum", picked, axis=0)[:count]
+  mine = _rows_to_their_replicas(ctx, picked)[:count]
   return tf.reshape(mine, tf.concat([tf.shape(ids), width], 0))
+
+
+def _rows_to_their_replicas(ctx, picked):
+  """The reduce-scatter of every replica's picks: each replica's own rows.
+
+  Its gradient (each replica's rows' gradients, all-gathered to the shards
+  that gave them) travels as 16-bit floats with the strategy's
+  `gradient_compression`.
+  """
+  wire = _wire(ctx)
+  if wire is None:
+    return ctx.reduce_scatter("sum", picked, axis=0)
+
+  @tf.custom_gradient
+  def scatter(picked):
+    def grad(dy):
+      return compression_lib.from_wire(ctx.all_gather(
+          compression_lib.to_wire(dy, wire), axis=0), dy.dtype)
+    return ctx.reduce_scatter("sum", picked, axis=0), grad
+
+  return scatter(picked)
+
+
+def _wire(ctx):
+  """The 16-bit dtype `ctx`'s strategy sends gradients as, or None."""
+  return compression_lib.wire_dtype(
+      getattr(ctx.strategy, "gradient_compression", None))
 
 
 def _checked_ids(every_id, num_rows):

@@ -84,7 +84,9 @@ class ReplicatorStrategy(tf.distribute.Strategy):
       16-bit floats and sums them so, half the bytes; the update itself is
       float32 (see `replicator_strategy.gradient_compression` for the
       precision). With `shard_optimizer_state=True`, the gradients'
-      reduce-scatter is 16-bit so too; not with `variable_partitioner`.
+      reduce-scatter is 16-bit so too; with `variable_partitioner`, the
+      sharded weights' gradient exchange (a reduce-scatter, or for an
+      `Embedding` table an all-gather of the looked-up rows' gradients).
   """
 
   def __init__(self, devices=None, all_reduce="auto", cluster_resolver=None,
@@ -93,13 +95,6 @@ class ReplicatorStrategy(tf.distribute.Strategy):
                gradient_compression=None):
     _check_timeout(timeout_seconds)
     compression_lib.wire_dtype(gradient_compression)  # Checks the name.
-    if gradient_compression and variable_partitioner is not None:
-      raise ValueError(
-          "`gradient_compression` applies to the optimizer's gradient "
-          "exchange of mirrored weights and of sharded optimizer state; "
-          "sharded variables exchange their gradients uncompressed, so the "
-          "combination is not supported yet. Drop `gradient_compression` or "
-          "`variable_partitioner`.")
     if not isinstance(shard_optimizer_state, bool):
       raise ValueError(
           f"Expected `shard_optimizer_state` to be True or False. Received: "

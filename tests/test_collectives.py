@@ -126,6 +126,29 @@ class ControlFlowTest(unittest.TestCase):
       np.testing.assert_allclose(inside, want)
       start += r + 1
 
+  @parameterized.expand([("bfloat16", tf.bfloat16), ("float16", tf.float16),
+                         ("int32", tf.int32)])
+  def test_gather_inside_cond_keeps_every_dtypes_values(self, _, dtype):
+    # TF's gather kernel lacks bfloat16, whose bits travel as float16's.
+    strategy = topology.strategy_over(2)
+
+    def fn():
+      ctx = tf.distribute.get_replica_context()
+      r = ctx.replica_id_in_sync_group
+      # Values that float16 cannot hold, as bfloat16 can (1e20, 1e-20).
+      x = tf.cast(tf.constant([1e20, -1e-20, 3.0]) if dtype == tf.bfloat16
+                  else tf.constant([7.0, -1.0, 3.0]), dtype) * tf.cast(
+                      r + 1, dtype)
+      gather = lambda: ctx.all_gather(x, axis=0)
+      return tf.cond(r >= 0, gather, gather), x
+
+    results = strategy.experimental_local_results(
+        tf.function(lambda: strategy.run(fn))())
+    want = np.concatenate([x.numpy() for _, x in results])
+    for gathered, _ in results:
+      self.assertEqual(gathered.dtype, dtype)
+      np.testing.assert_array_equal(gathered.numpy(), want)
+
   @parameterized.expand(topology.NAMED_REPLICA_COUNTS)
   def test_cond_collectives_in_a_loop_around_run(self, _, n):
     # The shape of Keras's steps_per_execution: a tf.while_loop whose body
