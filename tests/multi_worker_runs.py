@@ -171,11 +171,12 @@ def slicing_collectives(strategy):
   return results
 
 
-def keras_fit(strategy, steps_per_execution=1, accumulation_steps=None):
+def keras_fit(strategy, steps_per_execution=1, accumulation_steps=None,
+              optimizer=keras.optimizers.Adam):
   """fit / evaluate / predict with an uneven final batch; every number."""
   x, y = data()
   xv, yv = data(rows=27, seed=2)
-  model = _model(strategy, lambda: keras.optimizers.Adam(
+  model = _model(strategy, lambda: optimizer(
       0.01, gradient_accumulation_steps=accumulation_steps), loss="mse",
                  metrics=["mae"], steps_per_execution=steps_per_execution)
   history = model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=3, shuffle=False,
@@ -515,6 +516,8 @@ RUNS = {"custom_loop": custom_loop, "primitives": primitives,
             keras_fit, steps_per_execution=3),
         "keras_fit_accumulation": functools.partial(keras_fit,
                                                     accumulation_steps=2),
+        "keras_fit_nadam": functools.partial(
+            keras_fit, optimizer=keras.optimizers.Nadam),
         "input_pipelines": input_pipelines,
         "keras_preempted": keras_preempted,
         "keras_killed": functools.partial(keras_preempted, sig=signal.SIGKILL),

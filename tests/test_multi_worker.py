@@ -215,7 +215,7 @@ class SlicingCollectivesTest(unittest.TestCase):
 class ShardedOptimizerStateTest(RunsOnWorkers, unittest.TestCase):
   """shard_optimizer_state=True on 2 workers x 2 equals one process with 4."""
   RUNS = ("custom_loop", "keras_fit", "keras_fit_steps_per_execution",
-          "keras_fit_accumulation", "sharded_state")
+          "keras_fit_accumulation", "keras_fit_nadam", "sharded_state")
   ENV = {"MULTI_WORKER_SHARD_OPTIMIZER_STATE": "1"}
 
   def test_training_equals_one_process_with_four_replicas(self):
@@ -226,6 +226,13 @@ class ShardedOptimizerStateTest(RunsOnWorkers, unittest.TestCase):
       assert_close_nested(self, worker["keras_fit"], keras_fit)
       assert_close_nested(self, worker["keras_fit_steps_per_execution"],
                           keras_fit)
+
+  def test_nadam_equals_one_process_with_four_replicas(self):
+    # Also a mirrored scalar Nadam assigns inside each replica.
+    expected = multi_worker_runs.keras_fit(topology.strategy_over(4),
+                                           optimizer=keras.optimizers.Nadam)
+    for worker in self.workers:
+      assert_close_nested(self, worker["keras_fit_nadam"], expected)
 
   def test_gradient_accumulation_equals_one_process_with_four_replicas(self):
     # The step runs inside each replica's tf.cond: run-time collectives.
