@@ -13,6 +13,7 @@ paths (example: `ReplicaContext`).
 Design after TF-Replicator (Buchlovsky et al., 2019, arXiv:1902.00465).
 """
 
+import collections
 import contextlib
 import enum
 import inspect
@@ -23,6 +24,11 @@ import tensorflow as tf
 from replicator_strategy import _tf_internal as tfi
 from replicator_strategy import replica_collectives
 from replicator_strategy import reduce_op as reduce_op_lib
+
+
+BatchRows = collections.namedtuple("BatchRows", ["first", "count", "total"])
+BatchRows.__doc__ = """A replica's rows in the global batch: the `count` rows from
+row `first` on, of `total` rows (every replica's, in replica order)."""
 
 
 class ReplicaContext(tfi.ThreadReplicaContext):
@@ -45,7 +51,7 @@ class ReplicaContext(tfi.ThreadReplicaContext):
     super().__init__(strategy, replica_id_in_sync_group)
     self._home_graph = tf.compat.v1.get_default_graph()
     self._inputs = inputs
-    self._batch_shares = {}
+    self._batch_rows = {}
 
   def outside_loops(self, fn):
     """`fn()`, built in this replica's own graph if called inside a while loop.
@@ -325,16 +331,37 @@ class ReplicaContext(tfi.ThreadReplicaContext):
     replica's mean loss counts in proportion to its rows (Keras weights each
     replica's mean loss 1/N otherwise).
     """
+    rows = self.batch_rows()
+    if rows is None:
+      return None
+    return tf.math.divide_no_nan(tf.cast(rows.count, tf.float32),
+                                 tf.cast(rows.total, tf.float32))
+
+  def batch_rows(self):
+    """Where this replica's rows lie in the global batch, or None if unknown.
+
+    A `BatchRows` (`first`, `count`, `total`: int64 scalars), the global
+    batch being every replica's rows in replica order, as one device sees
+    them. Rows are counted as in `local_batch_share`; one all-reduce per
+    traced step (a vector of every replica's count) serves both.
+    """
     graph = tf.compat.v1.get_default_graph()
-    if graph not in self._batch_shares:
+    if graph not in self._batch_rows:
       leaves = [t for t in tf.nest.flatten(self._inputs)
                 if tf.is_tensor(t) and t.shape.rank != 0]
-      share = None
+      rows = None
       if leaves:
-        rows = tf.cast(tf.shape(leaves[0])[0], tf.float32)
-        share = tf.math.divide_no_nan(rows, self.all_reduce("sum", rows))
-      self._batch_shares[graph] = share
-    return self._batch_shares[graph]
+        count = tf.shape(leaves[0], out_type=tf.int64)[0]
+        replica = tfi.replica_id(self)
+        # Counts travel as float32, exact below 2**24 rows: the all-reduce
+        # every path (merge, control flow, workers, GPUs) already carries.
+        own = tf.one_hot(replica, self.num_replicas_in_sync,
+                         on_value=tf.cast(count, tf.float32))
+        counts = tf.cast(self.all_reduce("sum", own), tf.int64)
+        rows = BatchRows(first=tf.reduce_sum(counts[:replica]), count=count,
+                         total=tf.reduce_sum(counts))
+      self._batch_rows[graph] = rows
+    return self._batch_rows[graph]
 
   @property
   def local_index(self):

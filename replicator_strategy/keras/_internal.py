@@ -34,7 +34,9 @@ def check_keras_version(version=keras.__version__):
 check_keras_version()
 
 # pylint: disable=g-import-not-at-top,unused-import
+from keras.src.backend.tensorflow import random as tf_random  # Its draws.
 from keras.src.backend.tensorflow import trainer as tf_trainer
+from keras.src.layers.regularization.spatial_dropout import BaseSpatialDropout
 from keras.src.losses import loss  # Where Keras scales losses.
 from keras.src.trainers import data_adapters  # Which data fit takes.
 from keras.src.trainers import trainer
@@ -64,3 +66,14 @@ def uses_weight_decay(optimizer, variable):
 def supports_jit(model):
   """Whether Keras would compile `model` with XLA (no layer refuses it)."""
   return trainer.model_supports_jit(model)
+
+
+def draw_seed(seed):
+  """The seed tensor Keras's TF backend draws with for `seed` (an int, a
+  `keras.random.SeedGenerator`, advanced once, or None: the global one)."""
+  return tf_random._cast_seed(tf_random.draw_seed(seed))  # pylint: disable=protected-access
+
+
+def concrete_noise_shape(inputs, noise_shape):
+  """A dropout's `noise_shape`, its None entries taken from `inputs`."""
+  return tf_random._get_concrete_noise_shape(inputs, noise_shape)  # pylint: disable=protected-access

@@ -25,6 +25,7 @@ from replicator_strategy.keras import _internal as ki
 from replicator_strategy.keras import chief_writes
 from replicator_strategy.keras import training
 from replicator_strategy.keras import preemption_saves
+from replicator_strategy.keras import random_layers
 from replicator_strategy.keras import sharded_optimizer
 from replicator_strategy.keras import sharded_weights
 
@@ -46,6 +47,9 @@ _NON_CHIEF = "on a non-chief worker of a ReplicatorStrategy cluster"
 _PREEMPTIBLE = "a ReplicatorStrategy cluster is running (SIGTERM agreed)"
 _SHARDING = "the strategy is a ReplicatorStrategy(shard_optimizer_state=True)"
 _SHARDED = "a weight is sharded by ReplicatorStrategy(variable_partitioner=...)"
+_ROWS = "a ReplicatorStrategy replica (of several) runs the layer on a batch"
+_IN_ROW_LAYER = ("in a random layer's call that _ROWS marked, for draws of "
+                 "rank 1 or more")
 
 # In order: a later entry on the same name wraps an earlier one.
 PATCHES = (
@@ -114,7 +118,15 @@ PATCHES = (
     Patch(_BACKUP, "on_train_batch_end", preemption_saves.stopping_when_told,
           _PREEMPTIBLE),
     Patch(_BACKUP, "on_train_end", preemption_saves.watched, _PREEMPTIBLE),
-)
+    Patch(ki.tf_random, "uniform", random_layers.uniform_rows, _IN_ROW_LAYER),
+    Patch(ki.tf_random, "normal", random_layers.normal_rows, _IN_ROW_LAYER),
+    Patch(ki.tf_random, "dropout", random_layers.dropout_mask_rows,
+          _IN_ROW_LAYER),
+) + tuple(
+    Patch(layer, "call", random_layers.dropout_rows, _ROWS)
+    for layer in random_layers.DROPOUT_LAYERS) + tuple(
+        Patch(layer, "get_random_transformation", random_layers.image_rows,
+              _ROWS) for layer in random_layers.IMAGE_LAYERS)
 
 _originals = []  # (owner, name, what it was), in the order applied.
 

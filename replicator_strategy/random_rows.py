@@ -1,0 +1,93 @@
+"""A replica's rows of the random values one device draws for the global batch.
+
+TF's stateless random ops (Philox, on CPU and GPU, under XLA too) make
+element i of a draw from counter block i // 4 (i // 2 for 64-bit values),
+for uniform and normal values alike. A replica whose rows start at row
+`first` of the global batch therefore draws only its own elements: it moves
+the counter on by the blocks before them and drops the few leading values of
+its first block. This costs what its own draw costs, whatever the number of
+replicas, and gives bit for bit the values one device draws for those rows:
+
+>>> import tensorflow as tf
+>>> from replicator_strategy import random_rows
+>>> seed = tf.constant([7, 0])
+>>> whole = tf.random.stateless_uniform([10, 3], seed)
+>>> rows = random_rows.uniform([4, 3], seed, first_row=5)
+>>> bool(tf.reduce_all(rows == whole[5:9]))
+True
+"""
+
+import tensorflow as tf
+
+# Philox makes 4 uint32 per counter block: 4 values of 16 or 32 bits, 2 of 64.
+_BLOCK_BITS = 128
+
+
+def _values_per_block(dtype):
+  bits = 64 if dtype.size == 8 else 32
+  return _BLOCK_BITS // bits
+
+
+def _draw(op, shape, seed, dtype, first_row):
+  """`op`'s values for rows `first_row`... of a draw of that many more rows.
+
+  `shape` is this replica's ([rows, ...]); `first_row` an integer scalar.
+  """
+  static = _static_shape(shape)
+  shape = tf.cast(tf.convert_to_tensor(shape), tf.int64)
+  per_row = tf.reduce_prod(shape[1:])
+  start = tf.cast(first_row, tf.int64) * per_row
+  per_block = _values_per_block(dtype)
+  lead = start % per_block
+  key, counter = tf.raw_ops.StatelessRandomGetKeyCounter(seed=seed)
+  # The counter is 128 bits, low word first: add the blocks with the carry.
+  low = counter[0] + tf.cast(start // per_block, tf.uint64)
+  carry = tf.cast(low < counter[0], tf.uint64)
+  counter = tf.stack([low, counter[1] + carry])
+  values = op(shape=tf.reshape(tf.reduce_prod(shape) + lead, [1]), key=key,
+              counter=counter, dtype=dtype, alg=_AUTO_SELECT)
+  values = tf.reshape(values[lead:], shape)
+  values.set_shape(static)
+  return values
+
+
+def _static_shape(shape):
+  """What is known before running of a shape given as a tensor or a list."""
+  if tf.is_tensor(shape):
+    return tf.TensorShape(None)
+  return tf.TensorShape([tf.get_static_value(d) for d in shape])
+
+
+# What `tf.random.stateless_*` pass: Philox on CPU and GPU.
+_AUTO_SELECT = 3
+
+
+def uniform(shape, seed, minval=0.0, maxval=1.0, dtype=tf.float32,
+            first_row=0):
+  """`tf.random.stateless_uniform` (floats) for rows `first_row`... of a
+  larger draw, `shape` being these rows' ([rows, ...])."""
+  dtype = tf.as_dtype(dtype)
+  minval = tf.convert_to_tensor(minval, dtype)
+  maxval = tf.convert_to_tensor(maxval, dtype)
+  values = _draw(tf.raw_ops.StatelessRandomUniformV2, shape, seed, dtype,
+                 first_row)
+  return tf.add(values * (maxval - minval), minval)
+
+
+def normal(shape, seed, mean=0.0, stddev=1.0, dtype=tf.float32, first_row=0):
+  """`tf.random.stateless_normal` for rows `first_row`... of a larger draw."""
+  dtype = tf.as_dtype(dtype)
+  mean = tf.convert_to_tensor(mean, dtype)
+  stddev = tf.convert_to_tensor(stddev, dtype)
+  values = _draw(tf.raw_ops.StatelessRandomNormalV2, shape, seed, dtype,
+                 first_row)
+  return tf.add(values * stddev, mean)
+
+
+def dropout(x, rate, seed, noise_shape=None, first_row=0):
+  """`tf.nn.experimental.stateless_dropout` for rows `first_row`... of a
+  larger batch; `x` and `noise_shape` are these rows'."""
+  return tf.nn.experimental.general_dropout(
+      x, rate, noise_shape=noise_shape,
+      uniform_sampler=lambda shape, dtype: uniform(
+          shape, seed, dtype=dtype, first_row=first_row))
