@@ -51,7 +51,7 @@ IMAGE_LAYERS = (
     _layers.RandomSaturation, _layers.RandomHue, _layers.RandomSharpness,
     _layers.RandomColorDegeneration, _layers.RandomGrayscale,
     _layers.RandomInvert, _layers.RandomShear, _layers.RandomPerspective,
-    _layers.RandomElasticTransform, _layers.RandomErasing,
+    _layers.RandomErasing,
     _layers.Solarization)
 ROW_LAYERS = DROPOUT_LAYERS + IMAGE_LAYERS
 
