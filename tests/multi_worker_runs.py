@@ -268,6 +268,32 @@ def fewer_rows_than_replicas(strategy):
   return results
 
 
+def random_layers_fit(strategy):
+  """fit of models with Dropout and with RandomFlip + RandomRotation.
+
+  Each replica reads rows of the global batch contiguously, in replica order,
+  as one process splits it (Keras's NumPy input would be sharded by element,
+  giving each worker every other row).
+  """
+  import test_random_layers  # pylint: disable=g-import-not-at-top
+  n = strategy.num_replicas_in_sync
+
+  def contiguous_parts(dataset, context):
+    per_worker = n // context.num_input_pipelines
+    first = context.input_pipeline_id * per_worker
+
+    def parts(x, y):
+      chunk = (tf.shape(x)[0] + n - 1) // n
+      return tf.data.Dataset.range(first, first + per_worker).map(
+          lambda r: (x[tf.cast(r, tf.int32) * chunk:][:chunk],
+                     y[tf.cast(r, tf.int32) * chunk:][:chunk]))
+
+    return dataset.flat_map(parts)
+
+  return {name: test_random_layers.train(name, strategy, contiguous_parts)
+          for name in ("conv_dropout", "augmented_images")}
+
+
 def peer_dies(strategy, fate=signal.SIGKILL):
   """Trains step after step; worker 1 gets `fate` after two steps.
 
@@ -529,7 +555,7 @@ RUNS = {"custom_loop": custom_loop, "primitives": primitives,
         "sharded_state": sharded_state, "embedding_fit": embedding_fit,
         "keras_custom_steps": keras_custom_steps,
         "fewer_rows_than_replicas": fewer_rows_than_replicas,
-        "batch_share": batch_share}
+        "batch_share": batch_share, "random_layers_fit": random_layers_fit}
 # Runs that take the output directory as their working directory.
 TAKES_WORKDIR = ("keras_files", "keras_backup_and_restore", "keras_preempted",
                  "keras_killed", "keras_until_stopped",

@@ -8,11 +8,13 @@ computed once and shared by the replica counts compared with it.
 """
 
 import functools
+import tempfile
 import unittest
 
 import keras
 import numpy as np
 from parameterized import parameterized
+import pytest
 import tensorflow as tf
 
 import topology
@@ -125,8 +127,12 @@ MODELS = {"conv_dropout": (conv_dropout, (8, 8, 1)),
           "augmented_images": (augmented_images, (8, 8, 1))}
 
 
-def train(model_name, strategy):
-  """History and weights after 2 epochs of `fit` (uneven final batch)."""
+def train(model_name, strategy, per_replica=None):
+  """History and weights after 2 epochs of `fit` (uneven final batch).
+
+  With `per_replica(dataset, input_context)`, the global batches are cut into
+  replica batches by it, through `distribute_datasets_from_function`.
+  """
   make, row_shape = MODELS[model_name]
   rng = np.random.default_rng(0)
   x = rng.normal(size=(TRAIN_ROWS,) + row_shape).astype(np.float32)
@@ -136,8 +142,14 @@ def train(model_name, strategy):
     model = make()
     model.compile(keras.optimizers.Adam(0.01),
                   keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-  history = model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=2, shuffle=False,
-                      verbose=0)
+  if per_replica is None:
+    history = model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=2,
+                        shuffle=False, verbose=0)
+  else:
+    batches = tf.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL_BATCH)
+    history = model.fit(strategy.distribute_datasets_from_function(
+        lambda context: per_replica(batches.repeat(), context)), epochs=2,
+                        steps_per_epoch=len(batches), verbose=0)
   return {"loss": history.history["loss"],
           "weights": [w.tolist() for w in model.get_weights()]}
 
@@ -160,6 +172,18 @@ class TrainingTest(unittest.TestCase):
   def test_fit_equals_one_device(self, _, model_name, n):
     assert_same_training(train(model_name, topology.strategy_over(n)),
                          one_device(model_name))
+
+
+@pytest.mark.slow
+class TwoWorkersTest(unittest.TestCase):
+
+  def test_fit_on_two_workers_of_two_equals_one_device(self):
+    import test_multi_worker  # pylint: disable=g-import-not-at-top
+    with tempfile.TemporaryDirectory() as out:
+      workers = test_multi_worker.results_of(["random_layers_fit"], out)
+    for worker in workers:
+      for name, got in worker["random_layers_fit"].items():
+        assert_same_training(got, one_device(name))
 
 
 if __name__ == "__main__":
