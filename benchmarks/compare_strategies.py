@@ -29,6 +29,11 @@ keys clash between instances over different device counts.)
    with Adam, MirroredStrategy, ReplicatorStrategy and ReplicatorStrategy
    with shard_optimizer_state=True each in a fresh process; and the MLP fit
    step (SGD with momentum, and Adam) of those three, side by side.
+9. Random layers, at the most replicas: the fit step of a conv net with
+   Dropout(0.5) and of an image model with RandomFlip + RandomRotation, with
+   each replica drawing its rows of one device's random values (the
+   default, "replicator") and as Keras alone draws them ("own draws": each
+   replica its batch's first rows, as MirroredStrategy does).
 8. `ReplicaContext.reduce_scatter` against `all_reduce` of the same 16 MB
    tensor on 2 and 4 replicas, through merge_call and inside a `tf.cond`
    (run-time collectives). MirroredStrategy has no reduce_scatter in replica
@@ -40,6 +45,7 @@ that their losses and all-reduce results agree ("agree" column).
 """
 
 import argparse
+import contextlib
 import functools
 import itertools
 import json
@@ -94,10 +100,10 @@ def parse_args(argv=None):
   parser.add_argument("--sections",
                       default="fit,custom,allreduce,reducescatter,parts,"
                       "update,first,multi,exchange,sharding,embedding,xla,"
-                      "overhead",
+                      "overhead,random",
                       help="comma-separated subset of fit,custom,allreduce,"
                       "reducescatter,parts,update,first,multi,exchange,"
-                      "sharding,embedding,xla,overhead")
+                      "sharding,embedding,xla,overhead,random")
   parser.add_argument("--child", help=argparse.SUPPRESS)
   return parser.parse_args(argv)
 
@@ -111,6 +117,7 @@ import numpy as np
 import tensorflow as tf
 import keras
 import replicator_strategy as rs
+from replicator_strategy.keras import random_layers
 # pylint: enable=g-import-not-at-top,wrong-import-position
 
 if not tf.config.list_physical_devices("GPU"):
@@ -204,8 +211,38 @@ def tiny():
                            keras.layers.Dense(10)])
 
 
+def dropout_convnet():
+  """The keras-io MNIST conv net (filters scaled like `convnet`'s, "same"
+  padding so that the quick run's 8x8 images fit)."""
+  f = SIZE["conv_filters"]
+  s = SIZE["image"]
+  return keras.Sequential([
+      keras.Input((s, s, 1)),
+      keras.layers.Conv2D(2 * f, 3, padding="same", activation="relu"),
+      keras.layers.MaxPooling2D(2),
+      keras.layers.Conv2D(4 * f, 3, padding="same", activation="relu"),
+      keras.layers.MaxPooling2D(2),
+      keras.layers.Flatten(),
+      keras.layers.Dropout(0.5),
+      keras.layers.Dense(10)])
+
+
+def augmented():
+  """RandomFlip + RandomRotation in front of a small conv net."""
+  f = SIZE["conv_filters"]
+  s = SIZE["image"]
+  return keras.Sequential([
+      keras.Input((s, s, 1)),
+      keras.layers.RandomFlip(),
+      keras.layers.RandomRotation(0.1),
+      keras.layers.Conv2D(f, 3, strides=2, activation="relu"),
+      keras.layers.GlobalAveragePooling2D(),
+      keras.layers.Dense(10)])
+
+
 MODELS = {"mlp": mlp, "convnet": convnet}
-ALL_MODELS = {**MODELS, "tiny": tiny}
+RANDOM_MODELS = {"dropout": dropout_convnet, "augmented": augmented}
+ALL_MODELS = {**MODELS, "tiny": tiny, **RANDOM_MODELS}
 # Batch norm normalises each replica's share of the batch (under either
 # strategy), so only the strategies agree with each other there.
 PER_REPLICA_STATISTICS = ("convnet",)
@@ -215,13 +252,16 @@ def losses_agree(model_name, losses):
   """Contenders' losses agree (with no strategy only where it can)."""
   names = [name for name in losses if not name.startswith("none") or
            model_name not in PER_REPLICA_STATISTICS]
+  if model_name in RANDOM_MODELS:  # Only these draw one device's values.
+    names = [name for name in names if name in ("none", "replicator")]
   return agree((losses[name] for name in names), rtol=1e-4)
 
 
 def data(model_name, batches):
   rng = np.random.default_rng(0)
   s = SIZE["image"]
-  shape = (s, s, 1) if model_name == "convnet" else (s * s,)
+  shape = ((s, s, 1) if model_name in ("convnet", *RANDOM_MODELS)
+           else (s * s,))
   rows = SIZE["global_batch"] * batches
   x = rng.normal(size=(rows,) + shape).astype("float32")
   y = rng.integers(0, 10, size=rows).astype("int32")
@@ -238,6 +278,8 @@ OPTIMIZERS = {"sgd": lambda: keras.optimizers.SGD(0.01, momentum=0.9),
 
 
 def compiled(model_name, strategy, weights, optimizer="sgd", jit_compile=False):
+  if model_name in RANDOM_MODELS:  # Every contender's layers: the same seeds.
+    keras.utils.set_random_seed(0)
   with scope(strategy):
     model = ALL_MODELS[model_name]()
     model.set_weights(weights)
@@ -289,10 +331,13 @@ def bench_fit(n, model_names=tuple(MODELS), names=("none", "mirrored",
     x, y = data(model_name, SIZE["fit_steps"])
     runs = {}
     for name in names:
-      strategy_name, _, xla = name.partition("+")
+      strategy_name, _, xla = name.removesuffix(OWN_DRAWS).partition("+")
       runs[name] = {"model": compiled(model_name, contender(strategy_name, n),
                                       weights, optimizer, jit_compile=bool(xla)),
-                    "times": [], "losses": []}
+                    "times": [], "losses": [],
+                    "draws": (random_layers.drawn_per_replica
+                              if name.endswith(OWN_DRAWS) else
+                              contextlib.nullcontext)}
     failed = {}
     for round_index in range(SIZE["rounds"] + 1):
       for name, run in runs.items():
@@ -300,9 +345,10 @@ def bench_fit(n, model_names=tuple(MODELS), names=("none", "mirrored",
           continue
         timer = StepTimer()
         try:
-          history = run["model"].fit(
-              x, y, batch_size=SIZE["global_batch"], epochs=1, shuffle=False,
-              verbose=0, callbacks=[timer])
+          with run["draws"]():
+            history = run["model"].fit(
+                x, y, batch_size=SIZE["global_batch"], epochs=1,
+                shuffle=False, verbose=0, callbacks=[timer])
         except (tf.errors.OpError, ValueError) as e:  # MirroredStrategy + XLA.
           failed[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
           continue
@@ -329,6 +375,18 @@ def bench_xla(n):
   return bench_fit(n, names=[f"{name}{xla}" for name in ("none", "mirrored",
                                                          "replicator")
                              for xla in ("", "+xla")], section="xla")
+
+
+OWN_DRAWS = ", own draws"
+
+
+def bench_random(n):
+  """Random layers drawing one device's rows against each replica's own."""
+  if n != replica_counts()[-1]:
+    return []
+  return bench_fit(n, model_names=tuple(RANDOM_MODELS),
+                   names=("none", "mirrored", "replicator",
+                          "replicator" + OWN_DRAWS), section="random")
 
 
 def bench_overhead(n):
@@ -1084,6 +1142,7 @@ def table(results):
           f"{ms['replicator'] / ms['none']:>7.2f} "
           f"{ms['replicator'] / ms['mirrored']:>10.2f}  {r['agree']}")
   lines += xla_table(results.get("xla", []))
+  lines += random_table(results.get("random", []))
   if results.get("overhead"):
     lines += ["", "Per-step overhead: fit step of one Dense layer "
               f"({SIZE['image'] ** 2}x10), and its input fetch alone (the "
@@ -1235,6 +1294,28 @@ def xla_table(rows):
   return lines
 
 
+def random_table(rows):
+  """Drawing one device's rows ("replicator") against each replica's own."""
+  lines = []
+  own = "replicator" + OWN_DRAWS
+  for r in rows:
+    ms = r["ms"]
+    if not lines:
+      lines += ["", f"Random layers: Keras fit step, {r['replicas']} replicas,"
+                f" ms (median; own draws = each replica its batch's first "
+                f"rows, as Keras alone)",
+                f"{'model':10} {'none':>8} {'mirrored':>9} {'replicator':>11} "
+                f"{'own draws':>10} {'R/own':>7} {'R/mirrored':>10} "
+                f"{'R/none':>7}  agree"]
+    lines.append(
+        f"{r['model']:10} {ms['none']:>8.2f} {ms['mirrored']:>9.2f} "
+        f"{ms['replicator']:>11.2f} {ms[own]:>10.2f} "
+        f"{ms['replicator'] / ms[own]:>7.2f} "
+        f"{ms['replicator'] / ms['mirrored']:>10.2f} "
+        f"{ms['replicator'] / ms['none']:>7.2f}  {r['agree']}")
+  return lines
+
+
 def sharding_table(rows):
   """The sharding section's two tables: memory, then fit step."""
   lines = []
@@ -1316,7 +1397,8 @@ IN_PROCESS_SECTIONS = {"fit": bench_fit, "custom": bench_custom,
                        "update": bench_update,
                        "sharding": bench_sharding_fit,
                        "xla": bench_xla,
-                       "overhead": bench_overhead}
+                       "overhead": bench_overhead,
+                       "random": bench_random}
 # Sections (or their parts) that start fresh processes of their own.
 FRESH_PROCESS_SECTIONS = {"first": bench_first_epoch,
                           "multi": bench_multi_worker,

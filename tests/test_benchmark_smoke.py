@@ -94,6 +94,13 @@ class BenchmarkSmokeTest(unittest.TestCase):
     for row in results["overhead"]:
       self.assertEqual(sorted(row["ms"]), ["mirrored", "none", "replicator"])
       self.assertTrue(row["agree"], row)
+    self.assertEqual([(r["model"], r["replicas"]) for r in results["random"]],
+                     [("dropout", 4), ("augmented", 4)])
+    for row in results["random"]:
+      self.assertEqual(sorted(row["ms"]), ["mirrored", "none", "replicator",
+                                           "replicator, own draws"])
+      self.assertTrue(row["agree"], row)  # One device's draws, bit for bit.
+    self.assertIn("Random layers: Keras fit step, 4 replicas", done.stdout)
     sharding, = [r for r in results["sharding"] if r["measure"] == "memory"]
     contenders = ["mirrored", "replicator", "sharded", "zero3"]
     for key in ("optimizer_mb_per_device_max", "weight_mb_per_device_max",

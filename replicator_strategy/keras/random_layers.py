@@ -30,6 +30,7 @@ values on every replica, as one device draws them once.
 True
 """
 
+import contextlib
 import contextvars
 import functools
 
@@ -57,6 +58,20 @@ ROW_LAYERS = DROPOUT_LAYERS + IMAGE_LAYERS
 
 # The rows of the layer input being drawn for, in this replica's thread.
 _drawing_for = contextvars.ContextVar("drawing_for", default=None)
+# False while `drawn_per_replica` holds (read by every replica's thread).
+_aligned = [True]
+
+
+@contextlib.contextmanager
+def drawn_per_replica():
+  """Random layers traced within draw as Keras alone makes them: each replica
+  its batch's first rows. For measuring what drawing one device's rows costs.
+  """
+  _aligned[0] = False
+  try:
+    yield
+  finally:
+    _aligned[0] = True
 
 
 def _rows_of(inputs):
@@ -66,7 +81,7 @@ def _rows_of(inputs):
   reshaped batches): its rows from k * first on, of k * total.
   """
   ctx = tf.distribute.get_replica_context()
-  if not (isinstance(ctx, replica_context.ReplicaContext) and
+  if not (_aligned[0] and isinstance(ctx, replica_context.ReplicaContext) and
           ctx.num_replicas_in_sync > 1):
     return None
   rows = ctx.batch_rows()
