@@ -22,10 +22,10 @@ values on every replica, as one device draws them once.
 >>> strategy = rs.ReplicatorStrategy(devices=["/cpu:0", "/cpu:1"])
 >>> with strategy.scope():
 ...   noise = keras.layers.GaussianNoise(0.5, seed=1)
+>>> halves = strategy.experimental_distribute_values_from_function(
+...     lambda ctx: tf.constant(x[2 * ctx.replica_id_in_sync_group:][:2]))
 >>> parts = strategy.experimental_local_results(strategy.run(
-...     lambda x: noise(x, training=True),
-...     (strategy.experimental_distribute_values_from_function(
-...         lambda ctx: x[2 * ctx.replica_id_in_sync:][:2]),)))
+...     lambda x: noise(x, training=True), (halves,)))
 >>> np.array_equal(np.concatenate(parts), one_device)
 True
 """
