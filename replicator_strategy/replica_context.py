@@ -128,7 +128,8 @@ class ReplicaContext(tfi.ThreadReplicaContext):
     # and Keras's tests do, for a value already all-reduced.
     value = tf.nest.map_structure(
         lambda v: v if tf.is_tensor(v) else tf.convert_to_tensor(v), value)
-    if self.can_merge and not op.is_extremum:
+    if self.can_merge and not op.is_extremum and _has_indexed_slices(value):
+      # TF's path keeps IndexedSlices sparse (it has no gradient).
       return super().all_reduce(op.to_tf(), value, options)
     flat = [tf.convert_to_tensor(v) for v in tf.nest.flatten(value)]
     if op.is_extremum:
@@ -139,9 +140,10 @@ class ReplicaContext(tfi.ThreadReplicaContext):
           flat,
           grad=lambda xs, ys, dys: reduce_op_lib.extremum_gradient(
               xs, ys, dys, lambda ts: self.all_reduce("sum", ts)))
-    else:  # Only inside control flow: TF's SUM and MEAN merge otherwise.
+    else:
       ys = self._exchange(
-          None,
+          lambda strategy, *values: strategy.extended.batch_reduce_to(
+              op.to_tf(), [(v, _destination(v)) for v in values], options),
           lambda keys, values: self._collectives.all_reduce(
               self.local_index, op, values, keys),
           flat, grad=lambda xs, ys, dys: self.all_reduce(op, dys))
@@ -186,12 +188,13 @@ class ReplicaContext(tfi.ThreadReplicaContext):
     """
     self._require_replica_context("all_gather")
     reject_none(value, "value", "ReplicaContext.all_gather")
+    del options  # The communicator's gather has one implementation.
     value = _own_tensors(value)
-    if self.can_merge:
-      return super().all_gather(value, axis, options)
     flat = tf.nest.flatten(value)
     ys = self._exchange(
-        None,
+        lambda strategy, *values: [
+            strategy.extended.communicator.all_gather(v, axis)
+            for v in values],
         lambda keys, values: self._collectives.all_gather(
             self.local_index, values, axis, keys),
         flat, grad=lambda xs, ys, dys: [
@@ -369,7 +372,10 @@ class ReplicaContext(tfi.ThreadReplicaContext):
     @tf.custom_gradient
     def exchange(*xs):
       if merging:
-        ys = self.merge_call(merge_fn, args=xs)
+        # Cut from the other replicas' inputs, which a TF1 graph holds too:
+        # custom_gradient would take the variables behind them for this
+        # replica's (their gradients flow through their own replica's).
+        ys = [tf.stop_gradient(y) for y in self.merge_call(merge_fn, args=xs)]
       else:
         ys = collective_fn(keys, list(xs))
 
@@ -389,6 +395,16 @@ class ReplicaContext(tfi.ThreadReplicaContext):
       return list(ys), gradient
 
     return exchange(*xs)
+
+
+def _has_indexed_slices(value):
+  return any(isinstance(v, tf.IndexedSlices) for v in tf.nest.flatten(value))
+
+
+def _destination(value):
+  """Where a merge_call's reduction of `value` goes, as TF's all_reduce says:
+  its replicas' devices, or a one-replica value's own device."""
+  return value.device if tf.is_tensor(value) else value
 
 
 def _own_tensors(value):
