@@ -404,7 +404,7 @@ def _has_indexed_slices(value):
 def _destination(value):
   """Where a merge_call's reduction of `value` goes, as TF's all_reduce says:
   its replicas' devices, or a one-replica value's own device."""
-  return value.device if tf.is_tensor(value) else value
+  return value.device if isinstance(value, tf.Tensor) else value
 
 
 def _own_tensors(value):
