@@ -140,6 +140,7 @@ class ReplicatorStrategy(tf.distribute.Strategy):
     """
     op = reduce_op_lib.parse(reduce_op)
     replica_context.reject_none(value, "value", "strategy.reduce")
+    axis = self._checked_axis(axis, value)
     if not op.is_extremum:
       return super().reduce(op.to_tf(), value, axis)
 
@@ -156,6 +157,32 @@ class ReplicatorStrategy(tf.distribute.Strategy):
       return self.experimental_local_results(reduced)[0]
 
     return tf.nest.map_structure(reduce_one, value)
+
+  def _checked_axis(self, axis, value):
+    """`axis` for `reduce`: None or a Python int in range for every tensor.
+
+    TF's own errors name `reduction_indices` (a string) or nothing (a tensor,
+    a list), and its MEAN refuses NumPy ints.
+    """
+    if axis is None:
+      return None
+    if isinstance(axis, bool) or not isinstance(axis, numbers.Integral):
+      raise TypeError(
+          f"Expected `axis` given to strategy.reduce to be None (reduce "
+          f"across replicas only) or an int: the axis of each replica's "
+          f"tensor to reduce as well, usually 0, the batch. Received: "
+          f"axis={axis!r} of type {type(axis).__name__}.")
+    axis = int(axis)
+    for path, leaf in tfi.nest.flatten_with_tuple_paths(value):
+      shape = getattr(self.experimental_local_results(leaf)[0], "shape", None)
+      rank = tf.TensorShape(shape).rank
+      if rank is not None and not -rank <= axis < rank:
+        where = "value" + "".join(f"[{key!r}]" for key in path)
+        raise ValueError(
+            f"Expected `axis` given to strategy.reduce to be in [-{rank}, "
+            f"{rank}) for {where} of shape {shape} (each replica's), or "
+            f"None. Received: axis={axis}.")
+    return axis
 
   def __repr__(self):
     n = self.num_replicas_in_sync
