@@ -191,10 +191,15 @@ class ReplicaContext(tfi.ThreadReplicaContext):
     del options  # The communicator's gather has one implementation.
     value = _own_tensors(value)
     flat = tf.nest.flatten(value)
+    paths = [path for path, _ in tfi.nest.flatten_with_tuple_paths(value)]
+
+    def gather(strategy, *values):
+      _check_gatherable(strategy, values, paths, axis)
+      return [strategy.extended.communicator.all_gather(v, axis)
+              for v in values]
+
     ys = self._exchange(
-        lambda strategy, *values: [
-            strategy.extended.communicator.all_gather(v, axis)
-            for v in values],
+        gather,
         lambda keys, values: self._collectives.all_gather(
             self.local_index, values, axis, keys),
         flat, grad=lambda xs, ys, dys: [
@@ -395,6 +400,41 @@ class ReplicaContext(tfi.ThreadReplicaContext):
       return list(ys), gradient
 
     return exchange(*xs)
+
+
+def _check_gatherable(strategy, per_replica_values, paths, axis):
+  """Refuses values whose dimensions other than `axis` differ between replicas.
+
+  TF's concat would say "Dimension 0 in both shapes must be equal", counting
+  dimensions without `axis` and naming neither the value nor the replicas.
+  """
+  if isinstance(axis, bool) or not isinstance(axis, int):
+    return
+  first = strategy.extended.first_replica_id
+  for path, value in zip(paths, per_replica_values):
+    shapes = [part.shape for part in strategy.experimental_local_results(value)]
+    ranks = {shape.rank for shape in shapes} - {None}
+    differs = None
+    if len(ranks) > 1:
+      differs = "their ranks differ"
+    elif ranks:
+      rank = ranks.pop()
+      if -rank <= axis < rank:
+        for d in range(rank):
+          sizes = {shape[d] for shape in shapes} - {None}
+          if d != axis % rank and len(sizes) > 1:
+            differs = f"dimension {d} differs"
+            break
+    if differs:
+      where = "value" + "".join(f"[{key!r}]" for key in path)
+      received = ", ".join(f"replica {first + i}: {shape}"
+                           for i, shape in enumerate(shapes))
+      raise ValueError(
+          f"ReplicaContext.all_gather concatenates every replica's {where} "
+          f"along axis={axis}, so its other dimensions must be the same on "
+          f"every replica, but {differs}. Received shapes: {received}. Pad "
+          f"or slice each replica's {where} to the same size there, or "
+          f"gather along the dimension that differs.")
 
 
 def _has_indexed_slices(value):
