@@ -57,7 +57,8 @@ class ReplicatorStrategy(tf.distribute.Strategy):
       is no GPU. Every worker must have as many.
     all_reduce: "auto" (default: picked for the topology, see
       `replicator_strategy.all_reduce`), "add_on_one_device", "nccl",
-      "hierarchical_copy", "ring", or a `tf.distribute.CrossDeviceOps`.
+      "hierarchical_copy", "ring" (names in any case), or a
+      `tf.distribute.CrossDeviceOps`.
       "nccl" needs GPUs and a TensorFlow built with NCCL, "hierarchical_copy"
       an even number of devices. Across workers: "auto" or "ring".
     cluster_resolver: a `tf.distribute.cluster_resolver.ClusterResolver`
@@ -79,8 +80,8 @@ class ReplicatorStrategy(tf.distribute.Strategy):
       k > 1 shards gets one shard on each of the first min(k, N) replicas
       (the rest hold none); its optimizer state is sharded alike. Default
       None: no variable is sharded.
-    gradient_compression: None (default), "bfloat16" or "float16": the
-      Keras optimizer's gradient all-reduce sends float32 gradients as
+    gradient_compression: None (default), "bfloat16" or "float16" (any
+      case): the Keras optimizer's gradient all-reduce sends float32 gradients as
       16-bit floats and sums them so, half the bytes; the update itself is
       float32 (see `replicator_strategy.gradient_compression` for the
       precision). With `shard_optimizer_state=True`, the gradients'
