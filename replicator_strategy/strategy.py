@@ -81,10 +81,10 @@ class ReplicatorStrategy(tf.distribute.Strategy):
       (the rest hold none); its optimizer state is sharded alike. Default
       None: no variable is sharded.
     gradient_compression: None (default), "bfloat16" or "float16" (any
-      case): the Keras optimizer's gradient all-reduce sends float32 gradients as
-      16-bit floats and sums them so, half the bytes; the update itself is
-      float32 (see `replicator_strategy.gradient_compression` for the
-      precision). With `shard_optimizer_state=True`, the gradients'
+      case): the Keras optimizer's gradient all-reduce sends float32
+      gradients as 16-bit floats and sums them so, half the bytes; the
+      update itself is float32 (see `replicator_strategy.gradient_compression`
+      for the precision). With `shard_optimizer_state=True`, the gradients'
       reduce-scatter is 16-bit so too; with `variable_partitioner`, the
       sharded weights' gradient exchange (a reduce-scatter, or for an
       `Embedding` table an all-gather of the looked-up rows' gradients).
