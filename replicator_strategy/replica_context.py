@@ -2,10 +2,11 @@
 
 Each replica runs the user's function in its own thread (TensorFlow's
 `mirrored_run` threads, reused unchanged); `merge_call` is the rendezvous
-where all replicas meet. Inside control flow (a `tf.cond` or `tf.while_loop`
-branch, a nested `tf.function`) the replicas trace separate graphs and cannot
-meet, so there collectives are launched per replica instead
-(`replica_collectives`).
+where all replicas meet. Inside control flow (a `tf.cond` branch, a nested
+`tf.function`) the replicas trace separate graphs and cannot meet, so there
+collectives are launched per replica instead (`replica_collectives`); in a
+`tf.while_loop` of the replica function they are refused
+(`replica_collectives.check_not_in_replica_loop`).
 On top of `tf.distribute.ReplicaContext` this adds MIN/MAX all-reduce,
 `broadcast`, `reduce_scatter` and `all_to_all`, all differentiable, on both
 paths (example: `ReplicaContext`).
