@@ -357,6 +357,7 @@ class ReplicaContext(tfi.ThreadReplicaContext):
   def collective_keys(self, count):
     """Instance keys for this replica's next `count` run-time collectives."""
     replica_collectives.check_not_in_replica_loop(self._home_graph)
+    replica_collectives.check_in_function(self._home_graph)
     return self._collectives.draw_keys(self.local_index, count,
                                        self._home_graph)
 

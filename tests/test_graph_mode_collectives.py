@@ -150,6 +150,22 @@ class GraphModeCollectivesTest(unittest.TestCase):
     np.testing.assert_allclose(got["cross"]["max"], slices[-1])
     np.testing.assert_allclose(got["cross"]["gather"], sum(xs))
 
+  def test_a_collective_inside_a_cond_says_it_needs_a_tf_function(self):
+    # It failed with "'Graph' object has no attribute 'capture'".
+    with tf.Graph().as_default():
+      strategy = topology.strategy_over(2)
+
+      def step():
+        ctx = tf.distribute.get_replica_context()
+        x = tf.cast(ctx.replica_id_in_sync_group, tf.float32)
+        return tf.cond(x >= 0, lambda: ctx.all_reduce("max", x), lambda: x)
+
+      with self.assertRaisesRegex(
+          NotImplementedError, r"inside a tf.cond .* in a TF1 graph .*run "
+          r"the step in a tf.function, or call the collective outside the "
+          r"tf.cond"):
+        strategy.run(step)
+
 
 if __name__ == "__main__":
   unittest.main()
