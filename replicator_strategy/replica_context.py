@@ -189,14 +189,13 @@ class ReplicaContext(tfi.ThreadReplicaContext):
     """
     self._require_replica_context("all_gather")
     reject_none(value, "value", "ReplicaContext.all_gather")
-    del options  # The communicator's gather has one implementation.
     value = _own_tensors(value)
     flat = tf.nest.flatten(value)
     paths = [path for path, _ in tfi.nest.flatten_with_tuple_paths(value)]
 
     def gather(strategy, *values):
       _check_gatherable(strategy, values, paths, axis)
-      return [strategy.extended.communicator.all_gather(v, axis)
+      return [strategy.extended.communicator.all_gather(v, axis, options)
               for v in values]
 
     ys = self._exchange(
