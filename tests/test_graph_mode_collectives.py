@@ -55,8 +55,9 @@ class GraphModeCollectivesTest(unittest.TestCase):
   def test_what_mirrored_strategy_has_matches_it(self, _, n):
 
     def step(v):
-      # MirroredStrategy's own gradients fail behind a variable in a TF1
-      # graph (the error this file was written for), so it gets a constant.
+      # MirroredStrategy's own all_reduce and all_gather fail on a value
+      # computed from a variable in a TF1 graph of 2 or more replicas ("grad_fn
+      # must accept keyword argument 'variables'"), so it gets a constant.
       ctx = tf.distribute.get_replica_context()
       base = tf.constant(BASE) if v is None else v
       x = base + 10.0 * tf.cast(_replica_id(), tf.float32)
