@@ -48,6 +48,7 @@ from tensorflow.python.distribute import values
 from tensorflow.python.eager import context
 from tensorflow.python.eager import def_function
 from tensorflow.python.eager import record
+from tensorflow.python.framework import func_graph
 from tensorflow.python.framework import kernels
 from tensorflow.python.ops import collective_ops
 from tensorflow.python.ops import control_flow_util_v2
@@ -61,6 +62,7 @@ from tensorflow.python.autograph.impl import api as autograph
 StrategyExtendedV1 = distribute_lib.StrategyExtendedV1
 UpdateContext = distribute_lib.UpdateContext
 ThreadReplicaContext = mirrored_run._MirroredReplicaContext  # pylint: disable=protected-access
+FuncGraph = func_graph.FuncGraph
 WHILE_LOOP_GRAPHS = (control_flow_v2_func_graphs.WhileBodyFuncGraph,
                      control_flow_v2_func_graphs.WhileCondFuncGraph)
 

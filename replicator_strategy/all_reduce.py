@@ -29,16 +29,19 @@ def choose(devices, algorithm, num_workers=1,
   With several workers, `devices` are this worker's and only TF's collective
   ops ("ring", the "auto" choice) reach the others.
 
-  `algorithm` is one of `ALGORITHMS` or a `tf.distribute.CrossDeviceOps`.
+  `algorithm` is one of `ALGORITHMS` (any case, as reduce op names) or a
+  `tf.distribute.CrossDeviceOps`.
   "ring" (TF's collective ops, MirroredStrategy's CPU default) shares
   MirroredStrategy's limit: an optimizer first built inside a `tf.function`
   step fails with a placeholder error, so build it first when choosing it.
   """
   if isinstance(algorithm, tf.distribute.CrossDeviceOps):
     return algorithm, f"given by the user: {type(algorithm).__name__}"
+  if isinstance(algorithm, str) and algorithm.lower() in ALGORITHMS:
+    algorithm = algorithm.lower()
   if algorithm not in ALGORITHMS:
     raise ValueError(
-        f"Expected `all_reduce` to be one of {ALGORITHMS} or a "
+        f"Expected `all_reduce` to be one of {ALGORITHMS} (any case) or a "
         f"tf.distribute.CrossDeviceOps instance. Received: "
         f"all_reduce={algorithm!r}")
   if num_workers > 1:

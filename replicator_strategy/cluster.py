@@ -84,6 +84,8 @@ def from_environment():
                      f"objects. {_FIX}. {where}")
   if sum(len(a) for a in jobs.values() if isinstance(a, list)) <= 1:
     _check_jobs(jobs, where)
+    if jobs and task:
+      _check_task(jobs, task.get("type"), task.get("index", 0), where)
     return None  # One task: a single machine, nothing to connect.
   if not task:
     raise ValueError(f'TF_CONFIG describes a cluster but has no "task" '
@@ -105,6 +107,8 @@ def from_resolver(resolver):
           for job, a in jobs.items()}
   if sum(len(a) for a in jobs.values()) <= 1:
     _check_jobs(jobs, where)
+    if jobs and resolver.task_type is not None:
+      _check_task(jobs, resolver.task_type, resolver.task_id, where)
     return None
   return _validated(jobs, resolver.task_type, resolver.task_id,
                     resolver.rpc_layer or "grpc", where)
@@ -132,18 +136,31 @@ def _check_jobs(jobs, where):
                      f'have at most one ("chief" holds one address). {where}')
 
 
-def _validated(jobs, task_type, task_index, rpc_layer, where):
-  _check_jobs(jobs, where)
+def _check_task(jobs, task_type, task_index, where):
+  """This task's type is a job of `jobs`, its index an int within the job."""
   if task_type not in jobs:
     raise ValueError(
         f"This task's type {task_type!r} is not a job of the cluster "
         f"{sorted(jobs)}. Set TF_CONFIG's task type to one of them. {where}")
-  if isinstance(task_index, bool) or not isinstance(task_index, int) or not (
-      0 <= task_index < len(jobs[task_type])):
+  size = len(jobs[task_type])
+  indices = "index 0 only" if size == 1 else f"indices 0 to {size - 1}"
+  if isinstance(task_index, bool) or not isinstance(task_index, int):
+    unquoted = (f' Write it without quotes: "index": {int(task_index)}.'
+                if isinstance(task_index, str) and task_index.isdigit() else
+                "")
     raise ValueError(
-        f"This task's index {task_index!r} is out of range: the "
-        f"{task_type!r} job has {len(jobs[task_type])} task(s), indices 0 to "
-        f"{len(jobs[task_type]) - 1}. {where}")
+        f"This task's index must be an int ({indices} for the "
+        f"{task_type!r} job). Received: index={task_index!r}, a "
+        f"{type(task_index).__name__}.{unquoted} {where}")
+  if not 0 <= task_index < size:
+    raise ValueError(
+        f"This task's index {task_index} is out of range: the {task_type!r} "
+        f"job has {size} task(s), {indices}. {where}")
+
+
+def _validated(jobs, task_type, task_index, rpc_layer, where):
+  _check_jobs(jobs, where)
+  _check_task(jobs, task_type, task_index, where)
   addresses = tuple(jobs.get("chief", [])) + tuple(jobs.get("worker", []))
   seen = set()
   for address in addresses:

@@ -18,8 +18,11 @@ watchdog does the timing:
   their programs differ, and no amount of waiting mends that.
 - Eager calls are timed with `waiting()`.
 
-As after TF's own timeout, collectives fail in this process once aborted; it
-must restart.
+As after TF's own timeout, collectives fail in this process once aborted (TF
+keeps its collective executor aborted for every strategy); it must restart.
+A collective traced or called after the abort is refused at once, with the
+abort's report (`check_not_aborted`), instead of TF's bare
+"Function was cancelled before it was started".
 
 >>> progress = Progress(("/cpu:0", "/cpu:1"), timeout_seconds=120,
 ...                     what="collectives among 2 replicas")
@@ -147,6 +150,7 @@ class Progress:
     order them), and replicas run the same program, so the n-th launch of
     every replica draws the same number.
     """
+    check_not_aborted()
     self.traced = True
     with home_graph.as_default():
       launched, completed, last = (home_graph.capture(v.handle)
@@ -188,6 +192,23 @@ class Progress:
       out.append((int(launched.numpy()), int(completed.numpy()),
                   _describe(int(last.numpy()))))
     return out
+
+
+def check_not_aborted():
+  """Raises `tf.errors.CancelledError` with the report if collectives were aborted.
+
+  TF aborts a process's collectives for good (a new strategy's too), so a
+  later collective could only fail, without saying why.
+  """
+  reason = _WATCHDOG.aborted
+  if reason is not None:
+    raise tf.errors.CancelledError(
+        None, None,
+        "ReplicatorStrategy: this collective can't run: every collective of "
+        "this process was aborted earlier, and TensorFlow keeps them aborted "
+        "for the life of the process, whichever strategy launches them. "
+        "Restart the process (fix the cause first) to run collectives again. "
+        "The earlier abort:\n" + reason)
 
 
 def _counter(device, name, initial):
@@ -305,6 +326,7 @@ class _Watchdog:
 
   @contextlib.contextmanager
   def waiting(self, description, timeout_seconds):
+    check_not_aborted()
     wait_id = next(self._wait_ids)
     with self._lock:
       self._waits[wait_id] = (time.monotonic() + timeout_seconds,

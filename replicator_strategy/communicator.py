@@ -136,10 +136,13 @@ class Communicator:
         self.devices, lambda r: reduce_op_lib.reduce_parts(
             op, [p[r] for p in pieces]))
 
-  def all_gather(self, value, axis):
+  def all_gather(self, value, axis, options=None):
     """Every replica's part of per-replica `value`, concatenated in global
-    replica order along `axis`, on every local replica; a `Mirrored`."""
-    return tfi.gather(self.gather_ops, _wrapped(value), _wrapped(value), axis)
+    replica order along `axis`, on every local replica; a `Mirrored`.
+
+    `options`: a `tf.distribute.experimental.CommunicationOptions`."""
+    return tfi.gather(self.gather_ops, _wrapped(value), _wrapped(value), axis,
+                      options)
 
   def all_to_all(self, value, split_axis, concat_axis):
     """Slice j (of N along `split_axis`) of replica r's value to replica j,

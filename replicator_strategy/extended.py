@@ -134,7 +134,7 @@ class ReplicatorExtended(tfi.StrategyExtendedV1):
           strategy, self._devices, next_creator,
           lambda whole: sharded_variables.row_layout(
               self.variable_partitioner, whole.shape, whole.dtype,
-              self.communicator.num_replicas),
+              self.communicator.num_replicas, kwargs.get("name")),
           "whole", **kwargs)
       if sharded is not None:
         return sharded

@@ -37,12 +37,14 @@ def wire_dtype(gradient_compression):
   """The 16-bit dtype named by `gradient_compression`, or None for none."""
   if gradient_compression is None:
     return None
-  if gradient_compression not in WIRE_DTYPES:
+  name = (gradient_compression.lower()
+          if isinstance(gradient_compression, str) else None)
+  if name not in WIRE_DTYPES:
     raise ValueError(
         f"Expected `gradient_compression` to be None, \"float16\" or "
-        f"\"bfloat16\". Received: gradient_compression="
+        f"\"bfloat16\" (any case). Received: gradient_compression="
         f"{gradient_compression!r}.")
-  return WIRE_DTYPES[gradient_compression]
+  return WIRE_DTYPES[name]
 
 
 def _compressed(gradient, wire):

@@ -209,6 +209,25 @@ def _signature(kind, tensor):
   return f"{name} {tensor.dtype.name}{shape}"
 
 
+def check_in_function(home_graph):
+  """Refuses run-time collectives where strategy.run is traced in a TF1 graph.
+
+  Their launch counters live in the function graph strategy.run is traced in
+  (`collective_watchdog.Progress.draw`); a TF1 graph, run by a Session, has
+  none of the captures they need.
+  """
+  if not isinstance(home_graph, tfi.FuncGraph):
+    raise NotImplementedError(
+        "A cross-replica collective (all_reduce, all_gather, broadcast, "
+        "reduce_scatter, all_to_all, or a variable update that aggregates) "
+        "was called inside a tf.cond (or a nested tf.function) of the "
+        "function passed to strategy.run, in a TF1 graph (tf.Graph run by a "
+        "tf.compat.v1.Session). There each replica launches its own "
+        "collectives, which needs a tf.function: run the step in a "
+        "tf.function, or call the collective outside the tf.cond (there "
+        "collectives work in TF1 graphs too).")
+
+
 def check_not_in_replica_loop(home_graph):
   """Refuses collectives in a while loop that each replica runs on its own."""
   graph = tf.compat.v1.get_default_graph()

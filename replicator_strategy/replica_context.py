@@ -2,10 +2,11 @@
 
 Each replica runs the user's function in its own thread (TensorFlow's
 `mirrored_run` threads, reused unchanged); `merge_call` is the rendezvous
-where all replicas meet. Inside control flow (a `tf.cond` or `tf.while_loop`
-branch, a nested `tf.function`) the replicas trace separate graphs and cannot
-meet, so there collectives are launched per replica instead
-(`replica_collectives`).
+where all replicas meet. Inside control flow (a `tf.cond` branch, a nested
+`tf.function`) the replicas trace separate graphs and cannot meet, so there
+collectives are launched per replica instead (`replica_collectives`); in a
+`tf.while_loop` of the replica function they are refused
+(`replica_collectives.check_not_in_replica_loop`).
 On top of `tf.distribute.ReplicaContext` this adds MIN/MAX all-reduce,
 `broadcast`, `reduce_scatter` and `all_to_all`, all differentiable, on both
 paths (example: `ReplicaContext`).
@@ -134,7 +135,8 @@ class ReplicaContext(tfi.ThreadReplicaContext):
     # and Keras's tests do, for a value already all-reduced.
     value = tf.nest.map_structure(
         lambda v: v if tf.is_tensor(v) else tf.convert_to_tensor(v), value)
-    if self.can_merge and not op.is_extremum:
+    if self.can_merge and not op.is_extremum and _has_indexed_slices(value):
+      # TF's path keeps IndexedSlices sparse (it has no gradient).
       return super().all_reduce(op.to_tf(), value, options)
     flat = [tf.convert_to_tensor(v) for v in tf.nest.flatten(value)]
     if op.is_extremum:
@@ -145,9 +147,10 @@ class ReplicaContext(tfi.ThreadReplicaContext):
           flat,
           grad=lambda xs, ys, dys: reduce_op_lib.extremum_gradient(
               xs, ys, dys, lambda ts: self.all_reduce("sum", ts)))
-    else:  # Only inside control flow: TF's SUM and MEAN merge otherwise.
+    else:
       ys = self._exchange(
-          None,
+          lambda strategy, *values: strategy.extended.batch_reduce_to(
+              op.to_tf(), [(v, _destination(v)) for v in values], options),
           lambda keys, values: self._collectives.all_reduce(
               self.local_index, op, values, keys),
           flat, grad=lambda xs, ys, dys: self.all_reduce(op, dys))
@@ -193,11 +196,16 @@ class ReplicaContext(tfi.ThreadReplicaContext):
     self._require_replica_context("all_gather")
     reject_none(value, "value", "ReplicaContext.all_gather")
     value = _own_tensors(value)
-    if self.can_merge:
-      return super().all_gather(value, axis, options)
     flat = tf.nest.flatten(value)
+    paths = [path for path, _ in tfi.nest.flatten_with_tuple_paths(value)]
+
+    def gather(strategy, *values):
+      _check_gatherable(strategy, values, paths, axis)
+      return [strategy.extended.communicator.all_gather(v, axis, options)
+              for v in values]
+
     ys = self._exchange(
-        None,
+        gather,
         lambda keys, values: self._collectives.all_gather(
             self.local_index, values, axis, keys),
         flat, grad=lambda xs, ys, dys: [
@@ -375,6 +383,7 @@ class ReplicaContext(tfi.ThreadReplicaContext):
   def collective_keys(self, count):
     """Instance keys for this replica's next `count` run-time collectives."""
     replica_collectives.check_not_in_replica_loop(self._home_graph)
+    replica_collectives.check_in_function(self._home_graph)
     return self._collectives.draw_keys(self.local_index, count,
                                        self._home_graph)
 
@@ -396,7 +405,10 @@ class ReplicaContext(tfi.ThreadReplicaContext):
     @tf.custom_gradient
     def exchange(*xs):
       if merging:
-        ys = self.merge_call(merge_fn, args=xs)
+        # Cut from the other replicas' inputs, which a TF1 graph holds too:
+        # custom_gradient would take the variables behind them for this
+        # replica's (their gradients flow through their own replica's).
+        ys = [tf.stop_gradient(y) for y in self.merge_call(merge_fn, args=xs)]
       else:
         ys = collective_fn(keys, list(xs))
 
@@ -416,6 +428,51 @@ class ReplicaContext(tfi.ThreadReplicaContext):
       return list(ys), gradient
 
     return exchange(*xs)
+
+
+def _check_gatherable(strategy, per_replica_values, paths, axis):
+  """Refuses values whose dimensions other than `axis` differ between replicas.
+
+  TF's concat would say "Dimension 0 in both shapes must be equal", counting
+  dimensions without `axis` and naming neither the value nor the replicas.
+  """
+  if isinstance(axis, bool) or not isinstance(axis, int):
+    return
+  first = strategy.extended.first_replica_id
+  for path, value in zip(paths, per_replica_values):
+    shapes = [part.shape for part in strategy.experimental_local_results(value)]
+    ranks = {shape.rank for shape in shapes} - {None}
+    differs = None
+    if len(ranks) > 1:
+      differs = "their ranks differ"
+    elif ranks:
+      rank = ranks.pop()
+      if -rank <= axis < rank:
+        for d in range(rank):
+          sizes = {shape[d] for shape in shapes} - {None}
+          if d != axis % rank and len(sizes) > 1:
+            differs = f"dimension {d} differs"
+            break
+    if differs:
+      where = "value" + "".join(f"[{key!r}]" for key in path)
+      received = ", ".join(f"replica {first + i}: {shape}"
+                           for i, shape in enumerate(shapes))
+      raise ValueError(
+          f"ReplicaContext.all_gather concatenates every replica's {where} "
+          f"along axis={axis}, so its other dimensions must be the same on "
+          f"every replica, but {differs}. Received shapes: {received}. Pad "
+          f"or slice each replica's {where} to the same size there, or "
+          f"gather along the dimension that differs.")
+
+
+def _has_indexed_slices(value):
+  return any(isinstance(v, tf.IndexedSlices) for v in tf.nest.flatten(value))
+
+
+def _destination(value):
+  """Where a merge_call's reduction of `value` goes, as TF's all_reduce says:
+  its replicas' devices, or a one-replica value's own device."""
+  return value.device if isinstance(value, tf.Tensor) else value
 
 
 def _own_tensors(value):

@@ -35,6 +35,7 @@ needs from a sharded table.
 import contextlib
 import dataclasses
 import itertools
+import numbers
 import threading
 
 import numpy as np
@@ -335,21 +336,46 @@ def slot_reads():
   return getattr(_slot_reads, "value", "shard")
 
 
-def row_layout(partitioner, shape, dtype, num_replicas):
-  """The `RowLayout` `partitioner` asks for, or None where it cuts nothing."""
+def row_layout(partitioner, shape, dtype, num_replicas, name=None):
+  """The `RowLayout` `partitioner` asks for, or None where it cuts nothing.
+
+  `name` (the variable's) is for errors.
+  """
   shape = tf.TensorShape(shape)
   if shape.rank is None or shape.rank == 0 or not shape.is_fully_defined():
     return None
-  num_shards = list(partitioner(shape=shape, dtype=dtype))
-  if len(num_shards) != shape.rank or any(n != 1 for n in num_shards[1:]):
-    raise ValueError(
-        f"ReplicatorStrategy shards variables along axis 0 only. The "
-        f"variable_partitioner asked for {num_shards} shards of a variable of "
-        f"shape {shape}: expected a list of {shape.rank} ints, all 1 but the "
-        f"first, as TF's partitioners return.")
+  num_shards = _shard_counts(partitioner(shape=shape, dtype=dtype), shape,
+                             name)
   if num_shards[0] < 2 or num_replicas < 2:
     return None
   return RowLayout.split(shape.as_list(), num_shards[0], num_replicas)
+
+
+def _shard_counts(received, shape, name):
+  """What a partitioner returned for a variable, checked: a list of ints."""
+  variable = f"the variable {name!r}" if name else "an unnamed variable"
+  received_text = (f"Received: variable_partitioner(shape={shape}, ...) = "
+                   f"{received!r} for {variable}.")
+  accepted = (f"Expected `variable_partitioner` to return the number of "
+              f"shards along each axis: a list of {shape.rank} ints, the "
+              f"first at least 1 and the others 1, as TF's partitioners "
+              f"return (FixedShardsPartitioner(2) gives "
+              f"{[2] + [1] * (shape.rank - 1)}).")
+  is_sequence = (not isinstance(received, (str, bytes, dict)) and
+                 hasattr(received, "__iter__"))
+  counts = list(received) if is_sequence else []
+  if not is_sequence or not all(
+      isinstance(n, numbers.Integral) and not isinstance(n, bool)
+      for n in counts):
+    raise TypeError(f"{accepted} {received_text}")
+  if any(n < 1 for n in counts):
+    raise ValueError(f"{accepted} A variable has at least 1 shard along "
+                     f"each axis. {received_text}")
+  if len(counts) != shape.rank or any(n != 1 for n in counts[1:]):
+    raise ValueError(
+        f"ReplicatorStrategy shards variables along axis 0 only. "
+        f"{accepted} {received_text}")
+  return [int(n) for n in counts]
 
 
 def create(strategy, devices, next_creator, layout_for, replica_reads,

@@ -57,7 +57,8 @@ class ReplicatorStrategy(tf.distribute.Strategy):
       is no GPU. Every worker must have as many.
     all_reduce: "auto" (default: picked for the topology, see
       `replicator_strategy.all_reduce`), "add_on_one_device", "nccl",
-      "hierarchical_copy", "ring", or a `tf.distribute.CrossDeviceOps`.
+      "hierarchical_copy", "ring" (names in any case), or a
+      `tf.distribute.CrossDeviceOps`.
       "nccl" needs GPUs and a TensorFlow built with NCCL, "hierarchical_copy"
       an even number of devices. Across workers: "auto" or "ring".
     cluster_resolver: a `tf.distribute.cluster_resolver.ClusterResolver`
@@ -79,11 +80,11 @@ class ReplicatorStrategy(tf.distribute.Strategy):
       k > 1 shards gets one shard on each of the first min(k, N) replicas
       (the rest hold none); its optimizer state is sharded alike. Default
       None: no variable is sharded.
-    gradient_compression: None (default), "bfloat16" or "float16": the
-      Keras optimizer's gradient all-reduce sends float32 gradients as
-      16-bit floats and sums them so, half the bytes; the update itself is
-      float32 (see `replicator_strategy.gradient_compression` for the
-      precision). With `shard_optimizer_state=True`, the gradients'
+    gradient_compression: None (default), "bfloat16" or "float16" (any
+      case): the Keras optimizer's gradient all-reduce sends float32
+      gradients as 16-bit floats and sums them so, half the bytes; the
+      update itself is float32 (see `replicator_strategy.gradient_compression`
+      for the precision). With `shard_optimizer_state=True`, the gradients'
       reduce-scatter is 16-bit so too; with `variable_partitioner`, the
       sharded weights' gradient exchange (a reduce-scatter, or for an
       `Embedding` table an all-gather of the looked-up rows' gradients).
@@ -140,6 +141,7 @@ class ReplicatorStrategy(tf.distribute.Strategy):
     """
     op = reduce_op_lib.parse(reduce_op)
     replica_context.reject_none(value, "value", "strategy.reduce")
+    axis = self._checked_axis(axis, value)
     if not op.is_extremum:
       return super().reduce(op.to_tf(), value, axis)
 
@@ -156,6 +158,32 @@ class ReplicatorStrategy(tf.distribute.Strategy):
       return self.experimental_local_results(reduced)[0]
 
     return tf.nest.map_structure(reduce_one, value)
+
+  def _checked_axis(self, axis, value):
+    """`axis` for `reduce`: None or a Python int in range for every tensor.
+
+    TF's own errors name `reduction_indices` (a string) or nothing (a tensor,
+    a list), and its MEAN refuses NumPy ints.
+    """
+    if axis is None:
+      return None
+    if isinstance(axis, bool) or not isinstance(axis, numbers.Integral):
+      raise TypeError(
+          f"Expected `axis` given to strategy.reduce to be None (reduce "
+          f"across replicas only) or an int: the axis of each replica's "
+          f"tensor to reduce as well, usually 0, the batch. Received: "
+          f"axis={axis!r} of type {type(axis).__name__}.")
+    axis = int(axis)
+    for path, leaf in tfi.nest.flatten_with_tuple_paths(value):
+      shape = getattr(self.experimental_local_results(leaf)[0], "shape", None)
+      rank = tf.TensorShape(shape).rank
+      if rank is not None and not -rank <= axis < rank:
+        where = "value" + "".join(f"[{key!r}]" for key in path)
+        raise ValueError(
+            f"Expected `axis` given to strategy.reduce to be in [-{rank}, "
+            f"{rank}) for {where} of shape {shape} (each replica's), or "
+            f"None. Received: axis={axis}.")
+    return axis
 
   def __repr__(self):
     n = self.num_replicas_in_sync

@@ -102,16 +102,26 @@ class ChooseTest(unittest.TestCase):
     self.assertIs(ops, given)
     self.assertEqual(reason, "given by the user: HierarchicalCopyAllReduce")
 
-  @parameterized.expand([("unknown", "fast"), ("wrong_case", "Ring"),
-                         ("none", None), ("class_not_instance",
-                                          tf.distribute.NcclAllReduce)])
+  @parameterized.expand([("unknown", "fast"), ("none", None),
+                         ("class_not_instance", tf.distribute.NcclAllReduce)])
   def test_anything_else_is_refused_naming_the_choices(self, _, bad):
     with self.assertRaises(ValueError) as raised:
       all_reduce.choose(CPUS[:2], bad)
     self.assertEqual(
         str(raised.exception),
-        f"Expected `all_reduce` to be one of {all_reduce.ALGORITHMS} or a "
-        f"tf.distribute.CrossDeviceOps instance. Received: all_reduce={bad!r}")
+        f"Expected `all_reduce` to be one of {all_reduce.ALGORITHMS} (any "
+        f"case) or a tf.distribute.CrossDeviceOps instance. Received: "
+        f"all_reduce={bad!r}")
+
+  @parameterized.expand([("upper", "RING"), ("title", "Ring"),
+                         ("mixed", "Add_On_One_Device"), ("auto", "AUTO")])
+  def test_names_are_taken_in_any_case_as_reduce_ops_are(self, _, name):
+    # "RING" used to be refused while reduce ops ("SUM", "sum") took any case.
+    _, reason = all_reduce.choose(CPUS[:2], name)
+    _, lower_reason = all_reduce.choose(CPUS[:2], name.lower())
+    self.assertEqual(reason, lower_reason)
+    strategy = topology.strategy_over(2, all_reduce=name)
+    self.assertEqual(strategy.extended.all_reduce_choice, lower_reason)
 
   def test_nccl_on_cpus_is_refused(self):
     # It used to fail at the first all-reduce: no NCCL kernel for CPUs.

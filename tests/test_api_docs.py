@@ -32,6 +32,20 @@ class ApiDocsTest(unittest.TestCase):
     for name in inspect.signature(rs.ReplicatorStrategy).parameters:
       self.assertIn(f"| `{name}` |", API)
 
+  def test_collectives_in_loops_are_described_as_tested(self):
+    # It said collectives work inside `tf.while_loop`; inside strategy.run's
+    # function they are refused (tests/test_collectives.py LoopsTest).
+    section = API[API.index("### `ReplicaContext`"):API.index("### `ReduceOp`")]
+    works = section[:section.index("In loops:")]
+    self.assertNotIn("while_loop", works)
+    for claim in ("A loop around `strategy.run` works",
+                  "raises\n  `NotImplementedError` when traced: a "
+                  "`tf.while_loop` in a `tf.function` or a TF1\n  graph, or "
+                  "an autograph `for`/`while` over tensors in a `tf.function`",
+                  "A Python loop (`for _ in range(3)`) unrolls and works; "
+                  "eagerly every loop is a\n  Python loop and works"):
+      self.assertIn(claim, section)
+
   def test_every_replica_context_method_is_named(self):
     public = [n for n in vars(rs.ReplicaContext) if not n.startswith("_")]
     self.assertIn("all_to_all", public)

@@ -77,7 +77,15 @@ class FromEnvironmentTest(unittest.TestCase):
        "index -1 is out of range"),
       ("index_not_an_int",
        tf_config({"worker": TWO}, {"type": "worker", "index": "1"}),
-       "index '1' is out of range"),
+       "index must be an int \\(indices 0 to 1 for the 'worker' job\\). "
+       "Received: index='1', a str. Write it without quotes: \"index\": 1."),
+      ("one_task_index_out_of_range",
+       tf_config({"worker": TWO[:1]}, {"type": "worker", "index": 3}),
+       "index 3 is out of range: the 'worker' job has 1 task\\(s\\), index 0 "
+       "only"),
+      ("one_task_of_another_type",
+       tf_config({"worker": TWO[:1]}, {"type": "chief", "index": 0}),
+       "type 'chief' is not a job of the cluster"),
       ("duplicate_addresses",
        tf_config({"worker": [TWO[0], TWO[0]]}, {"type": "worker", "index": 0}),
        "127.0.0.1:2222' is given to more than one task"),
@@ -153,6 +161,15 @@ class FromResolverTest(unittest.TestCase):
         tf.train.ClusterSpec({"worker": TWO[:1]}), task_type="worker",
         task_id=0)
     self.assertIsNone(cluster_lib.from_resolver(resolver))
+
+  def test_a_single_task_resolver_with_an_index_out_of_range_is_refused(self):
+    # It used to train alone, as if its index were 0.
+    resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
+        tf.train.ClusterSpec({"worker": TWO[:1]}), task_type="worker",
+        task_id=3)
+    with self.assertRaisesRegex(ValueError, "index 3 is out of range.*1 "
+                                "task\\(s\\), index 0 only"):
+      cluster_lib.from_resolver(resolver)
 
   def test_something_else_is_refused(self):
     with self.assertRaisesRegex(TypeError, "ClusterResolver"):

@@ -74,6 +74,22 @@ class StallAndMismatchTest(unittest.TestCase):
         self.assertIn(f"CPU:0): {ops[0]}", got["message"])
         self.assertIn(f"CPU:1): {ops[1]}", got["message"])
 
+  def test_after_a_timeout_a_mismatch_gets_the_abort_report_at_once(self):
+    # The second used to get TF's bare "Function was cancelled before it was
+    # started": TF keeps the process's collectives aborted, for a new
+    # strategy too.
+    for attempt, got in run_main("after_a_timeout", "op_mismatch").items():
+      with self.subTest(attempt):
+        self.assertEqual(got["error"], "CancelledError")
+        self.assertLess(got["seconds"], 1.0)
+        self.assertIn("every collective of this process was aborted earlier",
+                      got["message"])
+        self.assertIn("Restart the process", got["message"])
+        self.assertIn("made no progress for 2 s (timeout_seconds)",
+                      got["message"])
+        self.assertIn("waits in collective #1: all_reduce SUM float32[]",
+                      got["message"])
+
 
 @pytest.mark.slow
 class AcrossWorkersTest(unittest.TestCase):

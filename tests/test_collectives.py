@@ -15,6 +15,92 @@ from assertions import assert_per_replica
 import topology
 
 
+
+def _all_reduce_one():
+  return tf.distribute.get_replica_context().all_reduce("sum", 1.0)
+
+
+def _while_loop_inside():
+  return tf.while_loop(lambda i, t: i < 3,
+                       lambda i, t: (i + 1, t + _all_reduce_one()),
+                       (0, 0.0))[1]
+
+
+def _autograph_for_inside():
+  total = tf.constant(0.0)
+  for _ in tf.range(3):
+    total += _all_reduce_one()
+  return total
+
+
+def _autograph_while_inside():
+  total, i = tf.constant(0.0), tf.constant(0)
+  while i < 3:
+    total += _all_reduce_one()
+    i += 1
+  return total
+
+
+def _cond_in_a_while_loop_inside():
+  return tf.while_loop(
+      lambda i, t: i < 3,
+      lambda i, t: (i + 1, tf.cond(i >= 0, lambda: t + _all_reduce_one(),
+                                   lambda: t)), (0, 0.0))[1]
+
+
+def _python_for_inside():
+  total = tf.constant(0.0)
+  for _ in range(3):
+    total += _all_reduce_one()
+  return total
+
+
+_LOOPS_INSIDE = [("while_loop", _while_loop_inside),
+                 ("autograph_for", _autograph_for_inside),
+                 ("autograph_while", _autograph_while_inside),
+                 ("cond_in_a_while_loop", _cond_in_a_while_loop_inside)]
+
+
+class LoopsTest(unittest.TestCase):
+  """What docs/api.md says of collectives in loops (ReplicaContext)."""
+
+  @parameterized.expand(_LOOPS_INSIDE)
+  def test_a_loop_inside_the_replica_function_is_refused_when_traced(
+      self, name, fn):
+    strategy = topology.strategy_over(2)
+    with self.assertRaisesRegex(NotImplementedError,
+                                "inside a tf.while_loop written inside the "
+                                "function passed to strategy.run"):
+      tf.function(lambda: strategy.run(fn))()
+    if name.startswith("autograph"):
+      return  # No autograph in a TF1 graph: a Python loop over a tensor fails.
+    with tf.Graph().as_default():
+      graph_strategy = topology.strategy_over(2)
+      with self.assertRaises(NotImplementedError):
+        graph_strategy.run(fn)
+
+  @parameterized.expand(_LOOPS_INSIDE + [("python_for", _python_for_inside)])
+  def test_any_loop_works_eagerly_and_a_python_loop_traced(self, name, fn):
+    strategy = topology.strategy_over(2)
+    assert_per_replica(self, strategy, strategy.run(fn), [6.0, 6.0])
+    if name == "python_for":
+      assert_per_replica(self, strategy, tf.function(
+          lambda: strategy.run(fn))(), [6.0, 6.0])
+
+  def test_a_loop_around_strategy_run_works(self):
+    strategy = topology.strategy_over(2)
+
+    @tf.function
+    def three_steps():
+      total = tf.constant(0.0)
+      for _ in tf.range(3):
+        total += strategy.experimental_local_results(
+            strategy.run(_all_reduce_one))[0]
+      return total
+
+    self.assertEqual(float(three_steps()), 6.0)
+
+
 class ControlFlowTest(unittest.TestCase):
 
   @parameterized.expand(topology.NAMED_REPLICA_COUNTS)

@@ -166,6 +166,14 @@ class GradientCompressionTest(unittest.TestCase):
     self.assertEqual(float(total), expected)
     self.assertNotEqual(float(total), float(np.float32(third) * 4))
 
+  def test_names_are_taken_in_any_case(self):
+    # "BFLOAT16" used to be refused while reduce ops took any case.
+    for name in ("BFLOAT16", "BFloat16", "Float16"):
+      with self.subTest(name):
+        self.assertEqual(gradient_compression.wire_dtype(name),
+                         gradient_compression.WIRE_DTYPES[name.lower()])
+        topology.strategy_over(2, gradient_compression=name)
+
   def test_a_wrong_name_is_refused_with_the_choices(self):
     with self.assertRaisesRegex(ValueError, 'None, "float16" or "bfloat16".*'
                                 "Received: gradient_compression='fp8'"):

@@ -1,5 +1,6 @@
 """Replica-context collectives, eagerly and in tf.function, on 1, 2, 4 replicas."""
 
+import re
 import unittest
 
 import numpy as np
@@ -258,6 +259,26 @@ class ContextTest(unittest.TestCase):
 
     assert_per_replica(self, strategy, run(strategy, fn, traced=True),
                        [np.array([20.0]), np.array([200.0])], rtol=1e-7)
+
+  @parameterized.expand([("eager", False), ("traced", True)])
+  def test_all_gather_of_other_dimensions_differing_names_them(self, _,
+                                                               traced):
+    # It used to fail in TF's concat: "Dimension 0 in both shapes must be
+    # equal, but are 3 and 4" (dimensions counted without the gathered one).
+    strategy = topology.strategy_over(2)
+    values = strategy.experimental_distribute_values_from_function(
+        lambda ctx: tf.ones([2, 3 + ctx.replica_id_in_sync_group]))
+    gather = lambda x: tf.distribute.get_replica_context().all_gather(
+        {"a": x}, axis=0)
+    call = (tf.function(lambda v: strategy.run(gather, args=(v,))) if traced
+            else lambda v: strategy.run(gather, args=(v,)))
+    with self.assertRaisesRegex(
+        ValueError, re.escape(
+            "ReplicaContext.all_gather concatenates every replica's "
+            "value['a'] along axis=0, so its other dimensions must be the "
+            "same on every replica, but dimension 1 differs. Received "
+            "shapes: replica 0: (2, 3), replica 1: (2, 4).")):
+      call(values)
 
 
 if __name__ == "__main__":

@@ -104,6 +104,28 @@ class CreationTest(unittest.TestCase):
       with strategy.scope():
         tf.Variable(tf.zeros((4, 4)))
 
+  @parameterized.expand([
+      ("negative", [-2, 1], ValueError),
+      ("zero", [0, 1], ValueError),
+      ("float", [2.0, 1], TypeError),
+      ("none", None, TypeError),
+      ("an_int_not_a_list", 2, TypeError),
+  ])
+  def test_what_a_partitioner_returns_is_checked_naming_the_variable(
+      self, _, returned, error):
+    # A negative or zero count used to make a mirrored variable silently; a
+    # float or None failed with a bare TypeError from inside the strategy.
+    strategy = topology.strategy_over(
+        2, variable_partitioner=lambda shape, dtype: returned)
+    with self.assertRaises(error) as raised:
+      with strategy.scope():
+        tf.Variable(tf.zeros((4, 4)), name="table")
+    message = str(raised.exception)
+    self.assertIn("Expected `variable_partitioner` to return the number of "
+                  "shards along each axis: a list of 2 ints", message)
+    self.assertIn(f"Received: variable_partitioner(shape=(4, 4), ...) = "
+                  f"{returned!r} for the variable 'table'.", message)
+
   @parameterized.expand([(f"{n}_replicas{'_in_a_cond' if in_cond else ''}",
                           n, in_cond)
                          for n in (2, 4) for in_cond in (False, True)])

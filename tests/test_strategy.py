@@ -164,6 +164,35 @@ class CrossReplicaTest(unittest.TestCase):
         r"value\['extra'\]\[0\]=None"):
       strategy.reduce(op, results, axis=None)
 
+  @parameterized.expand([("string", "0"), ("float", 0.0), ("bool", True),
+                         ("list", [0]), ("tensor", tf.constant(0))])
+  def test_reduce_refuses_an_axis_that_is_not_an_int_naming_axis(self, _, axis):
+    # A string used to fail naming `reduction_indices`, a list or a tensor
+    # with "unhashable type" (as in MirroredStrategy).
+    strategy = topology.strategy_over(2)
+    values = strategy.run(lambda: tf.ones([2, 3]))
+    for op in ("sum", "mean", "max"):
+      with self.assertRaises(TypeError) as raised:
+        strategy.reduce(op, values, axis=axis)
+      self.assertIn("Expected `axis` given to strategy.reduce to be None "
+                    "(reduce across replicas only) or an int", str(raised.exception))
+      self.assertIn(f"Received: axis={axis!r} of type {type(axis).__name__}.",
+                    str(raised.exception))
+
+  def test_reduce_refuses_an_axis_out_of_range_and_takes_numpy_ints(self):
+    strategy = topology.strategy_over(2)
+    values = strategy.run(lambda: {"x": tf.ones([2, 3])})
+    with self.assertRaisesRegex(
+        ValueError, r"Expected `axis` given to strategy.reduce to be in "
+        r"\[-2, 2\) for value\['x'\] of shape \(2, 3\) \(each replica's\), "
+        r"or None. Received: axis=5."):
+      strategy.reduce("sum", values, axis=5)
+    # MirroredStrategy's MEAN refuses NumPy ints; they are ints.
+    for op in ("sum", "mean", "max"):
+      np.testing.assert_allclose(
+          strategy.reduce(op, values["x"], axis=np.int64(1)),
+          strategy.reduce(op, values["x"], axis=1))
+
   @parameterized.expand(topology.NAMED_REPLICA_COUNTS)
   def test_distribute_dataset_splits_the_global_batch_and_keeps_the_tail(self, _, n):
     strategy = topology.strategy_over(n)

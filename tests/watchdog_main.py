@@ -1,6 +1,7 @@
 """Runs one collective-watchdog case in a fresh process (an abort ends its collectives).
 
     python tests/watchdog_main.py CASE
+    python tests/watchdog_main.py after_a_timeout CASE
     python -m replicator_strategy.launch --workers 2 -- \
         python tests/watchdog_main.py uneven_steps rows
 
@@ -51,6 +52,12 @@ def run_case(name):
   timeout, fn = CASES[name]
   strategy = rs.ReplicatorStrategy(timeout_seconds=timeout)
   return outcome(tf.function(lambda: strategy.run(fn)))
+
+
+def after_a_timeout(name):
+  """Case `name` in a new strategy, twice, after the "stall" case timed out."""
+  run_case("stall")
+  return {"first": run_case(name), "again": run_case(name)}
 
 
 def uneven_steps(what):
@@ -129,6 +136,8 @@ if __name__ == "__main__":
   case = sys.argv[1]
   if case == "uneven_steps":
     result = uneven_steps(sys.argv[2])
+  elif case == "after_a_timeout":
+    result = after_a_timeout(sys.argv[2])
   elif case.startswith("long_"):
     result = {"samples": globals()[case](int(sys.argv[2]), int(sys.argv[3]))}
   else:
