@@ -39,9 +39,45 @@ class MirroredVariable(tfi.values.MirroredVariable):
                                          group=True)
 
 
+class SyncOnReadVariable(tfi.values.SyncOnReadVariable):
+  """TF's SyncOnReadVariable, whose summed value a save and a load keep exactly.
+
+  A SUM variable (a Keras metric's total, a gradient accumulator) reads and
+  saves as the sum of every replica's copy. TF loads such a sum back by
+  giving each copy sum / N, which rounds (N = 3) and reads back a different
+  sum; here the first replica of the cluster takes the whole sum and every
+  other copy zero, so it reads back as the very value saved, on any number
+  of replicas.
+  """
+
+  def assign(self, value, use_locking=False, name=None, read_value=True):
+    with tfi.distribute_lib.enter_or_assert_strategy(self.distribute_strategy):
+      if (self.aggregation != tf.VariableAggregation.SUM or
+          not tf.distribute.in_cross_replica_context() or
+          tfi.values_util.in_replica_update_context() or
+          tfi.values_util.is_saving_non_distributed()):
+        return super().assign(value, use_locking, name, read_value)
+      return self._assign_sum(tf.convert_to_tensor(value, dtype=self.dtype),
+                              read_value)
+
+  def _assign_sum(self, value, read_value):
+    first = self.distribute_strategy.extended.first_replica_id == 0
+    updates = []
+    for i, component in enumerate(self.values):
+      with tf.device(component.device):
+        updates.append(component.assign(
+            value if first and i == 0 else tf.zeros_like(value),
+            read_value=False))
+    if not read_value:
+      return tf.group(updates)
+    with tf.control_dependencies(updates):
+      return self.read_value()
+
+
 _CLASS_MAPPING = {
     **tfi.distribute_utils.VARIABLE_CLASS_MAPPING,
     tf.VariableSynchronization.ON_WRITE: MirroredVariable,
+    tf.VariableSynchronization.ON_READ: SyncOnReadVariable,
 }
 
 
