@@ -54,6 +54,7 @@ from tensorflow.python.ops import collective_ops
 from tensorflow.python.ops import control_flow_util_v2
 from tensorflow.python.ops import control_flow_v2_func_graphs
 from tensorflow.python.ops import resource_variable_ops
+from tensorflow.python.trackable import constants as trackable_constants
 from tensorflow.python.util import nest
 from tensorflow.python.autograph.core import ag_ctx
 from tensorflow.python.autograph.impl import api as autograph
@@ -62,6 +63,8 @@ from tensorflow.python.autograph.impl import api as autograph
 StrategyExtendedV1 = distribute_lib.StrategyExtendedV1
 UpdateContext = distribute_lib.UpdateContext
 ThreadReplicaContext = mirrored_run._MirroredReplicaContext  # pylint: disable=protected-access
+# The checkpoint attribute holding a variable's value.
+VARIABLE_VALUE_KEY = trackable_constants.VARIABLE_VALUE_KEY
 WHILE_LOOP_GRAPHS = (control_flow_v2_func_graphs.WhileBodyFuncGraph,
                      control_flow_v2_func_graphs.WhileCondFuncGraph)
 

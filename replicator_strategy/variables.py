@@ -74,15 +74,75 @@ class SyncOnReadVariable(tfi.values.SyncOnReadVariable):
       return self.read_value()
 
 
+# The checkpoint attribute, beside TF's VARIABLE_VALUE, holding every replica's
+# copy of a `ReplicaSum`.
+REPLICA_VALUES_KEY = "REPLICA_VALUES"
+# `tf.Variable` argument, read by the strategy's variable creator: the variable
+# is a `ReplicaSum` (Keras does not pass it on, so a creator scope adds it).
+REPLICA_SUM = "replica_sum"
+
+
+class ReplicaSum(SyncOnReadVariable):
+  """A SUM on-read variable whose saves keep every replica's copy.
+
+  Reads, and saves where TF and Keras look, as the sum of every replica's
+  copy (what one device would hold; a gradient accumulator), and also keeps
+  each copy: a load on as many replicas gives every replica its own copy
+  back, so a resumed run adds in the same order as an uninterrupted one.
+  Saved on another number of replicas, or with no strategy, the sum goes to
+  the first replica and zeros to the others.
+  """
+
+  def replica_values(self):
+    """Every replica's copy, of every worker, stacked in global replica order."""
+    strategy = self.distribute_strategy
+    with tfi.distribute_lib.enter_or_assert_strategy(strategy):
+      own = []
+      for component in self.values:
+        with tf.device(component.device):
+          own.append(tf.expand_dims(component.read_value(), 0))
+      return strategy.gather(tfi.values.PerReplica(own), axis=0)
+
+  def assign_replica_values(self, stacked):
+    """Gives each replica its copy from `replica_values()` saved on as many
+    replicas; returns False, assigning nothing, when saved on another number."""
+    strategy = self.distribute_strategy
+    if stacked.shape[0] != strategy.num_replicas_in_sync:
+      return False
+    first = strategy.extended.first_replica_id
+    for i, component in enumerate(self.values):
+      with tf.device(component.device):
+        component.assign(tf.cast(stacked[first + i], self.dtype),
+                         read_value=False)
+    return True
+
+  def _serialize_to_tensors(self):
+    if tfi.values_util.is_saving_non_distributed():
+      return super()._serialize_to_tensors()
+    return {tfi.VARIABLE_VALUE_KEY: self.read_value(),
+            REPLICA_VALUES_KEY: self.replica_values()}
+
+  def _restore_from_tensors(self, restored_tensors):
+    stacked = restored_tensors.get(REPLICA_VALUES_KEY)
+    if stacked is None or not self.assign_replica_values(stacked):
+      self.assign(restored_tensors[tfi.VARIABLE_VALUE_KEY], read_value=False)
+    return tf.no_op()
+
+
 _CLASS_MAPPING = {
     **tfi.distribute_utils.VARIABLE_CLASS_MAPPING,
     tf.VariableSynchronization.ON_WRITE: MirroredVariable,
     tf.VariableSynchronization.ON_READ: SyncOnReadVariable,
 }
+_REPLICA_SUM_MAPPING = {**_CLASS_MAPPING,
+                        tf.VariableSynchronization.ON_READ: ReplicaSum}
 
 
-def create(strategy, devices, next_creator, **kwargs):
-  """Creates a variable with one component on each of `devices`."""
+def create(strategy, devices, next_creator, replica_sum=False, **kwargs):
+  """Creates a variable with one component on each of `devices`.
+
+  `replica_sum=True` (with ON_READ SUM) makes a `ReplicaSum`.
+  """
   colocate_with = kwargs.pop("colocate_with", None)
   if isinstance(colocate_with, tfi.numpy_dataset.SingleDevice):
     with tf.device(colocate_with.device):
@@ -110,7 +170,8 @@ def create(strategy, devices, next_creator, **kwargs):
     return components
 
   return tfi.distribute_utils.create_mirrored_variable(
-      strategy, create_components, _CLASS_MAPPING,
+      strategy, create_components,
+      _REPLICA_SUM_MAPPING if replica_sum else _CLASS_MAPPING,
       tfi.distribute_utils.VARIABLE_POLICY_MAPPING, **kwargs)
 
 

@@ -36,6 +36,7 @@ check_keras_version()
 # pylint: disable=g-import-not-at-top,unused-import
 from keras.src.backend.tensorflow import trainer as tf_trainer
 from keras.src.losses import loss  # Where Keras scales losses.
+from keras.src.saving import saving_lib  # The H5 store of weights files.
 from keras.src.trainers import data_adapters  # Which data fit takes.
 from keras.src.trainers import trainer
 # pylint: enable=g-import-not-at-top,unused-import
@@ -64,3 +65,11 @@ def uses_weight_decay(optimizer, variable):
 def supports_jit(model):
   """Whether Keras would compile `model` with XLA (no layer refuses it)."""
   return trainer.model_supports_jit(model)
+
+
+def h5_entry_path(store):
+  """The path of the entry an H5 weights store writes or reads now, or None
+  for another store (a sharded H5 file, a directory, an .npz)."""
+  if type(store) is not saving_lib.H5IOStore:  # pylint: disable=unidiomatic-typecheck
+    return None
+  return store._h5_entry_path  # pylint: disable=protected-access

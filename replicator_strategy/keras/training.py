@@ -159,7 +159,7 @@ def reduce_before_clipping(backend_apply_gradients):
   @functools.wraps(backend_apply_gradients)
   def wrapper(self, grads, trainable_variables):
     clips = self.clipnorm or self.global_clipnorm or self.clipvalue
-    # With accumulation, `sum_accumulators_at_updates` reduces before
+    # With accumulation, `reduce_accumulated_before_clipping` reduces before
     # clipping, at update steps only.
     if not (clips and _in_our_replicas()) or self.gradient_accumulation_steps:
       return backend_apply_gradients(self, grads, trainable_variables)
@@ -177,78 +177,25 @@ def reduce_before_clipping(backend_apply_gradients):
   return wrapper
 
 
-def accumulators_as_replica_sums(add_variable_from_reference):
-  """Gradient accumulators that read, save and load as the sum of every replica's.
+def reduce_accumulated_before_clipping(clip_gradients):
+  """With gradient accumulation, clipping of the global (g + acc) / steps.
 
-  Each replica accumulates its own gradients (no data moves), so the copies
-  of an accumulator differ. Made sync-on-read SUM
-  (`replicator_strategy.variables.SyncOnReadVariable`), an accumulator reads
-  and saves as the sum over every replica of every worker, what one device's
-  accumulator holds, and loads into the cluster's first replica, zeros
-  elsewhere, on any number of replicas.
+  Keras clips each replica's (g + acc) / steps at an update step, before its
+  all-reduce; here they are all-reduced first, at update steps only (Keras
+  clips nowhere else), and the update's own all-reduce is skipped.
   """
 
-  @functools.wraps(add_variable_from_reference)
-  def wrapper(self, reference_variable, name=None, initializer="zeros"):
-    if (name != "gradient_accumulator" or not isinstance(
-        tf.distribute.get_strategy(), strategy_lib.ReplicatorStrategy)):
-      return add_variable_from_reference(self, reference_variable, name=name,
-                                         initializer=initializer)
-
-    def summed_on_read(next_creator, **kwargs):
-      kwargs["synchronization"] = tf.VariableSynchronization.ON_READ
-      kwargs["aggregation"] = tf.VariableAggregation.SUM
-      return next_creator(**kwargs)
-
-    with tf.variable_creator_scope(summed_on_read):
-      return add_variable_from_reference(self, reference_variable, name=name,
-                                         initializer=initializer)
-
-  return wrapper
-
-
-def sum_accumulators_at_updates(backend_apply_gradients):
-  """Gradient accumulation that updates from the sum of the accumulators.
-
-  Keras all-reduces each replica's (gradient + accumulator) / steps at an
-  update step. Here the step's gradients and the accumulators are summed
-  across replicas (one packed all-reduce, at update steps only) and Keras
-  computes (G + S) / steps from the sums, clipping the global gradient.
-  An accumulator loaded from a file holds the saved sum S in one copy and
-  zeros in the others, and sums back to S exactly.
-  """
-
-  @functools.wraps(backend_apply_gradients)
-  def wrapper(self, grads, trainable_variables):
-    if not (self.gradient_accumulation_steps and _in_our_replicas()):
-      return backend_apply_gradients(self, grads, trainable_variables)
-    weights = [v.value if isinstance(v, keras.Variable) else v
-               for v in trainable_variables]
-    accumulators = [
-        self._accumulated_gradients[self._get_variable_index(v)].value  # pylint: disable=protected-access
-        for v in trainable_variables]
-    # Keras adds the accumulators to dense gradients anyway.
-    grads = [tf.convert_to_tensor(g) for g in grads]
-    ctx = tf.distribute.get_replica_context()
-
-    def summed():
-      pairs = self._all_reduce_sum_gradients(  # pylint: disable=protected-access
-          list(zip(grads, weights)) + [
-              (tf.convert_to_tensor(a), w)
-              for a, w in zip(accumulators, weights)])
-      sums = [g for g, _ in pairs]
-      writes = [tfi.component(a, ctx.local_index).assign(s, read_value=False)
-                for a, s in zip(accumulators, sums[len(grads):])]
-      with tf.control_dependencies(writes):
-        return [tf.identity(s) for s in sums[:len(grads)]]
-
-    is_update_step = (self._iterations + 1) % self.gradient_accumulation_steps == 0  # pylint: disable=protected-access
-    grads = tf.cond(is_update_step, summed, lambda: list(grads))
+  @functools.wraps(clip_gradients)
+  def wrapper(self, grads):
+    clips = self.clipnorm or self.global_clipnorm or self.clipvalue
+    if not (clips and self.gradient_accumulation_steps and _in_our_replicas()):
+      return clip_gradients(self, grads)
+    # The weights only label the gradients: sharded weights, which would
+    # need them, refuse accumulation.
+    pairs = self._all_reduce_sum_gradients(  # pylint: disable=protected-access
+        [(g, None) for g in grads])
     self._gradients_reduced = True  # pylint: disable=protected-access
-    try:
-      return backend_apply_gradients(self, grads, trainable_variables)
-    finally:
-      self._gradients_reduced = False  # pylint: disable=protected-access
+    return clip_gradients(self, [g for g, _ in pairs])
 
   return wrapper
 
@@ -280,6 +227,8 @@ def skip_if_reduced(all_reduce_sum_gradients):
   @functools.wraps(all_reduce_sum_gradients)
   def wrapper(self, grads_and_vars):
     if getattr(self, "_gradients_reduced", False):
+      # Once: the update after the clipping that reduced them.
+      self._gradients_reduced = False  # pylint: disable=protected-access
       return list(grads_and_vars)
     return all_reduce_sum_gradients(self, grads_and_vars)
 
