@@ -167,14 +167,16 @@ class _Interrupted(Exception):
   pass
 
 
-class _InterruptAt(keras.callbacks.Callback):
+class _InterruptAfter(keras.callbacks.Callback):
+  """Stops `fit` after `steps` steps, counted over its epochs."""
 
-  def __init__(self, batch):
+  def __init__(self, steps):
     super().__init__()
-    self._batch = batch
+    self._steps, self._done = steps, 0
 
   def on_train_batch_end(self, batch, logs=None):
-    if batch == self._batch:
+    self._done += 1
+    if self._done == self._steps:
       raise _Interrupted()
 
 
@@ -198,9 +200,10 @@ class BackupAndRestoreTest(unittest.TestCase):
     reference = compiled(self.strategy)
     self.fit(reference)
     first = compiled(self.strategy)
-    with self.assertRaises(_Interrupted):  # In epoch 2, after step 6.
+    # Backed up after epoch 1 (step 4, pending), stopped after step 6.
+    with self.assertRaises(_Interrupted):
       self.fit(first, [keras.callbacks.BackupAndRestore(self.backup),
-                       _InterruptAt(1)])
+                       _InterruptAfter(6)])
     second = compiled(self.strategy)
     self.fit(second, [keras.callbacks.BackupAndRestore(self.backup)])
     assert_equal_weights(second.get_weights(), reference.get_weights())
@@ -216,7 +219,7 @@ class BackupAndRestoreTest(unittest.TestCase):
     with self.assertRaises(_Interrupted):
       self.fit(first, [keras.callbacks.BackupAndRestore(self.backup,
                                                         save_freq=2),
-                       _InterruptAt(2)])
+                       _InterruptAfter(3)])
     second = compiled(self.strategy)
     self.fit(second, [keras.callbacks.BackupAndRestore(self.backup,
                                                        save_freq=2)])
