@@ -2,8 +2,9 @@
 
 TF's `MirroredVariable` (on-write, every aggregation) and `SyncOnReadVariable`
 (on-read, e.g. Keras metrics) carry checkpointing, SavedModel export and
-Keras integration, so they are reused; this module only decides where the
-components live and what each starts from.
+Keras integration, so they are reused; this module decides where the
+components live and what each starts from, and what a SUM on-read variable
+saves and loads (`ReplicaSum`: every replica's copy besides their sum).
 
 >>> from replicator_strategy import ReplicatorStrategy
 >>> strategy = ReplicatorStrategy()
@@ -103,18 +104,20 @@ class ReplicaSum(SyncOnReadVariable):
           own.append(tf.expand_dims(component.read_value(), 0))
       return strategy.gather(tfi.values.PerReplica(own), axis=0)
 
+  def saved_on_as_many_replicas(self, stacked):
+    """Whether `stacked` (a `replica_values()`) has a copy for each replica."""
+    return stacked.shape[0] == self.distribute_strategy.num_replicas_in_sync
+
   def assign_replica_values(self, stacked):
     """Gives each replica its copy from `replica_values()` saved on as many
-    replicas; returns False, assigning nothing, when saved on another number."""
-    strategy = self.distribute_strategy
-    if stacked.shape[0] != strategy.num_replicas_in_sync:
-      return False
-    first = strategy.extended.first_replica_id
+    replicas (`saved_on_as_many_replicas`)."""
+    first = self.distribute_strategy.extended.first_replica_id
+    updates = []
     for i, component in enumerate(self.values):
       with tf.device(component.device):
-        component.assign(tf.cast(stacked[first + i], self.dtype),
-                         read_value=False)
-    return True
+        updates.append(component.assign(
+            tf.cast(stacked[first + i], self.dtype), read_value=False))
+    return tf.group(updates)
 
   def _serialize_to_tensors(self):
     if tfi.values_util.is_saving_non_distributed():
@@ -124,9 +127,10 @@ class ReplicaSum(SyncOnReadVariable):
 
   def _restore_from_tensors(self, restored_tensors):
     stacked = restored_tensors.get(REPLICA_VALUES_KEY)
-    if stacked is None or not self.assign_replica_values(stacked):
-      self.assign(restored_tensors[tfi.VARIABLE_VALUE_KEY], read_value=False)
-    return tf.no_op()
+    if stacked is not None and self.saved_on_as_many_replicas(stacked):
+      return self.assign_replica_values(stacked)
+    return self.assign(restored_tensors[tfi.VARIABLE_VALUE_KEY],
+                       read_value=False)
 
 
 _CLASS_MAPPING = {

@@ -110,7 +110,8 @@ def load_replica_values(load_own_variables):
       return
     store.get(_entry(path))
     for key, variable in sums:
-      if key in store:
+      # On another number of replicas, Keras's load of the sum stands.
+      if key in store and variable.saved_on_as_many_replicas(store[key]):
         variable.assign_replica_values(store[key])
 
   return wrapper
