@@ -122,8 +122,13 @@ class ReplicaSum(SyncOnReadVariable):
   def _serialize_to_tensors(self):
     if tfi.values_util.is_saving_non_distributed():
       return super()._serialize_to_tensors()
-    return {tfi.VARIABLE_VALUE_KEY: self.read_value(),
-            REPLICA_VALUES_KEY: self.replica_values()}
+    tensors = {tfi.VARIABLE_VALUE_KEY: self.read_value()}
+    restoring = tfi.attributes_being_restored()
+    # A checkpoint saved with no strategy (or before replica values were
+    # saved) has only the value: then TF must not be asked for the others.
+    if restoring is None or REPLICA_VALUES_KEY in restoring:
+      tensors[REPLICA_VALUES_KEY] = self.replica_values()
+    return tensors
 
   def _restore_from_tensors(self, restored_tensors):
     stacked = restored_tensors.get(REPLICA_VALUES_KEY)

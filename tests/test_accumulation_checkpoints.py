@@ -148,6 +148,18 @@ class ResumeTest(unittest.TestCase):
     for g, w in zip(alone.get_weights(), uninterrupted(None), strict=True):
       np.testing.assert_allclose(g, w, rtol=RTOL, atol=1e-7)
 
+  @parameterized.expand(_FORMATS.items())
+  def test_no_strategy_then_two_replicas(self, _, save):
+    # The file has no replica values: the sum goes to the first replica.
+    with tempfile.TemporaryDirectory() as directory:
+      alone = compiled(None)
+      fit(alone, 0, 4)
+      on_two = compiled(topology.strategy_over(2))
+      save(alone, directory)(on_two)
+      fit(on_two, 4, STEPS)
+    for g, w in zip(on_two.get_weights(), uninterrupted(None), strict=True):
+      np.testing.assert_allclose(g, w, rtol=RTOL, atol=1e-7)
+
   def test_a_preemption_checkpoint_resumes_exactly(self):
     strategy = topology.strategy_over(2)
     with tempfile.TemporaryDirectory() as directory:
