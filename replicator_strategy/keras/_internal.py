@@ -67,6 +67,11 @@ def supports_jit(model):
   return trainer.model_supports_jit(model)
 
 
+def optimizer_weights(optimizer):
+  """The weights `optimizer` was built for (its accumulators follow them)."""
+  return optimizer._trainable_variables  # pylint: disable=protected-access
+
+
 def h5_entry_path(store):
   """The path of the entry an H5 weights store writes or reads now, or None
   for another store (a sharded H5 file, a directory, an .npz)."""

@@ -33,6 +33,7 @@ import keras
 import tensorflow as tf
 
 from replicator_strategy.keras import _internal as ki
+from replicator_strategy.keras import sharded_weights
 from replicator_strategy import strategy as strategy_lib
 from replicator_strategy import variables
 
@@ -47,7 +48,9 @@ def per_replica_accumulators(add_variable_from_reference):
   @functools.wraps(add_variable_from_reference)
   def wrapper(self, reference_variable, name=None, initializer="zeros"):
     if (name != "gradient_accumulator" or not isinstance(
-        tf.distribute.get_strategy(), strategy_lib.ReplicatorStrategy)):
+        tf.distribute.get_strategy(), strategy_lib.ReplicatorStrategy) or
+        # A sharded weight's accumulator is sharded as the weight is.
+        sharded_weights.any_sharded([reference_variable])):
       return add_variable_from_reference(self, reference_variable, name=name,
                                          initializer=initializer)
 

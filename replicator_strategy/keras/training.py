@@ -60,6 +60,7 @@ import keras
 import tensorflow as tf
 
 from replicator_strategy.keras import _internal as ki
+from replicator_strategy.keras import sharded_weights
 from replicator_strategy import _tf_internal as tfi
 from replicator_strategy import global_batch_input
 from replicator_strategy import gradient_compression as compression_lib
@@ -190,8 +191,9 @@ def reduce_accumulated_before_clipping(clip_gradients):
     clips = self.clipnorm or self.global_clipnorm or self.clipvalue
     if not (clips and self.gradient_accumulation_steps and _in_our_replicas()):
       return clip_gradients(self, grads)
-    # The weights only label the gradients: sharded weights, which would
-    # need them, refuse accumulation.
+    if sharded_weights.any_sharded(ki.optimizer_weights(self)):
+      sharded_weights.refuse_clipping_accumulated()
+    # Without sharded weights, the weights do not change the sum.
     pairs = self._all_reduce_sum_gradients(  # pylint: disable=protected-access
         [(g, None) for g in grads])
     self._gradients_reduced = True  # pylint: disable=protected-access
