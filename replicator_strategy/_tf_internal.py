@@ -11,6 +11,7 @@ module does). Upgrading TF means re-checking this one file.
 
 import collections
 import os
+import sys
 
 import tensorflow as tf
 
@@ -45,6 +46,7 @@ from tensorflow.python.distribute import input_util
 from tensorflow.python.distribute import mirrored_run
 from tensorflow.python.distribute import numpy_dataset
 from tensorflow.python.distribute import values
+from tensorflow.python.distribute import values_util
 from tensorflow.python.eager import context
 from tensorflow.python.eager import def_function
 from tensorflow.python.eager import record
@@ -54,7 +56,9 @@ from tensorflow.python.ops import collective_ops
 from tensorflow.python.ops import control_flow_util_v2
 from tensorflow.python.ops import control_flow_v2_func_graphs
 from tensorflow.python.ops import resource_variable_ops
+from tensorflow.python.trackable import constants as trackable_constants
 from tensorflow.python.util import nest
+from tensorflow.python.checkpoint import restore as checkpoint_restore
 from tensorflow.python.autograph.core import ag_ctx
 from tensorflow.python.autograph.impl import api as autograph
 # pylint: enable=g-import-not-at-top,unused-import
@@ -63,6 +67,8 @@ StrategyExtendedV1 = distribute_lib.StrategyExtendedV1
 UpdateContext = distribute_lib.UpdateContext
 ThreadReplicaContext = mirrored_run._MirroredReplicaContext  # pylint: disable=protected-access
 FuncGraph = func_graph.FuncGraph
+# The checkpoint attribute holding a variable's value.
+VARIABLE_VALUE_KEY = trackable_constants.VARIABLE_VALUE_KEY
 WHILE_LOOP_GRAPHS = (control_flow_v2_func_graphs.WhileBodyFuncGraph,
                      control_flow_v2_func_graphs.WhileCondFuncGraph)
 
@@ -209,3 +215,23 @@ def differentiating_for_higher_order():
   for a persistent or nested `GradientTape` (its "cflow_gradient_wrapper")."""
   return control_flow_util_v2.graph_wrapped_for_higher_order_tape_gradients(
       tf.compat.v1.get_default_graph())
+
+
+def attributes_being_restored():
+  """The attributes a checkpoint holds for the variable TF is restoring, while
+  it asks that variable (`_serialize_to_tensors`) which ones to read; None
+  when nothing is being restored (a save).
+
+  TF reads every attribute the variable names and fails on one the
+  checkpoint lacks: a variable that saves an extra attribute names it only
+  if it is there. TF passes the checkpoint's attributes no further than its
+  `CheckpointPosition`, so they are read from the caller's frame.
+  """
+  code = checkpoint_restore.CheckpointPosition._create_serialize_to_tensor_saveable.__code__  # pylint: disable=protected-access
+  frame = sys._getframe(1)  # pylint: disable=protected-access
+  while frame is not None:
+    if frame.f_code is code:
+      position = frame.f_locals["self"]
+      return {attribute.name for attribute in position.object_proto.attributes}
+    frame = frame.f_back
+  return None

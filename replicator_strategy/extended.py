@@ -120,6 +120,7 @@ class ReplicatorExtended(tfi.StrategyExtendedV1):
 
   def _create_variable(self, next_creator, **kwargs):
     strategy = tfi.container_strategy(self)
+    replica_sum = kwargs.pop(variables.REPLICA_SUM, False)
     weight = kwargs.get("colocate_with")
     if isinstance(weight, sharded_variables.ShardedVariable):
       # Optimizer state of a sharded weight: sharded as the weight is.
@@ -138,7 +139,8 @@ class ReplicatorExtended(tfi.StrategyExtendedV1):
           "whole", **kwargs)
       if sharded is not None:
         return sharded
-    return variables.create(strategy, self._devices, next_creator, **kwargs)
+    return variables.create(strategy, self._devices, next_creator,
+                            replica_sum=replica_sum, **kwargs)
 
   def _validate_colocate_with_variable(self, colocate_with_variable):
     _utils.validate_colocate_distributed_variable(colocate_with_variable, self)

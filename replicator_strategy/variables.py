@@ -2,8 +2,9 @@
 
 TF's `MirroredVariable` (on-write, every aggregation) and `SyncOnReadVariable`
 (on-read, e.g. Keras metrics) carry checkpointing, SavedModel export and
-Keras integration, so they are reused; this module only decides where the
-components live and what each starts from.
+Keras integration, so they are reused; this module decides where the
+components live and what each starts from, and what a SUM on-read variable
+saves and loads (`ReplicaSum`: every replica's copy besides their sum).
 
 >>> from replicator_strategy import ReplicatorStrategy
 >>> strategy = ReplicatorStrategy()
@@ -39,14 +40,118 @@ class MirroredVariable(tfi.values.MirroredVariable):
                                          group=True)
 
 
+class SyncOnReadVariable(tfi.values.SyncOnReadVariable):
+  """TF's SyncOnReadVariable, whose summed value a save and a load keep exactly.
+
+  A SUM variable (a Keras metric's total, a gradient accumulator) reads and
+  saves as the sum of every replica's copy. TF loads such a sum back by
+  giving each copy sum / N, which rounds (N = 3) and reads back a different
+  sum; here the first replica of the cluster takes the whole sum and every
+  other copy zero, so it reads back as the very value saved, on any number
+  of replicas.
+  """
+
+  def assign(self, value, use_locking=False, name=None, read_value=True):
+    with tfi.distribute_lib.enter_or_assert_strategy(self.distribute_strategy):
+      if (self.aggregation != tf.VariableAggregation.SUM or
+          not tf.distribute.in_cross_replica_context() or
+          tfi.values_util.in_replica_update_context() or
+          tfi.values_util.is_saving_non_distributed()):
+        return super().assign(value, use_locking, name, read_value)
+      return self._assign_sum(tf.convert_to_tensor(value, dtype=self.dtype),
+                              read_value)
+
+  def _assign_sum(self, value, read_value):
+    first = self.distribute_strategy.extended.first_replica_id == 0
+    updates = []
+    for i, component in enumerate(self.values):
+      with tf.device(component.device):
+        updates.append(component.assign(
+            value if first and i == 0 else tf.zeros_like(value),
+            read_value=False))
+    if not read_value:
+      return tf.group(updates)
+    with tf.control_dependencies(updates):
+      return self.read_value()
+
+
+# The checkpoint attribute, beside TF's VARIABLE_VALUE, holding every replica's
+# copy of a `ReplicaSum`.
+REPLICA_VALUES_KEY = "REPLICA_VALUES"
+# `tf.Variable` argument, read by the strategy's variable creator: the variable
+# is a `ReplicaSum` (Keras does not pass it on, so a creator scope adds it).
+REPLICA_SUM = "replica_sum"
+
+
+class ReplicaSum(SyncOnReadVariable):
+  """A SUM on-read variable whose saves keep every replica's copy.
+
+  Reads, and saves where TF and Keras look, as the sum of every replica's
+  copy (what one device would hold; a gradient accumulator), and also keeps
+  each copy: a load on as many replicas gives every replica its own copy
+  back, so a resumed run adds in the same order as an uninterrupted one.
+  Saved on another number of replicas, or with no strategy, the sum goes to
+  the first replica and zeros to the others.
+  """
+
+  def replica_values(self):
+    """Every replica's copy, of every worker, stacked in global replica order."""
+    strategy = self.distribute_strategy
+    with tfi.distribute_lib.enter_or_assert_strategy(strategy):
+      own = []
+      for component in self.values:
+        with tf.device(component.device):
+          own.append(tf.expand_dims(component.read_value(), 0))
+      return strategy.gather(tfi.values.PerReplica(own), axis=0)
+
+  def saved_on_as_many_replicas(self, stacked):
+    """Whether `stacked` (a `replica_values()`) has a copy for each replica."""
+    return stacked.shape[0] == self.distribute_strategy.num_replicas_in_sync
+
+  def assign_replica_values(self, stacked):
+    """Gives each replica its copy from `replica_values()` saved on as many
+    replicas (`saved_on_as_many_replicas`)."""
+    first = self.distribute_strategy.extended.first_replica_id
+    updates = []
+    for i, component in enumerate(self.values):
+      with tf.device(component.device):
+        updates.append(component.assign(
+            tf.cast(stacked[first + i], self.dtype), read_value=False))
+    return tf.group(updates)
+
+  def _serialize_to_tensors(self):
+    if tfi.values_util.is_saving_non_distributed():
+      return super()._serialize_to_tensors()
+    tensors = {tfi.VARIABLE_VALUE_KEY: self.read_value()}
+    restoring = tfi.attributes_being_restored()
+    # A checkpoint saved with no strategy (or before replica values were
+    # saved) has only the value: then TF must not be asked for the others.
+    if restoring is None or REPLICA_VALUES_KEY in restoring:
+      tensors[REPLICA_VALUES_KEY] = self.replica_values()
+    return tensors
+
+  def _restore_from_tensors(self, restored_tensors):
+    stacked = restored_tensors.get(REPLICA_VALUES_KEY)
+    if stacked is not None and self.saved_on_as_many_replicas(stacked):
+      return self.assign_replica_values(stacked)
+    return self.assign(restored_tensors[tfi.VARIABLE_VALUE_KEY],
+                       read_value=False)
+
+
 _CLASS_MAPPING = {
     **tfi.distribute_utils.VARIABLE_CLASS_MAPPING,
     tf.VariableSynchronization.ON_WRITE: MirroredVariable,
+    tf.VariableSynchronization.ON_READ: SyncOnReadVariable,
 }
+_REPLICA_SUM_MAPPING = {**_CLASS_MAPPING,
+                        tf.VariableSynchronization.ON_READ: ReplicaSum}
 
 
-def create(strategy, devices, next_creator, **kwargs):
-  """Creates a variable with one component on each of `devices`."""
+def create(strategy, devices, next_creator, replica_sum=False, **kwargs):
+  """Creates a variable with one component on each of `devices`.
+
+  `replica_sum=True` (with ON_READ SUM) makes a `ReplicaSum`.
+  """
   colocate_with = kwargs.pop("colocate_with", None)
   if isinstance(colocate_with, tfi.numpy_dataset.SingleDevice):
     with tf.device(colocate_with.device):
@@ -74,7 +179,8 @@ def create(strategy, devices, next_creator, **kwargs):
     return components
 
   return tfi.distribute_utils.create_mirrored_variable(
-      strategy, create_components, _CLASS_MAPPING,
+      strategy, create_components,
+      _REPLICA_SUM_MAPPING if replica_sum else _CLASS_MAPPING,
       tfi.distribute_utils.VARIABLE_POLICY_MAPPING, **kwargs)
 
 

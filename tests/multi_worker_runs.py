@@ -362,6 +362,36 @@ def keras_backup_and_restore(strategy, workdir=None):
   return {"weights": _weights(model), "loss": history.history["loss"]}
 
 
+class _ExitOnFirstStart(keras.callbacks.Callback):
+  """Every worker exits with status 7 at the end of epoch `at`, on the
+  launcher's first start only (REPLICATOR_RESTART_COUNT numbers them)."""
+
+  def __init__(self, at):
+    super().__init__()
+    self._armed = os.environ.get("REPLICATOR_RESTART_COUNT", "0") == "0"
+    self._at = at
+
+  def on_epoch_end(self, epoch, logs=None):
+    if self._armed and epoch == self._at:
+      raise SystemExit(7)
+
+
+def keras_accumulation_restarted(strategy, workdir=None):
+  """4 epochs of 4 steps, gradient_accumulation_steps=3, BackupAndRestore;
+  with a workdir, every worker exits after epoch 2 on the first start, with
+  one step pending in each replica's accumulators."""
+  x, y = data()
+  model = _model(strategy, lambda: keras.optimizers.Adam(
+      0.01, gradient_accumulation_steps=3), loss="mse")
+  callbacks = []
+  if workdir:
+    callbacks = [keras.callbacks.BackupAndRestore(
+        str(pathlib.Path(workdir) / "backup")), _ExitOnFirstStart(at=1)]
+  history = model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=4, verbose=0,
+                      shuffle=False, callbacks=callbacks)
+  return {"weights": _weights(model), "loss": history.history["loss"]}
+
+
 class _SignalAt(keras.callbacks.Callback):
   """Worker 1 sends itself `sig` after `step` batches, on the first start only.
 
@@ -546,6 +576,9 @@ RUNS = {"custom_loop": custom_loop, "primitives": primitives,
             keras_fit, optimizer=keras.optimizers.Nadam),
         "input_pipelines": input_pipelines,
         "keras_preempted": keras_preempted,
+        "keras_accumulation_restarted": keras_accumulation_restarted,
+        # Without the workdir: no backup, no exit.
+        "keras_accumulation_uninterrupted": keras_accumulation_restarted,
         "keras_killed": functools.partial(keras_preempted, sig=signal.SIGKILL),
         "peer_gets_sigterm": functools.partial(peer_dies, fate=signal.SIGTERM),
         "keras_until_stopped": keras_until_stopped,
@@ -558,5 +591,6 @@ RUNS = {"custom_loop": custom_loop, "primitives": primitives,
         "batch_share": batch_share, "random_layers_fit": random_layers_fit}
 # Runs that take the output directory as their working directory.
 TAKES_WORKDIR = ("keras_files", "keras_backup_and_restore", "keras_preempted",
+                 "keras_accumulation_restarted",
                  "keras_killed", "keras_until_stopped",
                  "custom_loop_preempted", "sharded_state")

@@ -419,6 +419,24 @@ class PreemptionTest(unittest.TestCase):
       assert_close_nested(self, got["weights"], expected["weights"])
     return output, scratch
 
+  def test_gradient_accumulation_restarts_exactly(self):
+    # Every worker exits after epoch 2 of 4 with a step pending in each
+    # replica's accumulators; the launcher restarts them from the backup.
+    run = "keras_accumulation_restarted"
+    with tempfile.TemporaryDirectory() as out:
+      status, output = launch_workers([run], out,
+                                      launch_args=["--max-restarts", "1"])
+      self.assertEqual(status, 0, output)
+      self.assertIn("2 workers, 2 starts", output)  # Restarted once.
+      restarted = [json.loads((pathlib.Path(out) / f"worker_{i}.json")
+                              .read_text())[run] for i in range(2)]
+    with tempfile.TemporaryDirectory() as out:
+      uninterrupted = results_of(["keras_accumulation_uninterrupted"], out)
+    for got, want in zip(restarted, uninterrupted):
+      want = want["keras_accumulation_uninterrupted"]
+      self.assertEqual(got["loss"], want["loss"][2:])  # Epochs 3 and 4.
+      self.assertEqual(got["weights"], want["weights"])  # To the bit.
+
   def test_sigterm_stops_every_worker_at_one_step_and_a_restart_resumes(self):
     output, scratch = self.run_interrupted("keras_preempted")
     # Signalled after step 10, seen after step 11: every worker stops after 12.

@@ -197,9 +197,11 @@ class OnReadUpdateTest(unittest.TestCase):
                       aggregation=agg)
     v.assign(6.0 * _BASE)
     np.testing.assert_allclose(v.read_value(), 6.0 * _BASE, rtol=1e-6)
-    # SUM splits the value over the replicas so that the sum reads it back.
-    share = 6.0 * _BASE / (n if agg == Agg.SUM else 1)
-    assert_per_replica(self, strategy, v, [share] * n, rtol=1e-6)
+    # SUM puts the value in the first replica and zeros in the others, so
+    # the sum reads it back exactly.
+    want = ([6.0 * _BASE] + [0.0 * _BASE] * (n - 1) if agg == Agg.SUM
+            else [6.0 * _BASE] * n)
+    assert_per_replica(self, strategy, v, want, rtol=1e-6)
     if agg == Agg.MEAN:
       v.assign_add(_BASE)
       np.testing.assert_allclose(v.read_value(), 7.0 * _BASE, rtol=1e-6)

@@ -38,6 +38,7 @@ from keras.src.backend.tensorflow import random as tf_random  # Its draws.
 from keras.src.backend.tensorflow import trainer as tf_trainer
 from keras.src.layers.regularization.spatial_dropout import BaseSpatialDropout
 from keras.src.losses import loss  # Where Keras scales losses.
+from keras.src.saving import saving_lib  # The H5 store of weights files.
 from keras.src.trainers import data_adapters  # Which data fit takes.
 from keras.src.trainers import trainer
 # pylint: enable=g-import-not-at-top,unused-import
@@ -77,3 +78,16 @@ def draw_seed(seed):
 def concrete_noise_shape(inputs, noise_shape):
   """A dropout's `noise_shape`, its None entries taken from `inputs`."""
   return tf_random._get_concrete_noise_shape(inputs, noise_shape)  # pylint: disable=protected-access
+
+
+def optimizer_weights(optimizer):
+  """The weights `optimizer` was built for (its accumulators follow them)."""
+  return optimizer._trainable_variables  # pylint: disable=protected-access
+
+
+def h5_entry_path(store):
+  """The path of the entry an H5 weights store writes or reads now, or None
+  for another store (a sharded H5 file, a directory, an .npz)."""
+  if type(store) is not saving_lib.H5IOStore:  # pylint: disable=unidiomatic-typecheck
+    return None
+  return store._h5_entry_path  # pylint: disable=protected-access

@@ -22,6 +22,7 @@ from typing import Any, Callable
 import keras
 
 from replicator_strategy.keras import _internal as ki
+from replicator_strategy.keras import accumulators
 from replicator_strategy.keras import chief_writes
 from replicator_strategy.keras import training
 from replicator_strategy.keras import preemption_saves
@@ -69,6 +70,18 @@ PATCHES = (
     Patch(_OPTIMIZER, "_backend_apply_gradients",
           training.reduce_before_clipping,
           _UNDER_US + " and the optimizer clips"),
+    Patch(_OPTIMIZER, "_clip_gradients",
+          training.reduce_accumulated_before_clipping,
+          _UNDER_US + ", the optimizer accumulates gradients and clips"),
+    Patch(_OPTIMIZER, "add_variable_from_reference",
+          accumulators.per_replica_accumulators,
+          "the strategy is a ReplicatorStrategy: gradient accumulators"),
+    Patch(_OPTIMIZER, "save_own_variables", accumulators.save_replica_values,
+          "an optimizer with ReplicatorStrategy gradient accumulators is "
+          "saved to an H5 file"),
+    Patch(_OPTIMIZER, "load_own_variables", accumulators.load_replica_values,
+          "the H5 file holds every replica's accumulators, for as many "
+          "replicas"),
     Patch(_OPTIMIZER, "_all_reduce_sum_gradients",
           training.compressed_on_the_wire,
           "the strategy is a ReplicatorStrategy(gradient_compression=...)"),

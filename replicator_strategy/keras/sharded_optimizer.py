@@ -24,7 +24,7 @@ Keras's own, on 1/N of the elements per device. That holds for optimizers
 whose math is elementwise and whose slots all come from
 `add_variable_from_reference`: those in `SUPPORTED_OPTIMIZERS`, and their
 subclasses that keep `update_step`. Others are refused when they build. EMA
-copies and gradient accumulators stay mirrored (`_KEPT_WHOLE`). A third
+copies and gradient accumulators stay whole (`_KEPT_WHOLE`). A third
 wrapper, of `_apply_weight_decay`, leaves AdamW's decay to the step, which
 decays each shard before its update, as Keras decays each weight.
 
@@ -62,9 +62,10 @@ SUPPORTED_OPTIMIZERS = (keras.optimizers.SGD, keras.optimizers.Adam,
                         keras.optimizers.Lion, keras.optimizers.Ftrl)
 
 
-# Optimizer variables that stay mirrored: EMA copies of the weights, which
+# Optimizer variables kept whole: EMA copies of the weights, mirrored, which
 # Keras updates from each replica, and gradient accumulators, which hold each
-# replica's own sum (accumulation steps move no data, as DDP's `no_sync`).
+# replica's own sum (accumulation steps move no data, as DDP's `no_sync`;
+# `accumulators`).
 _KEPT_WHOLE = ("average", "gradient_accumulator")
 
 

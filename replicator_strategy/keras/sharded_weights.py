@@ -39,6 +39,20 @@ from replicator_strategy import sharded_variables
 from replicator_strategy.keras import sharded_optimizer
 
 
+def refuse_clipping_accumulated():
+  """Clipping accumulated gradients of sharded weights is not implemented."""
+  raise NotImplementedError(
+      "Gradient clipping (clipnorm, global_clipnorm, clipvalue) with "
+      "gradient_accumulation_steps is not supported for weights sharded "
+      "by ReplicatorStrategy(variable_partitioner=...) yet. Drop one of "
+      "the three: clipping, accumulation, or the partitioner.")
+
+
+def any_sharded(variables):
+  """Whether a weight among `variables` is sharded (variable_partitioner)."""
+  return any(_sharded_weight(v) is not None for v in variables)
+
+
 def _sharded_weight(variable):
   """`variable`'s `ShardedVariable` if it is a sharded weight, else None."""
   if isinstance(variable, keras.Variable):
@@ -106,11 +120,7 @@ def gather_for_clipping(all_reduce_sum_gradients):
     if ctx is None or not any(w is not None for w in sharded):
       return all_reduce_sum_gradients(self, pairs)
     if self.gradient_accumulation_steps:
-      raise NotImplementedError(
-          "Gradient clipping (clipnorm, global_clipnorm, clipvalue) with "
-          "gradient_accumulation_steps is not supported for weights sharded "
-          "by ReplicatorStrategy(variable_partitioner=...) yet. Drop one of "
-          "the three: clipping, accumulation, or the partitioner.")
+      refuse_clipping_accumulated()
     rest = iter(all_reduce_sum_gradients(
         self, [p for p, w in zip(pairs, sharded) if w is None]))
     summed = []

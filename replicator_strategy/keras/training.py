@@ -60,6 +60,7 @@ import keras
 import tensorflow as tf
 
 from replicator_strategy.keras import _internal as ki
+from replicator_strategy.keras import sharded_weights
 from replicator_strategy import _tf_internal as tfi
 from replicator_strategy import global_batch_input
 from replicator_strategy import gradient_compression as compression_lib
@@ -159,7 +160,9 @@ def reduce_before_clipping(backend_apply_gradients):
   @functools.wraps(backend_apply_gradients)
   def wrapper(self, grads, trainable_variables):
     clips = self.clipnorm or self.global_clipnorm or self.clipvalue
-    if not (clips and _in_our_replicas()):
+    # With accumulation, `reduce_accumulated_before_clipping` reduces before
+    # clipping, at update steps only.
+    if not (clips and _in_our_replicas()) or self.gradient_accumulation_steps:
       return backend_apply_gradients(self, grads, trainable_variables)
     pairs = self._all_reduce_sum_gradients(  # pylint: disable=protected-access
         zip(grads, [v.value if isinstance(v, keras.Variable) else v
@@ -171,6 +174,30 @@ def reduce_before_clipping(backend_apply_gradients):
                                      trainable_variables)
     finally:
       self._gradients_reduced = False  # pylint: disable=protected-access
+
+  return wrapper
+
+
+def reduce_accumulated_before_clipping(clip_gradients):
+  """With gradient accumulation, clipping of the global (g + acc) / steps.
+
+  Keras clips each replica's (g + acc) / steps at an update step, before its
+  all-reduce; here they are all-reduced first, at update steps only (Keras
+  clips nowhere else), and the update's own all-reduce is skipped.
+  """
+
+  @functools.wraps(clip_gradients)
+  def wrapper(self, grads):
+    clips = self.clipnorm or self.global_clipnorm or self.clipvalue
+    if not (clips and self.gradient_accumulation_steps and _in_our_replicas()):
+      return clip_gradients(self, grads)
+    if sharded_weights.any_sharded(ki.optimizer_weights(self)):
+      sharded_weights.refuse_clipping_accumulated()
+    # Without sharded weights, the weights do not change the sum.
+    pairs = self._all_reduce_sum_gradients(  # pylint: disable=protected-access
+        [(g, None) for g in grads])
+    self._gradients_reduced = True  # pylint: disable=protected-access
+    return clip_gradients(self, [g for g, _ in pairs])
 
   return wrapper
 
@@ -202,6 +229,8 @@ def skip_if_reduced(all_reduce_sum_gradients):
   @functools.wraps(all_reduce_sum_gradients)
   def wrapper(self, grads_and_vars):
     if getattr(self, "_gradients_reduced", False):
+      # Once: the update after the clipping that reduced them.
+      self._gradients_reduced = False  # pylint: disable=protected-access
       return list(grads_and_vars)
     return all_reduce_sum_gradients(self, grads_and_vars)
 
