@@ -63,7 +63,7 @@ class Options:
 
 
 def parse(argv, description, sections):
-  """Options from `argv`; `sections` maps each valid name to what it measures."""
+  """Options from `argv`; `sections`: each valid name, what it measures."""
   parser = argparse.ArgumentParser(
       prog="python -m benchmarks", description=description,
       formatter_class=argparse.RawDescriptionHelpFormatter,

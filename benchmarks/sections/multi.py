@@ -26,15 +26,24 @@ VARIANTS = {
 WHERE = ("1 process x 4", "2 workers x 2")
 
 
-def multi_child(options, variant):
-  """In a child (maybe a worker): the MLP fit step under `variant`, in ms.
+def multi_child(options, spec):
+  """In a child (maybe a worker): every variant's result, by variant.
+
+  One process runs them all, one after another (a worker joins its cluster
+  once; each variant's strategy uses it in turn).
+  """
+  del spec
+  return {variant: _fit_step(options.size, variant) for variant in VARIANTS}
+
+
+def _fit_step(size, variant):
+  """The MLP fit step under `variant`, in ms.
 
   The mean step of each round (accumulation steps and update steps alike),
   median over rounds; with gradient accumulation also the median of each
   kind of step: those that only accumulate and those that all-reduce and
   update.
   """
-  size = options.size
   strategy_kwargs, optimizer_kwargs = VARIANTS[variant]
   strategy = rs.ReplicatorStrategy(**strategy_kwargs)
   x, y = models.data(size, "mlp", size["fit_steps"])
@@ -68,10 +77,12 @@ def multi_child(options, variant):
 
 
 def multi_rows(options):
+  singles = processes.child(options, "multi:")
+  on_workers = processes.on_two_workers(options, "multi:")
   rows = []
   for variant in VARIANTS:
-    single = processes.child(options, f"multi:{variant}")
-    workers = processes.on_two_workers(options, f"multi:{variant}")
+    single = singles[variant]
+    workers = [w[variant] for w in on_workers]
     by_where = dict(zip(WHERE, ([single], workers)))
     row = {"variant": variant,
            "ms": {where: statistics.median(r["ms"] for r in results)
