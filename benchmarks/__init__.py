@@ -14,6 +14,11 @@ measures, how it runs, its table). It imports `replicator_strategy`, never
 the other way round, and does no work at import: flags are read and the CPU
 is split into logical devices in `cli.main`.
 
+To add a section: a module under `sections/` whose docstring says what it
+measures, declaring `SECTION = section.Section(...)`, listed once in
+`sections.REGISTRY`; `--sections`, `--help`, the child processes, the JSON
+and the tables all follow from that entry.
+
 For each replica count, every contender runs in the same process on the
 same logical devices (the CPU split into 4 unless GPUs exist), interleaved
 round by round so that machine noise hits all of them alike; the tables

@@ -22,6 +22,8 @@ from benchmarks import options as options_lib
 from benchmarks import processes
 from benchmarks.sections import REGISTRY
 
+# The child kind that runs every per-count section for one replica count.
+REPLICAS = "replicas"
 DESCRIPTION = ("ReplicatorStrategy vs MirroredStrategy vs no strategy, side "
                "by side in one run.")
 
@@ -52,7 +54,7 @@ def chosen(options):
 def run_child(options):
   """What `--child section:spec` asks for; "replicas:n" runs one count."""
   name, _, spec = options.child.partition(":")
-  if name == "replicas":
+  if name == REPLICAS:
     return {s.name: s.per_replicas(options, int(spec))
             for s in chosen(options) if s.per_replicas}
   return REGISTRY[name].child(options, spec)
@@ -63,7 +65,7 @@ def run(options):
   results = {name: [] for name in options.sections}
   if any(s.per_replicas for s in chosen(options)):
     for n in contenders.replica_counts():
-      for name, rows in processes.child(options, f"replicas:{n}").items():
+      for name, rows in processes.child(options, REPLICAS, n).items():
         results[name] += rows
   for s in chosen(options):
     if s.fresh:

@@ -41,7 +41,7 @@ def allreduce_rows(options, n):
     rows.append({"tensors": label, "replicas": n,
                  "ms": {k: timing.median_ms(v) for k, v in times.items()},
                  "agree": timing.agree(firsts, rtol=1e-6)})
-    tables.progress("allreduce", rows[-1])
+    tables.progress(SECTION.name, rows[-1])
   return rows
 
 

@@ -60,11 +60,13 @@ def custom_step(size, model, optimizer, strategy, part="+ update", slices=1):
 
 
 def custom_rows(options, n, model_names=tuple(models.MODELS),
-                parts=("+ update",), sliced=False, names=fit.NAMES):
+                parts=("+ update",), sliced=False, names=fit.NAMES,
+                section_name=None):
   """Custom-loop step times; with several `parts`, one row per part.
 
   `sliced` adds the contender "none, sliced": no strategy, the batch in `n`
-  slices one after another.
+  slices one after another. Each row is reported as it comes under
+  `section_name` (default "custom").
   """
   size = options.size
   rows = []
@@ -83,7 +85,7 @@ def custom_rows(options, n, model_names=tuple(models.MODELS),
               model_name, {k: r["losses"] for k, r in of_part.items()})})
       if len(parts) > 1:
         rows[-1]["part"] = part
-      tables.progress("custom", rows[-1])
+      tables.progress(section_name or SECTION.name, rows[-1])
   return rows
 
 

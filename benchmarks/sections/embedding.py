@@ -52,7 +52,7 @@ def embedding_child(options, spec):
 
 def embedding_rows(options):
   n = contenders.replica_counts()[-1]
-  runs = {name: processes.child(options, f"embedding:{name}:{n}")
+  runs = {name: processes.child(options, SECTION.name, f"{name}:{n}")
           for name in NAMES}
   rows, width = options.size["embedding"]
   row = {"replicas": n, "table_mb": rows * width * 4 / 2 ** 20,
@@ -63,7 +63,7 @@ def embedding_rows(options):
          "peak_rss_mb": {name: r["peak_rss_mb"] for name, r in runs.items()},
          "agree": timing.agree([r["losses"] for r in runs.values()],
                                rtol=1e-4)}
-  tables.progress("embedding", row)
+  tables.progress(SECTION.name, row)
   return [row]
 
 

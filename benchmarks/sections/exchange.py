@@ -73,14 +73,14 @@ def exchange_child(options, spec):
 
 
 def exchange_rows(options):
-  single = processes.child(options, "exchange:")
-  workers = processes.on_two_workers(options, "exchange:")
+  single = processes.child(options, SECTION.name)
+  workers = processes.on_two_workers(options, SECTION.name)
   row = {"ms": {f"{exchange}, {where}": statistics.median(
       r["ms"][exchange] for r in results)
                 for where, results in zip(multi.WHERE, ([single], workers))
                 for exchange in EXCHANGES},
          "agree": all(w["results"] == single["results"] for w in workers)}
-  tables.progress("exchange", row)
+  tables.progress(SECTION.name, row)
   return [row]
 
 

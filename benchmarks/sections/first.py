@@ -36,12 +36,12 @@ def first_rows(options):
   runs = {name: [] for name in NAMES}
   for _ in range(options.size["first_epoch_runs"]):
     for name, results in runs.items():  # A fresh process each.
-      results.append(processes.child(options, f"first:{name}:{n}"))
+      results.append(processes.child(options, SECTION.name, f"{name}:{n}"))
   row = {"replicas": n, "runs": options.size["first_epoch_runs"]}
   for key in KEYS:
     row[key] = {name: statistics.median(r[key] for r in results)
                 for name, results in runs.items()}
-  tables.progress("first", row)
+  tables.progress(SECTION.name, row)
   return [row]
 
 

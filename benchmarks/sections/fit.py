@@ -24,8 +24,11 @@ OWN_DRAWS = ", own draws"
 
 
 def fit_rows(options, n, model_names=tuple(models.MODELS), names=NAMES,
-             optimizer="sgd", section_name="fit"):
-  """Keras fit step of each contender; a name "X+xla" is X with jit_compile."""
+             optimizer="sgd", section_name=None):
+  """Keras fit step of each contender; a name "X+xla" is X with jit_compile.
+
+  Each row is reported as it comes under `section_name` (default "fit").
+  """
   rows = []
   for model_name in model_names:
     runs = _compiled_runs(options.size, n, model_name, names, optimizer)
@@ -38,7 +41,7 @@ def fit_rows(options, n, model_names=tuple(models.MODELS), names=NAMES,
         "agree": models.losses_agree(
             model_name, {k: r["losses"] for k, r in runs.items()
                          if k not in failed})})
-    tables.progress(section_name, rows[-1])
+    tables.progress(section_name or SECTION.name, rows[-1])
   return rows
 
 

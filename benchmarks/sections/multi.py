@@ -77,8 +77,8 @@ def _fit_step(size, variant):
 
 
 def multi_rows(options):
-  singles = processes.child(options, "multi:")
-  on_workers = processes.on_two_workers(options, "multi:")
+  singles = processes.child(options, SECTION.name)
+  on_workers = processes.on_two_workers(options, SECTION.name)
   rows = []
   for variant in VARIANTS:
     single = singles[variant]
@@ -96,7 +96,7 @@ def multi_rows(options):
            "agree": timing.agree([single["first_loss"]] +
                                  [w["first_loss"] for w in workers],
                                  rtol=1e-3)}
-    tables.progress("multi", row)
+    tables.progress(SECTION.name, row)
     rows.append(row)
   return rows
 

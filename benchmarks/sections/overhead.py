@@ -18,7 +18,7 @@ from benchmarks.sections import fit
 
 def overhead_rows(options, n):
   return (fit.fit_rows(options, n, model_names=("tiny",),
-                       section_name="overhead") +
+                       section_name=SECTION.name) +
           [input_fetch(options.size, n)])
 
 
@@ -45,7 +45,7 @@ def input_fetch(size, n):
          "ms": {name: timing.median_ms(t) for name, t in times.items()},
          "failed": {},
          "agree": timing.agree(firsts.values(), rtol=1e-4)}
-  tables.progress("overhead", row)
+  tables.progress(SECTION.name, row)
   return row
 
 

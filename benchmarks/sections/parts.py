@@ -18,7 +18,8 @@ def parts_rows(options, n):
   if not contenders.at_most_replicas(n):
     return []
   return custom.custom_rows(options, n, model_names=("mlp",),
-                            parts=custom.STEP_PARTS, sliced=True, names=NAMES)
+                            parts=custom.STEP_PARTS, sliced=True, names=NAMES,
+                            section_name=SECTION.name)
 
 
 def parts_table(options, rows):

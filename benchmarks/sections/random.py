@@ -19,7 +19,7 @@ def random_rows(options, n):
   if not contenders.at_most_replicas(n):
     return []
   return fit.fit_rows(options, n, model_names=tuple(models.RANDOM_MODELS),
-                      names=fit.NAMES + (OWN,), section_name="random")
+                      names=fit.NAMES + (OWN,), section_name=SECTION.name)
 
 
 def random_table(options, rows):

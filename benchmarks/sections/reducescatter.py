@@ -48,7 +48,7 @@ def reduce_scatter_rows(options, n):
                  "agree": timing.agree(
                      [firsts[key] for key in of_path] +
                      [[n * (n + 1) / 2 + r for r in range(n)]], rtol=1e-6)})
-    tables.progress("reducescatter", rows[-1])
+    tables.progress(SECTION.name, rows[-1])
   return rows
 
 

@@ -35,7 +35,7 @@ def fit_step_rows(options, n):
   rows = []
   for optimizer in models.OPTIMIZERS:
     row = fit.fit_rows(options, n, model_names=("mlp",), names=NAMES,
-                       optimizer=optimizer)[0]
+                       optimizer=optimizer, section_name=SECTION.name)[0]
     rows.append(dict(row, measure="fit step", optimizer=optimizer))
   return rows
 
@@ -81,7 +81,7 @@ def memory_child(options, spec):
 def memory_rows(options):
   """Fresh-process part: one child per contender, so peaks don't mix."""
   n = contenders.replica_counts()[-1]
-  runs = {name: processes.child(options, f"sharding:{name}:{n}")
+  runs = {name: processes.child(options, SECTION.name, f"{name}:{n}")
           for name in NAMES}
   params = runs["mirrored"]["params"]
   row = {"measure": "memory", "replicas": n, "params": params,
@@ -95,7 +95,7 @@ def memory_rows(options):
     row[key.replace("bytes", "devices")] = {
         name: len(r[key]) for name, r in runs.items()}
   row["peak_rss_mb"] = {name: r["peak_rss_mb"] for name, r in runs.items()}
-  tables.progress("sharding", row)
+  tables.progress(SECTION.name, row)
   return [row]
 
 

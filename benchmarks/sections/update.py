@@ -60,7 +60,7 @@ def update_rows(options, n):
                  "agree": timing.agree(
                      [np.concatenate([w.ravel() for w in m.get_weights()])
                       for m in finals.values()], rtol=1e-4)})
-    tables.progress("update", rows[-1])
+    tables.progress(SECTION.name, rows[-1])
   return rows
 
 

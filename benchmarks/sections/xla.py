@@ -14,7 +14,7 @@ NAMES = tuple(f"{name}{xla}" for name in fit.NAMES for xla in ("", "+xla"))
 def xla_rows(options, n):
   if not contenders.at_most_replicas(n):
     return []
-  return fit.fit_rows(options, n, names=NAMES, section_name="xla")
+  return fit.fit_rows(options, n, names=NAMES, section_name=SECTION.name)
 
 
 def xla_table(options, rows):
