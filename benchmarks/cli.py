@@ -1,0 +1,91 @@
+"""The command line: parses flags, splits the CPU, runs sections, reports.
+
+The parent runs one child process per replica count for the sections that
+run per count (every contender in the same process, interleaved round by
+round), then the sections that start processes of their own; it prints the
+tables and writes the JSON. `--child section:spec` makes a process a child:
+it runs that one piece and prints its result as JSON.
+"""
+
+import json
+import os
+import platform
+import sys
+import time
+
+import keras
+import tensorflow as tf
+
+import replicator_strategy as rs
+from benchmarks import contenders
+from benchmarks import options as options_lib
+from benchmarks import processes
+from benchmarks.sections import REGISTRY
+
+# The child kind that runs every per-count section for one replica count.
+REPLICAS = "replicas"
+DESCRIPTION = ("ReplicatorStrategy vs MirroredStrategy vs no strategy, side "
+               "by side in one run.")
+
+
+def main(argv=None):
+  options = options_lib.parse(
+      argv, DESCRIPTION, {name: s.measures for name, s in REGISTRY.items()})
+  if not tf.config.list_physical_devices("GPU"):
+    rs.split_cpu(options.devices)
+  if options.child:
+    print(json.dumps(run_child(options)))
+    return
+  start = time.perf_counter()
+  results = run(options)
+  results["machine"] = machine(options)
+  results["seconds"] = time.perf_counter() - start
+  print(table(options, results))
+  print(f"\n{json.dumps(results['machine'])}\ntotal {results['seconds']:.0f} s")
+  if options.json:
+    with open(options.json, "w", encoding="utf-8") as f:
+      json.dump(results, f, indent=1)
+
+
+def chosen(options):
+  return [REGISTRY[name] for name in options.sections]
+
+
+def run_child(options):
+  """What `--child section:spec` asks for; "replicas:n" runs one count."""
+  name, _, spec = options.child.partition(":")
+  if name == REPLICAS:
+    return {s.name: s.per_replicas(options, int(spec))
+            for s in chosen(options) if s.per_replicas}
+  return REGISTRY[name].child(options, spec)
+
+
+def run(options):
+  """Every chosen section's rows, by name."""
+  results = {name: [] for name in options.sections}
+  if any(s.per_replicas for s in chosen(options)):
+    for n in contenders.replica_counts():
+      for name, rows in processes.child(options, REPLICAS, n).items():
+        results[name] += rows
+  for s in chosen(options):
+    if s.fresh:
+      results[s.name] += s.fresh(options)
+  return results
+
+
+def table(options, results):
+  lines = []
+  for name, s in REGISTRY.items():
+    lines += s.table(options, results.get(name, []))
+  return "\n".join(lines)
+
+
+def machine(options):
+  return {"python": platform.python_version(), "tensorflow": tf.__version__,
+          "keras": keras.__version__, "cpus": os.cpu_count(),
+          "devices": list(contenders.devices()), "quick": options.quick,
+          "platform": platform.platform()}
+
+
+if __name__ == "__main__":
+  sys.exit(main())

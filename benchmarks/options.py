@@ -1,0 +1,90 @@
+"""The run's options: the command-line flags and the sizes `--quick` picks."""
+
+import argparse
+import dataclasses
+
+SIZES = {  # name: (full run, --quick)
+    "mlp_hidden": (512, 16),
+    # The update section's MLP widths: the benchmark MLP's, then wider, to
+    # show how the update's fixed costs per weight weigh as weights grow.
+    "update_hidden": ((512, 1024, 2048), (16, 32)),
+    "conv_filters": (16, 4),
+    "image": (28, 8),
+    "global_batch": (256, 32),
+    "fit_steps": (20, 3),
+    "rounds": (5, 2),
+    "allreduce_mb": ((1, 16, 64), (0.0625,)),
+    "allreduce_many": ((200, 4096), (10, 256)),  # tensors, bytes each
+    "allreduce_repeats": (15, 3),
+    "reduce_scatter_mb": (16, 0.0625),
+    "first_epoch_runs": (3, 1),  # fresh processes per contender
+    # The memory-bound MLP: input, hidden width, hidden layers; 50.4 M
+    # parameters in full (192 MiB a copy in float32).
+    "big_mlp": ((4096, 4096, 3), (64, 64, 2)),
+    "big_mlp_batch": (16, 8),  # global; small, so that the state dominates
+    "big_mlp_steps": (3, 2),
+    # The embedding table: rows x width (512 MB in full), ids per example,
+    # global batch, timed steps.
+    "embedding": ((2_000_000, 64), (2_000, 8)),
+    "embedding_ids": (8, 4),
+    "embedding_batch": (256, 32),
+    "embedding_steps": (20, 3),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+  """What to run and how big.
+
+  Attributes:
+    quick: tiny sizes, to check that everything runs and agrees.
+    devices: logical CPU devices when there is no GPU.
+    sections: the names of the sections to run, in order.
+    json: where to write the results too, or None.
+    child: in a child process, what it runs ("section:spec"), else None.
+    size: each of `SIZES` at the chosen scale.
+  """
+  quick: bool = False
+  devices: int = 4
+  sections: tuple[str, ...] = ()
+  json: str | None = None
+  child: str | None = None
+  size: dict = dataclasses.field(init=False)
+
+  def __post_init__(self):
+    object.__setattr__(self, "size",
+                       {k: v[int(self.quick)] for k, v in SIZES.items()})
+
+  def child_flags(self, devices=None):
+    """The flags a child process needs to see the same run."""
+    return (["--devices", str(devices or self.devices),
+             "--sections", ",".join(self.sections)] +
+            (["--quick"] if self.quick else []))
+
+
+def parse(argv, description, sections):
+  """Options from `argv`; `sections`: each valid name, what it measures."""
+  parser = argparse.ArgumentParser(
+      prog="python -m benchmarks", description=description,
+      formatter_class=argparse.RawDescriptionHelpFormatter,
+      epilog="sections:\n" + "\n".join(
+          f"  {name:14} {measures}" for name, measures in sections.items()))
+  parser.add_argument("--quick", action="store_true",
+                      help="tiny sizes: checks that everything runs and agrees")
+  parser.add_argument("--json", help="also write the results here")
+  parser.add_argument("--devices", type=int, default=4,
+                      help="logical CPU devices when there is no GPU "
+                      "(default 4)")
+  every = ",".join(sections)
+  parser.add_argument("--sections", default=every,
+                      help="comma-separated subset of the sections below "
+                      "(default: all)")
+  parser.add_argument("--child", help=argparse.SUPPRESS)
+  args = parser.parse_args(argv)
+  chosen = tuple(args.sections.split(","))
+  unknown = [name for name in chosen if name not in sections]
+  if unknown:
+    parser.error(f"Expected --sections from {every}. Received: "
+                 f"--sections={args.sections} (unknown: {','.join(unknown)})")
+  return Options(quick=args.quick, devices=args.devices, sections=chosen,
+                 json=args.json, child=args.child)

@@ -1,0 +1,56 @@
+"""Child processes: one per replica count, fresh ones, and two workers.
+
+A child is `python -m benchmarks --child section:spec` with the parent's
+flags; it prints its result as JSON on its last line. The package's parent
+folder goes on the child's PYTHONPATH, so that children find the package
+from any working directory (the launcher starts workers in a temporary one).
+"""
+
+import json
+import os
+import pathlib
+import resource
+import subprocess
+import sys
+import tempfile
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def _env():
+  paths = [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(
+      os.pathsep) if p]
+  return {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
+
+
+def _command(options, section, spec, devices=None):
+  return ([sys.executable, "-m", "benchmarks", "--child", f"{section}:{spec}"]
+          + options.child_flags(devices))
+
+
+def child(options, section, spec="", timeout=600):
+  """Runs `section`'s child on `spec` in a fresh process; its JSON result."""
+  done = subprocess.run(_command(options, section, spec), stdout=subprocess.PIPE,
+                        text=True, timeout=timeout, check=True, env=_env())
+  return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def on_two_workers(options, section, spec=""):
+  """Runs `section`'s child on `spec` on 2 workers x 2 devices (under the
+  launcher); each worker's JSON result."""
+  with tempfile.TemporaryDirectory() as out:
+    done = subprocess.run(
+        [sys.executable, "-m", "replicator_strategy.launch", "--workers",
+         "2", "--timeout", "500", "--output", "all", "--"] +
+        _command(options, section, spec, devices=2),
+        stdout=subprocess.PIPE, text=True, timeout=560, check=True, cwd=out,
+        env=_env())
+  lines = [l.split("] ", 1)[1] for l in done.stdout.splitlines()
+           if l.startswith("[worker ") and
+           l.split("] ", 1)[1].startswith("{")]
+  return [json.loads(l) for l in lines]
+
+
+def peak_rss_mb():
+  """This process's peak resident memory so far."""
+  return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
