@@ -45,10 +45,10 @@ def on_two_workers(options, section, spec=""):
         _command(options, section, spec, devices=2),
         stdout=subprocess.PIPE, text=True, timeout=560, check=True, cwd=out,
         env=_env())
-  lines = [l.split("] ", 1)[1] for l in done.stdout.splitlines()
-           if l.startswith("[worker ") and
-           l.split("] ", 1)[1].startswith("{")]
-  return [json.loads(l) for l in lines]
+  lines = [line.split("] ", 1)[1] for line in done.stdout.splitlines()
+           if line.startswith("[worker ") and
+           line.split("] ", 1)[1].startswith("{")]
+  return [json.loads(line) for line in lines]
 
 
 def peak_rss_mb():

@@ -13,7 +13,7 @@ rows)` formats them, as lines.
 """
 
 import dataclasses
-from typing import Callable
+from collections.abc import Callable
 
 
 @dataclasses.dataclass(frozen=True)

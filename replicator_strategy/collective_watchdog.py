@@ -295,9 +295,9 @@ def mismatch_message(what, states, devices):
       f"ReplicatorStrategy: replicas called different collectives at the same "
       f"point ({what}, collective #{states[0][0]} of each):\n" +
       "\n".join(lines) + "\n"
-      f"Every replica must call the same collectives (op, dtype and shape) in "
-      f"the same order; a tf.cond whose branches call different collectives "
-      f"must take the same branch on every replica.")
+      "Every replica must call the same collectives (op, dtype and shape) in "
+      "the same order; a tf.cond whose branches call different collectives "
+      "must take the same branch on every replica.")
 
 
 def _mismatched(states):

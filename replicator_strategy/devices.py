@@ -54,7 +54,8 @@ def local_devices():
   >>> import replicator_strategy as rs
   >>> rs.split_cpu(4)  # before TensorFlow touches a device
   >>> rs.local_devices()
-  ('/job:localhost/replica:0/task:0/device:CPU:0', ..., '/job:localhost/replica:0/task:0/device:CPU:3')
+  ('/job:localhost/replica:0/task:0/device:CPU:0', ...,
+   '/job:localhost/replica:0/task:0/device:CPU:3')
   """
   for device_type in ("GPU", "CPU"):
     found = _this_tasks(tf.config.list_logical_devices(device_type))

@@ -36,8 +36,8 @@ def check_address(address, own):
   host, _, port = address.rpartition(":")
   host = host.strip("[]")  # An IPv6 literal: "[::1]:2222".
   if not host or not port.isdigit() or not 0 < int(port) < 65536:
-    return (f"not host:port with a port in 1-65535; write it like "
-            f"'host1:2222'", 1)
+    return ("not host:port with a port in 1-65535; write it like "
+            "'host1:2222'", 1)
   try:
     family, kind, proto, _, socket_address = socket.getaddrinfo(
         host, int(port), type=socket.SOCK_STREAM)[0]
@@ -59,7 +59,7 @@ def check_address(address, own):
     except ConnectionRefusedError:
       return (f"the host answers; nothing listens on port {port} yet (fine "
               f"before the job starts)", 0)
-    except (socket.timeout, TimeoutError):
+    except TimeoutError:
       return (f"no answer within {CONNECT_SECONDS:g} s: the host is down, or "
               f"a firewall drops port {port}, which every worker must reach",
               1)

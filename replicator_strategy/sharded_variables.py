@@ -405,7 +405,7 @@ def create(strategy, devices, next_creator, layout_for, replica_reads,
       with tf.device(device):
         kwargs["initial_value"] = layout.shard(whole, first_shard + index)
         if index:
-          kwargs["name"] = "%s/shard_%d/" % (
+          kwargs["name"] = "{}/shard_{:d}/".format(
               shards[0].name.split(":")[0], index)
         with tfi.context.device_policy(tfi.context.DEVICE_PLACEMENT_SILENT):
           with tfi.record.stop_recording():

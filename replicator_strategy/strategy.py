@@ -1,7 +1,8 @@
 """`ReplicatorStrategy`: single-device code, replicated over every local device.
 
-The class's docstring opens with an example. On several machines the same script runs on each, with `TF_CONFIG` (or a
-cluster resolver) saying which worker it is; see docs/multi-worker.md.
+The class's docstring opens with an example. On several machines the same
+script runs on each, with `TF_CONFIG` (or a cluster resolver) saying which
+worker it is; see docs/multi-worker.md.
 
 TF-Replicator (Buchlovsky et al., 2019, arXiv:1902.00465) rebuilt as a
 `tf.distribute.Strategy`.
@@ -53,8 +54,9 @@ class ReplicatorStrategy(tf.distribute.Strategy):
 
   Args:
     devices: this worker's devices to replicate over, one replica each: a
-      list of device strings such as "/gpu:0", or of `tf.DeviceSpec`s. Default: every local GPU, or every logical CPU device when there
-      is no GPU. Every worker must have as many.
+      list of device strings such as "/gpu:0", or of `tf.DeviceSpec`s.
+      Default: every local GPU, or every logical CPU device when there is no
+      GPU. Every worker must have as many.
     all_reduce: "auto" (default: picked for the topology, see
       `replicator_strategy.all_reduce`), "add_on_one_device", "nccl",
       "hierarchical_copy", "ring" (names in any case), or a

@@ -171,7 +171,7 @@ def create(strategy, devices, next_creator, replica_sum=False, **kwargs):
           # Replicas start from the primary's value, so they are identical
           # even when the initializer is random.
           kwargs["initial_value"] = _copy_of(components[0])
-          kwargs["name"] = "%s/replica_%d/" % (
+          kwargs["name"] = "{}/replica_{:d}/".format(
               components[0].name.split(":")[0], i)
         with tfi.context.device_policy(tfi.context.DEVICE_PLACEMENT_SILENT):
           with tfi.record.stop_recording():

@@ -236,7 +236,8 @@ class LaunchTest(unittest.TestCase):
         launcher.send_signal(sig)
         launcher.communicate(timeout=30)
         self.assertEqual(launcher.returncode, 128 + sig)
-      wait_for(lambda: not any(alive(p) for p in pids), seconds=5)
+      # Called before the loop moves on, so `pids` is this iteration's.
+      wait_for(lambda: not any(alive(p) for p in pids), seconds=5)  # noqa: B023
 
   def test_workers_that_ignore_sigterm_are_killed_after_the_grace_period(self):
     with tempfile.TemporaryDirectory() as out:

@@ -20,7 +20,6 @@ from parameterized import parameterized
 import tensorflow as tf
 
 from assertions import assert_per_replica
-import models
 import topology
 from test_custom_loop import make_step
 import test_sharded_optimizer_state as zero

@@ -8,7 +8,7 @@ import re
 import unittest
 from unittest import mock
 
-from absl.testing import absltest  # pylint: disable=unused-import
+from absl.testing import absltest  # noqa: F401  # pylint: disable=unused-import
 import numpy as np
 from parameterized import parameterized
 import tensorflow as tf

@@ -17,7 +17,8 @@ names; another version is refused on import (set
 
 import dataclasses
 import functools
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import keras
 
