@@ -155,6 +155,11 @@ def split_predict_on_batch(predict_on_batch):
   return wrapper
 
 
+def _clips(optimizer):
+  """Whether `optimizer` clips its gradients (by norm, global norm or value)."""
+  return optimizer.clipnorm or optimizer.global_clipnorm or optimizer.clipvalue
+
+
 def reduce_before_clipping(backend_apply_gradients):
 
   @functools.wraps(backend_apply_gradients)
@@ -188,8 +193,7 @@ def reduce_accumulated_before_clipping(clip_gradients):
 
   @functools.wraps(clip_gradients)
   def wrapper(self, grads):
-    clips = self.clipnorm or self.global_clipnorm or self.clipvalue
-    if not (clips and self.gradient_accumulation_steps and _in_our_replicas()):
+    if not (_clips(self) and self.gradient_accumulation_steps and _in_our_replicas()):
       return clip_gradients(self, grads)
     if sharded_weights.any_sharded(ki.optimizer_weights(self)):
       sharded_weights.refuse_clipping_accumulated()
