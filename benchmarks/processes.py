@@ -40,7 +40,7 @@ def on_two_workers(options, section, spec=""):
   launcher); each worker's JSON result."""
   with tempfile.TemporaryDirectory() as out:
     done = subprocess.run(
-        [sys.executable, "-m", "replicator_strategy.launch", "--workers",
+        [sys.executable, "-m", "replicator_strategy.cli.launch", "--workers",
          "2", "--timeout", "500", "--output", "all", "--"] +
         _command(options, section, spec, devices=2),
         stdout=subprocess.PIPE, text=True, timeout=560, check=True, cwd=out,

@@ -15,7 +15,7 @@ Across workers, every worker runs its own actors and buffer (seeded apart)
 and its replicas learn from it; the networks stay identical everywhere.
 
   python keras_examples/d4pg_pendulum.py --replicas 4
-  python -m replicator_strategy.launch --workers 2 -- \\
+  replicator-launch --workers 2 -- \\
       python keras_examples/d4pg_pendulum.py --replicas 2 --quick
 """
 

@@ -5,7 +5,7 @@ topology printed first and the wall time printed last, curves drawn to a PNG
 and TensorBoard logs. Files are written by the chief only, so every example
 also runs as several workers:
 
-  python -m replicator_strategy.launch --workers 2 -- \\
+  replicator-launch --workers 2 -- \\
       python keras_examples/resnet_digits.py --replicas 2 --quick
 
 Each example calls `start` first (it parses the flags, makes the strategy

@@ -8,7 +8,7 @@ with momentum, the learning rate scaled with the global batch (--base-lr
 per 256 examples), a linear warm-up, then a cosine decay.
 
   python keras_examples/resnet_digits.py --replicas 4
-  python -m replicator_strategy.launch --workers 2 -- \\
+  replicator-launch --workers 2 -- \\
       python keras_examples/resnet_digits.py --replicas 2 --quick
 """
 

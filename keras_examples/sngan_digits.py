@@ -13,7 +13,7 @@ per class, is written as a PNG.
 
   python keras_examples/sngan_digits.py --replicas 4
   python keras_examples/sngan_digits.py --replicas 4 --loop custom
-  python -m replicator_strategy.launch --workers 2 -- \\
+  replicator-launch --workers 2 -- \\
       python keras_examples/sngan_digits.py --replicas 2 --quick
 """
 

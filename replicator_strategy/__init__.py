@@ -19,14 +19,14 @@ which extra to install.
 import importlib
 import re
 
-from replicator_strategy import tensorflow_logs
+from replicator_strategy.cli import tensorflow_logs
 
 __version__ = "0.1.0"
 
 # Public name -> the module that defines it.
 _PUBLIC = {
-    "PreemptionCheckpoint": "replicator_strategy.preemption_checkpoint",
-    "ReduceOp": "replicator_strategy.reduce_op",
+    "PreemptionCheckpoint": "replicator_strategy.cluster.preemption_checkpoint",
+    "ReduceOp": "replicator_strategy.collectives.reduce_op",
     "ReplicaContext": "replicator_strategy.replica_context",
     "ReplicatorExtended": "replicator_strategy.extended",
     "ReplicatorStrategy": "replicator_strategy.strategy",

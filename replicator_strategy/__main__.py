@@ -2,7 +2,7 @@
 
 import sys
 
-from replicator_strategy import environment_report
+from replicator_strategy.cli import environment_report
 
 if __name__ == "__main__":
   sys.exit(environment_report.main())

@@ -5,7 +5,7 @@ cross-device ops and replica threads. Those live in private modules whose
 layout may change between TF releases, so every such import is made here and
 checked against the TF versions this file was written for, and every private
 member of a TF object the package uses is reached through a named function
-at the end of this file (tests/test_tf_internal.py checks that no other
+at the end of this file (tests/core/test_tf_internal.py checks that no other
 module does). Upgrading TF means re-checking this one file.
 """
 

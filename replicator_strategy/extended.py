@@ -15,14 +15,14 @@ from absl import logging
 import tensorflow as tf
 
 from replicator_strategy import _tf_internal as tfi
-from replicator_strategy import collective_watchdog
+from replicator_strategy.collectives import watchdog as collective_watchdog
 from replicator_strategy import global_batch_input
-from replicator_strategy import communicator as communicator_lib
-from replicator_strategy import packing
-from replicator_strategy import reduce_op as reduce_op_lib
+from replicator_strategy.collectives import communicator as communicator_lib
+from replicator_strategy.collectives import packing
+from replicator_strategy.collectives import reduce_op as reduce_op_lib
 from replicator_strategy import replica_context
-from replicator_strategy import sharded_optimizer_state
-from replicator_strategy import sharded_variables
+from replicator_strategy.sharding import optimizer_state as sharded_optimizer_state
+from replicator_strategy.sharding import variables as sharded_variables
 from replicator_strategy import variables
 
 _utils = tfi.distribute_utils
@@ -32,7 +32,7 @@ class ReplicatorExtended(tfi.StrategyExtendedV1):
   """Replicates over `devices` of this worker, one replica per device.
 
   How replicas exchange values, alone or with other workers (a `cluster`,
-  see `replicator_strategy.cluster`), is the `communicator`'s business,
+  see `replicator_strategy.cluster.config`), is the `communicator`'s business,
   chosen here once.
 
   >>> import replicator_strategy as rs
@@ -58,7 +58,7 @@ class ReplicatorExtended(tfi.StrategyExtendedV1):
 
   @property
   def cluster(self):
-    """The workers (a `replicator_strategy.cluster.Cluster`), or None alone."""
+    """The workers (a `replicator_strategy.cluster.config.Cluster`), or None alone."""
     return self.communicator.cluster
 
   @property

@@ -23,8 +23,8 @@ import weakref
 import tensorflow as tf
 
 from replicator_strategy import _tf_internal as tfi
-from replicator_strategy import replica_collectives
-from replicator_strategy import reduce_op as reduce_op_lib
+from replicator_strategy.collectives import replica_collectives
+from replicator_strategy.collectives import reduce_op as reduce_op_lib
 
 
 BatchRows = collections.namedtuple("BatchRows", ["first", "count", "total"])

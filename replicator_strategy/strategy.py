@@ -15,14 +15,14 @@ from absl import logging
 import tensorflow as tf
 
 from replicator_strategy import _tf_internal as tfi
-from replicator_strategy import cluster as cluster_lib
-from replicator_strategy import collective_watchdog
+from replicator_strategy.cluster import config as cluster_lib
+from replicator_strategy.collectives import watchdog as collective_watchdog
 from replicator_strategy import devices as devices_lib
 from replicator_strategy import extended as extended_lib
-from replicator_strategy import gradient_compression as compression_lib
-from replicator_strategy import reduce_op as reduce_op_lib
+from replicator_strategy.collectives import compression as compression_lib
+from replicator_strategy.collectives import reduce_op as reduce_op_lib
 from replicator_strategy import replica_context
-from replicator_strategy import worker_runtime
+from replicator_strategy.cluster import runtime as worker_runtime
 
 # TF turns the timeout into int64 microseconds (collective ops, through a
 # float32) and int64 nanoseconds of a clock (heartbeats), which overflow past
@@ -58,7 +58,7 @@ class ReplicatorStrategy(tf.distribute.Strategy):
       Default: every local GPU, or every logical CPU device when there is no
       GPU. Every worker must have as many.
     all_reduce: "auto" (default: picked for the topology, see
-      `replicator_strategy.all_reduce`), "add_on_one_device", "nccl",
+      `replicator_strategy.collectives.all_reduce`), "add_on_one_device", "nccl",
       "hierarchical_copy", "ring" (names in any case), or a
       `tf.distribute.CrossDeviceOps`.
       "nccl" needs GPUs and a TensorFlow built with NCCL, "hierarchical_copy"
@@ -85,7 +85,7 @@ class ReplicatorStrategy(tf.distribute.Strategy):
     gradient_compression: None (default), "bfloat16" or "float16" (any
       case): the Keras optimizer's gradient all-reduce sends float32
       gradients as 16-bit floats and sums them so, half the bytes; the
-      update itself is float32 (see `replicator_strategy.gradient_compression`
+      update itself is float32 (see `replicator_strategy.collectives.compression`
       for the precision). With `shard_optimizer_state=True`, the gradients'
       reduce-scatter is 16-bit so too; with `variable_partitioner`, the
       sharded weights' gradient exchange (a reduce-scatter, or for an

@@ -1,6 +1,6 @@
 """One worker of a multi-worker test: `python tests/multi_worker_main.py RUNS OUT_DIR [TIMEOUT]`.
 
-Started by `replicator_strategy.launch` (which sets TF_CONFIG); runs the
+Started by `replicator_strategy.cli.launch` (which sets TF_CONFIG); runs the
 comma-separated `multi_worker_runs.RUNS` and writes their results to
 OUT_DIR/worker_<index>.json as {run: results}.
 """
@@ -12,6 +12,9 @@ import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+# The runs import test modules by name; they live in tests/<subsystem>/.
+sys.path[1:1] = sorted(str(d) for d in pathlib.Path(__file__).parent.iterdir()
+                       if d.is_dir() and d.name[0] not in "._")
 
 import replicator_strategy as rs  # pylint: disable=g-import-not-at-top
 import tensorflow as tf  # pylint: disable=g-import-not-at-top

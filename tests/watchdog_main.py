@@ -2,7 +2,7 @@
 
     python tests/watchdog_main.py CASE
     python tests/watchdog_main.py after_a_timeout CASE
-    python -m replicator_strategy.launch --workers 2 -- \
+    python -m replicator_strategy.cli.launch --workers 2 -- \
         python tests/watchdog_main.py uneven_steps rows
 
 Prints one JSON line: {"error": ..., "message": ..., "seconds": ...} for a

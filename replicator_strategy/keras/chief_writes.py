@@ -37,7 +37,7 @@ import shutil
 import tempfile
 
 
-from replicator_strategy import preemption
+from replicator_strategy.cluster import preemption
 from replicator_strategy import strategy as strategy_lib
 
 _scratch_root = []

@@ -1,7 +1,7 @@
 """`keras.callbacks.BackupAndRestore` takes part in the agreed stop on SIGTERM.
 
 Across workers, SIGTERM to one worker stops every worker after one agreed
-step (see `replicator_strategy.preemption`). In `fit`, `BackupAndRestore`
+step (see `replicator_strategy.cluster.preemption`). In `fit`, `BackupAndRestore`
 watches for that step from `on_train_begin`, counts steps in
 `on_train_batch_end`, saves and stops there. Entries of
 `replicator_strategy.keras.PATCHES`; inert unless a ReplicatorStrategy
@@ -22,7 +22,7 @@ cluster is running.
 
 import functools
 
-from replicator_strategy import preemption
+from replicator_strategy.cluster import preemption
 from replicator_strategy.keras import _internal as ki
 
 

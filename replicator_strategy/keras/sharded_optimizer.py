@@ -45,10 +45,10 @@ import keras
 import tensorflow as tf
 
 from replicator_strategy import _tf_internal as tfi
-from replicator_strategy import gradient_compression as compression_lib
+from replicator_strategy.collectives import compression as compression_lib
 from replicator_strategy import replica_context
-from replicator_strategy import sharded_optimizer_state as sharded
-from replicator_strategy import sharded_variables
+from replicator_strategy.sharding import optimizer_state as sharded
+from replicator_strategy.sharding import variables as sharded_variables
 from replicator_strategy import strategy as strategy_lib
 from replicator_strategy.keras import _internal as ki
 

@@ -35,7 +35,7 @@ import tensorflow as tf
 
 from replicator_strategy import _tf_internal as tfi
 from replicator_strategy import replica_context
-from replicator_strategy import sharded_variables
+from replicator_strategy.sharding import variables as sharded_variables
 from replicator_strategy.keras import sharded_optimizer
 
 

@@ -39,7 +39,7 @@ classes made it, by name, so it is told that a
 
 And one thing Keras has no word for: with
 `ReplicatorStrategy(gradient_compression=...)` the optimizer's gradient
-all-reduce sends 16-bit floats (`replicator_strategy.gradient_compression`).
+all-reduce sends 16-bit floats (`replicator_strategy.collectives.compression`).
 
 Each wrapper is an entry of `replicator_strategy.keras.PATCHES`, applied on the first
 use of `replicator_strategy`, on `keras.Model`, `keras.optimizers.Optimizer` and
@@ -63,7 +63,7 @@ from replicator_strategy.keras import _internal as ki
 from replicator_strategy.keras import sharded_weights
 from replicator_strategy import _tf_internal as tfi
 from replicator_strategy import global_batch_input
-from replicator_strategy import gradient_compression as compression_lib
+from replicator_strategy.collectives import compression as compression_lib
 from replicator_strategy import replica_context
 from replicator_strategy import strategy as strategy_lib
 
@@ -210,7 +210,7 @@ def compressed_on_the_wire(all_reduce_sum_gradients):
   """The optimizer's gradient sum, sent as the strategy's 16-bit floats.
 
   `ReplicatorStrategy(gradient_compression=...)`; see
-  `replicator_strategy.gradient_compression`.
+  `replicator_strategy.collectives.compression`.
   """
   @functools.wraps(all_reduce_sum_gradients)
   def wrapper(self, grads_and_vars):

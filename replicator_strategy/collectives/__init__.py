@@ -1,0 +1,12 @@
+"""Collectives: how replicas and workers exchange values.
+
+Owns the reduction operations (`reduce_op`), the per-step exchange a strategy
+is built with (`communicator`), the all-reduce algorithm for the devices
+(`all_reduce`), packing small values into one exchange (`packing`), 16-bit
+gradient exchange (`compression`), the collectives a replica launches by
+itself (`replica_collectives`) or with other workers (`worker_collectives`),
+and the thread that bounds every wait in them (`watchdog`).
+
+May import: `replicator_strategy._tf_internal` and its own modules; nothing
+from `sharding`, `cluster`, `cli` or `keras`.
+"""

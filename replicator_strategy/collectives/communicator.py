@@ -1,0 +1,330 @@
+"""How this process's replicas exchange values: on their own, or with other workers.
+
+Chosen once, when the strategy is made (`for_topology`): a `Communicator`
+for one process, a `ClusterCommunicator` when `TF_CONFIG` or a cluster
+resolver names several workers. The extended class, the replica context and
+variable creation ask it, and nothing else asks whether there is a cluster.
+
+What differs across workers: all-reduces reach every worker through TF's
+collective ops (never the host path), a plain tensor in cross-replica context
+is this worker's value (so it is reduced and gathered across workers, not
+taken as every replica's), variables start from the chief's value, datasets
+are sharded per worker, and ops without a device stay on this worker.
+
+>>> comm = for_topology(("/cpu:0", "/cpu:1"), "auto", cluster=None,
+...                     timeout_seconds=120)
+>>> comm.num_replicas, comm.all_reduce_choice
+(2, 'add_on_one_device: devices share host memory')
+"""
+
+from absl import logging
+import tensorflow as tf
+
+from replicator_strategy import _tf_internal as tfi
+from replicator_strategy.collectives import all_reduce as all_reduce_lib
+from replicator_strategy.collectives import watchdog as collective_watchdog
+from replicator_strategy.collectives import reduce_op as reduce_op_lib
+from replicator_strategy.collectives import replica_collectives
+from replicator_strategy.collectives import worker_collectives
+
+
+def for_topology(devices, all_reduce, cluster, timeout_seconds):
+  """The communicator for this worker's `devices`, in `cluster` (or alone)."""
+  if cluster:
+    return ClusterCommunicator(devices, all_reduce, cluster, timeout_seconds)
+  return Communicator(devices, all_reduce, timeout_seconds)
+
+
+class Communicator:
+  """Replicas on this process's `devices`, no other worker.
+
+  Attributes:
+    devices: this worker's replica devices, one replica each.
+    host_device: the CPU of this worker, where input pipelines run.
+    cross_device_ops: the all-reduce of per-replica values.
+    all_reduce_choice: which all-reduce, and why.
+    replica_collectives: collectives each replica launches itself (inside
+      control flow), among every replica.
+  """
+
+  cluster = None
+  num_workers = 1
+  worker_index = 0
+  is_chief = True
+  # Ops with no device scope: TF's default placement.
+  default_device = None
+
+  def __init__(self, devices, all_reduce, timeout_seconds, num_workers=1):
+    self.devices = tuple(devices)
+    self.host_device = tfi.device_util.get_host_for_device(self.devices[0])
+    self.cross_device_ops, self.all_reduce_choice = all_reduce_lib.choose(
+        self.devices, all_reduce, num_workers=num_workers,
+        timeout_seconds=timeout_seconds)
+    self.replica_collectives = replica_collectives.ReplicaCollectives(
+        self.devices, len(self.devices) * num_workers, timeout_seconds)
+    self._host_reduce_ops = tf.distribute.ReductionToOneDevice()
+
+  @property
+  def num_replicas(self):
+    """Replicas in sync, over every worker."""
+    return len(self.devices) * self.num_workers
+
+  @property
+  def shares_memory(self):
+    """Whether every replica's device is in this process's host memory
+    (logical CPUs, no other worker): a value on one of them is readable by
+    all without a copy."""
+    return self.num_workers == 1 and all(
+        tf.DeviceSpec.from_string(d).device_type == "CPU" for d in self.devices)
+
+  @property
+  def first_replica_id(self):
+    """The global id of this worker's first replica."""
+    return self.worker_index * len(self.devices)
+
+  def describe(self):
+    return (f"{len(self.devices)} replica(s) on {', '.join(self.devices)}; "
+            f"all-reduce {self.all_reduce_choice}")
+
+  def ops_for(self, value, destinations):
+    """The all-reduce for `value` (distributed or plain) onto `destinations`.
+
+    The chosen algorithm, or the host path where it can't serve: NCCL cannot
+    reduce int32, and destinations other than the values' own devices.
+    """
+    parts = (value.values if isinstance(value, tf.distribute.DistributedValues)
+             else (value,))
+    if any(tf.as_dtype(p.dtype) == tf.int32 for p in parts):
+      return self._host_reduce_ops
+    if destinations is not None and not tfi.devices_match(value,
+                                                          destinations):
+      return self._host_reduce_ops
+    return self.cross_device_ops
+
+  @property
+  def gather_ops(self):
+    """The `CrossDeviceOps` that gathers per-replica values."""
+    return self._host_reduce_ops
+
+  def reduce_plain(self, reduce_op, value, destinations, options):
+    """A plain tensor reduced in cross-replica context: every replica's value."""
+    del options  # Nothing is exchanged.
+    return tfi.cross_device_ops.reduce_non_distributed_value(
+        reduce_op, value, destinations, self.num_replicas)
+
+  def gather_plain(self, value, destinations, axis, options):
+    """A plain tensor gathered in cross-replica context: this process's value."""
+    del destinations, axis, options
+    return value
+
+  def reduce_scatter(self, op, value, axis):
+    """Slice r (of N along `axis`) of per-replica `value` reduced with `op`,
+    on replica r, as a `PerReplica`.
+
+    Logical CPUs share one memory, so the fewest passes win: the parts are
+    reduced once, on the first device, and cut there (measured faster than
+    cutting on every device). Separate memories cut each part on its own
+    device and reduce slice r on device r, so only slices move, each once.
+    """
+    if self.shares_memory:
+      with tf.device(self.devices[0]):
+        reduced = tf.split(reduce_op_lib.reduce_parts(op, _local_parts(value)),
+                           self.num_replicas, axis=axis)
+      return _per_replica(self.devices, lambda r: tf.identity(reduced[r]))
+    pieces = self._cut(value, axis)
+    return _per_replica(
+        self.devices, lambda r: reduce_op_lib.reduce_parts(
+            op, [p[r] for p in pieces]))
+
+  def all_gather(self, value, axis, options=None):
+    """Every replica's part of per-replica `value`, concatenated in global
+    replica order along `axis`, on every local replica; a `Mirrored`.
+
+    `options`: a `tf.distribute.experimental.CommunicationOptions`."""
+    return tfi.gather(self.gather_ops, _wrapped(value), _wrapped(value), axis,
+                      options)
+
+  def all_to_all(self, value, split_axis, concat_axis):
+    """Slice j (of N along `split_axis`) of replica r's value to replica j,
+    which concatenates what it receives in replica order along `concat_axis`;
+    a `PerReplica`."""
+    pieces = self._cut(value, split_axis)
+    return _per_replica(
+        self.devices,
+        lambda j: tf.concat([p[j] for p in pieces], axis=concat_axis))
+
+  def _cut(self, value, axis):
+    """Each local replica's part of `value` in N slices, on its own device."""
+    pieces = []
+    for device, part in zip(self.devices, _local_parts(value)):
+      with tf.device(device):
+        pieces.append(tf.split(part, self.num_replicas, axis=axis))
+    return pieces
+
+  def initial_value(self, initial_value, dtype):
+    """`initial_value` (a tensor or callable) of a new variable, unchanged."""
+    del dtype
+    return initial_value
+
+  def dataset_input_context(self):
+    """The `InputContext` that shards a dataset per worker; None alone."""
+    return None
+
+  def input_context(self):
+    """This worker's input pipeline among every worker's."""
+    return tf.distribute.InputContext(
+        num_input_pipelines=self.num_workers,
+        input_pipeline_id=self.worker_index,
+        num_replicas_in_sync=self.num_replicas)
+
+  def check_dataset(self, dataset):
+    """Warns about a dataset that every worker would read whole."""
+    del dataset
+
+
+class ClusterCommunicator(Communicator):
+  """Replicas on this worker's `devices`, with every worker of `cluster`.
+
+  Every worker runs as many replicas; worker w holds global replicas
+  w*M .. w*M+M-1 of N*M. Starting checks that every worker has as many.
+  """
+
+  def __init__(self, devices, all_reduce, cluster, timeout_seconds):
+    self.cluster = cluster
+    self.num_workers = cluster.num_workers
+    self.worker_index = cluster.worker_index
+    self.is_chief = cluster.is_chief
+    # Ops without a device stay on this worker.
+    self.default_device = cluster.task_name
+    super().__init__(devices, all_reduce, timeout_seconds,
+                     num_workers=cluster.num_workers)
+    collective_watchdog.share_stalls_across_workers(self.worker_index,
+                                                    self.num_workers)
+    # One value per worker, on each worker's host.
+    self._worker_reduce_ops = all_reduce_lib.across_workers(
+        self.host_device, self.num_workers, timeout_seconds)
+    self._broadcast = worker_collectives.WorkerBroadcast(
+        self.host_device, cluster, timeout_seconds)
+    self._check_same_replicas_per_worker()
+
+  def describe(self):
+    return (f"{super().describe()} (worker {self.worker_index} of "
+            f"{self.num_workers})")
+
+  def _check_same_replicas_per_worker(self):
+    """Fails every worker, clearly, unless all have as many devices."""
+    with tf.device(self.host_device):
+      counts = self.gather_plain(tf.constant([len(self.devices)]),
+                                 self.host_device, 0, None)
+    if isinstance(counts, tf.distribute.DistributedValues):
+      counts = counts.values[0]
+    counts = [int(c) for c in counts]
+    if len(set(counts)) > 1:
+      raise ValueError(
+          f"Every worker must replicate over as many devices; they have "
+          f"{', '.join(f'worker {i}: {n}' for i, n in enumerate(counts))}. "
+          f"Give each worker the same `devices` count (or the same number "
+          f"of GPUs / split_cpu devices).")
+
+  def ops_for(self, value, destinations):
+    del value, destinations
+    return self.cross_device_ops  # Only collectives reach every worker.
+
+  @property
+  def gather_ops(self):
+    return self.cross_device_ops
+
+  def reduce_plain(self, reduce_op, value, destinations, options):
+    return self._worker_reduce_ops.reduce(
+        reduce_op, value, destinations=destinations, options=options)
+
+  def gather_plain(self, value, destinations, axis, options):
+    return tfi.gather(self._worker_reduce_ops, value, destinations, axis,
+                      options)
+
+  def reduce_scatter(self, op, value, axis):
+    """As one process's, reduced across every worker.
+
+    In a graph, a hierarchical reduce-scatter (`KeyedCollectiveOps`): only
+    slices cross between workers. Eagerly, SUM and MEAN all-reduce and MIN
+    and MAX reduce a gather of every replica's value; each local replica
+    then keeps its own slice.
+    """
+    value = _wrapped(value)
+    keyed = getattr(self.cross_device_ops, "reduce_scatter", None)
+    slices = keyed(op, value, axis) if keyed else None
+    if slices is not None:
+      return _per_replica(self.devices, lambda i: tf.identity(slices[i]))
+    if op.is_extremum:
+      reduced = [reduce_op_lib.reduce_along(op, stack, 0)
+                 for stack in self._every_replicas(value)]
+    else:
+      reduced = _local_parts(self.cross_device_ops.reduce(
+          op.to_tf(), value, destinations=value))
+    return _per_replica(
+        self.devices, lambda i: tf.split(
+            reduced[i], self.num_replicas,
+            axis=axis)[self.first_replica_id + i])
+
+  def all_to_all(self, value, split_axis, concat_axis):
+    """As one process's, from a gather of every replica's value.
+
+    The gather reaches every worker but moves N times what an all-to-all
+    needs; the run-time collectives (inside control flow) move only slices.
+    """
+    stacks = self._every_replicas(_wrapped(value))
+
+    def received(i):
+      j = self.first_replica_id + i
+      return tf.concat(
+          [tf.split(part, self.num_replicas, axis=split_axis)[j]
+           for part in tf.unstack(stacks[i], num=self.num_replicas)],
+          axis=concat_axis)
+
+    return _per_replica(self.devices, received)
+
+  def _every_replicas(self, value):
+    """[N, ...] on each local replica: every replica's part, in replica order."""
+    stacked = tfi.distribute_utils.regroup(
+        [tf.expand_dims(p, 0) for p in value.values], always_wrap=True)
+    return _local_parts(tfi.gather(self.cross_device_ops, stacked,
+                                   destinations=value, axis=0))
+
+  def initial_value(self, initial_value, dtype):
+    """A callable giving the chief's `initial_value`: every worker starts equal."""
+    return self._broadcast.from_chief(initial_value, dtype)
+
+  def dataset_input_context(self):
+    return self.input_context()
+
+  def check_dataset(self, dataset):
+    policy = dataset.options().experimental_distribute.auto_shard_policy
+    if policy == tf.data.experimental.AutoShardPolicy.OFF:
+      logging.warning(
+          "The dataset given to ReplicatorStrategy.experimental_distribute_"
+          "dataset has AutoShardPolicy.OFF: each of the %d workers reads all "
+          "of it, so every example is seen %d times per epoch. Shard it "
+          "yourself (dataset.shard) or use AutoShardPolicy.DATA or FILE.",
+          self.num_workers, self.num_workers)
+
+
+def _local_parts(value):
+  """This worker's parts of a distributed `value` (a plain tensor: one)."""
+  if isinstance(value, tf.distribute.DistributedValues):
+    return value.values
+  return (value,)
+
+
+def _wrapped(value):
+  """`value` as a distributed value, even with one local replica."""
+  return tfi.distribute_utils.regroup(list(_local_parts(value)),
+                                      always_wrap=True)
+
+
+def _per_replica(devices, part_for):
+  """A `PerReplica` of `part_for(i)`, each made on `devices[i]`."""
+  parts = []
+  for i, device in enumerate(devices):
+    with tf.device(device):
+      parts.append(part_for(i))
+  return tfi.distribute_utils.regroup(parts, always_wrap=True)

@@ -1,0 +1,434 @@
+"""Variables held once across the replicas, a shard on each (ZeRO 3, big tables).
+
+A `ShardedVariable` is one distributed variable whose component on the
+device of global replica g is shard g of the whole, as a `layout` cuts it
+(across workers, each worker holds its own replicas' shards). Its memory per
+device is about 1/N of the whole. How it reads depends on where:
+
+- in cross-replica context (outside `strategy.run`, saving, `numpy()`): the
+  whole variable, assembled from every shard, and a whole-shaped assignment
+  sets every shard;
+- inside an update for replica r (`strategy.extended.update`, the
+  optimizer's step): shard r, so an optimizer's elementwise math runs on
+  shards unchanged;
+- inside a replica (`strategy.run`), as `replica_reads` says: "whole" (model
+  weights: an all-gather, whose gradient is a reduce-scatter, so replica r's
+  gradient is shard r of the summed gradient; inside a while loop, as an
+  RNN's, gathered before the loop), "shard" (optimizer state of a
+  sharded weight) or None (refused: optimizer state of a mirrored weight,
+  see `sharded_optimizer_state`).
+
+`ReplicatorStrategy(variable_partitioner=...)` shards the trainable
+variables that TF's partitioners cut along axis 0 (`RowLayout`); their
+optimizer slots follow (`create_like`). `lookup` reads only the rows a batch
+needs from a sharded table.
+
+>>> from replicator_strategy import ReplicatorStrategy
+>>> partitioner = tf.distribute.experimental.partitioners.FixedShardsPartitioner(4)
+>>> strategy = ReplicatorStrategy(variable_partitioner=partitioner)
+>>> with strategy.scope():
+...   table = tf.Variable(tf.zeros([10, 2]))
+>>> [c.shape.as_list() for c in table.values]
+[[3, 2], [3, 2], [2, 2], [2, 2]]
+"""
+
+import contextlib
+import dataclasses
+import itertools
+import numbers
+import threading
+
+import numpy as np
+import tensorflow as tf
+
+from replicator_strategy import _tf_internal as tfi
+from replicator_strategy.collectives import compression as compression_lib
+
+REPLICA_READS = ("whole", "shard", None)
+
+
+@dataclasses.dataclass(frozen=True)
+class RowLayout:
+  """A tensor of `shape` cut along axis 0: shard g holds `rows[g]` rows.
+
+  As TF's partitioners cut (`tf.nn.embedding_lookup`'s "div" strategy): the
+  first shards hold one row more when the rows do not divide evenly; shards
+  past the partitioner's count are empty.
+  """
+  shape: tuple
+  rows: tuple
+
+  @classmethod
+  def split(cls, shape, num_shards, num_replicas):
+    """`num_shards` (at most `num_replicas`) shards of `shape`, one per replica."""
+    num_shards = min(num_shards, num_replicas, shape[0])
+    base, extra = divmod(shape[0], num_shards)
+    rows = [base + (g < extra) for g in range(num_shards)]
+    return cls(tuple(shape), tuple(rows + [0] * (num_replicas - num_shards)))
+
+  @property
+  def num_shards(self):
+    return len(self.rows)
+
+  @property
+  def offsets(self):
+    return tuple(itertools.accumulate((0,) + self.rows[:-1]))
+
+  @property
+  def max_rows(self):
+    return max(self.rows)
+
+  def shard(self, tensor, index):
+    """Shard `index` of a whole-shaped `tensor`."""
+    start = self.offsets[index]
+    return tensor[start:start + self.rows[index]]
+
+  def shard_shape(self, index):
+    return (self.rows[index],) + tuple(self.shape[1:])
+
+  def pad(self, shard, index):
+    """Shard `index` padded with zero rows to `max_rows`: what collectives move."""
+    missing = self.max_rows - self.rows[index]
+    if not missing:
+      return shard
+    return tf.pad(shard, [[0, missing]] + [[0, 0]] * (len(self.shape) - 1))
+
+  def assemble(self, shards):
+    """The whole tensor from every shard, in order."""
+    return tf.concat(list(shards), axis=0) if len(shards) > 1 else shards[0]
+
+  def assemble_padded(self, gathered):
+    """The whole tensor from every padded shard, concatenated in order."""
+    return self.assemble([
+        gathered[g * self.max_rows:g * self.max_rows + rows]
+        for g, rows in enumerate(self.rows)])
+
+
+class ShardedVariable(tfi.values.DistributedVariable):
+  """A variable whose component r is shard `first_shard + r`, on device r.
+
+  See the module docstring for how it reads in each context.
+  """
+
+  def __init__(self, strategy, values, aggregation, layout, first_shard,
+               replica_reads):
+    self.layout = layout
+    self.first_shard = first_shard
+    self.replica_reads = replica_reads
+    super().__init__(strategy, values, aggregation)
+
+  @property
+  def shape(self):
+    return tf.TensorShape(self.layout.shape)
+
+  def get_shape(self):
+    return self.shape
+
+  @property
+  def shard_devices(self):
+    return tuple(component.device for component in self.values)
+
+  def _get_cross_replica(self):
+    shards = [c.read_value() for c in self.values]
+    if len(shards) == self.layout.num_shards:
+      return self.layout.assemble(shards)
+    # The other shards are on other workers.
+    padded = [self.layout.pad(s, self.first_shard + r)
+              for r, s in enumerate(shards)]
+    gathered = self.distribute_strategy.extended.communicator.all_gather(
+        per_replica(padded), axis=0)
+    return self.layout.assemble_padded(parts(gathered)[0])
+
+  def _get(self):
+    shard = tfi.distribute_lib.get_update_replica_id()
+    if shard is not None:
+      return self.values[shard]
+    ctx = tf.distribute.get_replica_context()
+    if ctx is None or ctx.strategy is not self.distribute_strategy:
+      return self._get_cross_replica()
+    if self.replica_reads is None:
+      raise ValueError(
+          f"The optimizer slot {self.name} is sharded over the replicas "
+          f"(shard_optimizer_state=True): each replica holds 1/N of it, so "
+          f"it cannot be read inside `strategy.run`. Read it outside "
+          f"`strategy.run` (the whole slot), or create the strategy with "
+          f"shard_optimizer_state=False.")
+    local = ctx.local_index
+    if self.replica_reads == "shard":
+      return self.values[local]
+    return ctx.outside_loops(lambda: gather_whole(
+        ctx, self.layout, self.values[local].read_value(),
+        self.first_shard + local))
+
+  def _get_on_device_or_primary(self):
+    return self._get()
+
+  def value(self):
+    return tf.convert_to_tensor(self._get())
+
+  def __array__(self, dtype=None, copy=None):
+    del copy  # A read is a copy already.
+    return np.asarray(self.numpy(), dtype=dtype)
+
+  def _as_graph_element(self):
+    return None  # No single graph element holds the whole value.
+
+  def _update_cross_replica(self, update_fn, value, **kwargs):
+    value = tf.convert_to_tensor(value, dtype=self.dtype)
+    updates = []
+    for index, component in enumerate(self.values):
+      with tf.device(component.device):
+        updates.append(update_fn(
+            component, self.layout.shard(value, self.first_shard + index),
+            **kwargs))
+    return tf.group(updates)
+
+  def _update_replica(self, update_fn, value, **kwargs):
+    shard = tfi.distribute_lib.get_update_replica_id()
+    if shard is not None:  # An update step, run for each replica.
+      return update_fn(self.values[shard], value, **kwargs)
+    if self.replica_reads is None:
+      raise NotImplementedError(
+          f"The sharded optimizer slot {self.name} can be updated only by "
+          f"its optimizer's step, or in cross-replica context (outside "
+          f"`strategy.run`). Received an update from inside a replica. "
+          f"Create the strategy with shard_optimizer_state=False to update "
+          f"optimizer slots from replicas.")
+    # Inside a replica: this replica's shard, given whole (as every replica
+    # computes it) or as the shard itself (a gradient of this shard).
+    local = tf.distribute.get_replica_context().local_index
+    shard = self.first_shard + local
+    value = tf.convert_to_tensor(value, dtype=self.dtype)
+    if value.shape.as_list() == list(self.layout.shape):
+      value = self.layout.shard(value, shard)
+    elif value.shape.as_list() != list(self.layout.shard_shape(shard)):
+      raise ValueError(
+          f"Variable {self.name} is sharded over the replicas; inside a "
+          f"replica it takes either its whole shape {list(self.layout.shape)} "
+          f"or this replica's shard, of shape "
+          f"{list(self.layout.shard_shape(shard))}. Received a value of shape "
+          f"{value.shape}.")
+    return update_fn(self.values[local], value, **kwargs)
+
+  def _serialize_to_tensors(self):
+    return {"VARIABLE_VALUE": self._get_cross_replica()}
+
+  def _restore_from_tensors(self, restored_tensors):
+    return self.assign(restored_tensors["VARIABLE_VALUE"])
+
+
+def gather_whole(ctx, layout, shard_value, shard):
+  """The whole variable, in replica context, from this replica's shard.
+
+  Gradient: reduce-scatter, so this replica's shard gets its rows of the
+  gradient summed over every replica (half the traffic of an all-reduce),
+  sent and summed as 16-bit floats with the strategy's
+  `gradient_compression`.
+  """
+  wire = _wire(ctx)
+
+  @tf.custom_gradient
+  def gather(padded):
+    def grad(dy):
+      return compression_lib.from_wire(ctx.reduce_scatter(
+          "sum", compression_lib.to_wire(dy, wire), axis=0), dy.dtype)
+    return ctx.all_gather(padded, axis=0), grad
+
+  return layout.assemble_padded(gather(layout.pad(shard_value, shard)))
+
+
+def lookup(variable, ids):
+  """Rows `ids` of a sharded table inside a replica: only those rows move.
+
+  Every replica's ids are gathered; each replica picks the rows its shard
+  holds (zeros for the others); a reduce-scatter sums the picks and hands
+  each replica its own rows. Moves N x batch rows per replica, whatever the
+  table's size; the gradient reaches each shard as the rows it gave.
+  """
+  ctx = tf.distribute.get_replica_context()
+  local = ctx.local_index
+  shard = variable.first_shard + local
+  layout = variable.layout
+  flat = tf.reshape(ids, [-1])
+  count = tf.shape(flat)[0]
+  most = ctx.all_reduce("max", count)
+  every_id = _checked_ids(
+      ctx.all_gather(tf.pad(flat, [[0, most - count]]), axis=0), layout.shape[0])
+  width = layout.shape[1:]
+  if layout.rows[shard]:
+    rows = every_id - tf.cast(layout.offsets[shard], every_id.dtype)
+    held = (rows >= 0) & (rows < layout.rows[shard])
+    picked = tf.gather(variable.values[local], tf.where(held, rows, 0))
+    picked = tf.where(tf.reshape(held, [-1] + [1] * len(width)), picked,
+                      tf.zeros_like(picked))
+  else:
+    picked = tf.zeros(tf.concat([tf.shape(every_id), width], 0),
+                      variable.dtype)
+  mine = _rows_to_their_replicas(ctx, picked)[:count]
+  return tf.reshape(mine, tf.concat([tf.shape(ids), width], 0))
+
+
+def _rows_to_their_replicas(ctx, picked):
+  """The reduce-scatter of every replica's picks: each replica's own rows.
+
+  Its gradient (each replica's rows' gradients, all-gathered to the shards
+  that gave them) travels as 16-bit floats with the strategy's
+  `gradient_compression`.
+  """
+  wire = _wire(ctx)
+  if wire is None:
+    return ctx.reduce_scatter("sum", picked, axis=0)
+
+  @tf.custom_gradient
+  def scatter(picked):
+    def grad(dy):
+      return compression_lib.from_wire(ctx.all_gather(
+          compression_lib.to_wire(dy, wire), axis=0), dy.dtype)
+    return ctx.reduce_scatter("sum", picked, axis=0), grad
+
+  return scatter(picked)
+
+
+def _wire(ctx):
+  """The 16-bit dtype `ctx`'s strategy sends gradients as, or None."""
+  return compression_lib.wire_dtype(
+      getattr(ctx.strategy, "gradient_compression", None))
+
+
+def _checked_ids(every_id, num_rows):
+  """`every_id` as rows of the table, as Keras's lookup reads them.
+
+  A negative id counts from the end (Keras's `ops.take`); one outside
+  [-num_rows, num_rows) is an error, as on one CPU device, where a sharded
+  table would otherwise return zeros. Every replica checks every replica's
+  ids, so all of them stop together (none waits in a collective for one
+  that stopped).
+  """
+  lowest, highest = tf.reduce_min(every_id), tf.reduce_max(every_id)
+  check = tf.debugging.Assert(
+      (lowest >= -num_rows) & (highest < num_rows),
+      [f"Embedding ids must be rows of the table, in [-{num_rows}, "
+       f"{num_rows}); received ids from", lowest, "to", highest])
+  with tf.control_dependencies([check]):
+    return tf.where(every_id < 0, every_id + num_rows, every_id)
+
+
+_slot_reads = threading.local()
+
+
+@contextlib.contextmanager
+def slots_read_whole():
+  """State of sharded weights created inside reads whole inside replicas.
+
+  For EMA copies of the weights, which Keras updates from the weights'
+  whole values; other optimizer state reads as this replica's shard.
+  """
+  previous = slot_reads()
+  _slot_reads.value = "whole"
+  try:
+    yield
+  finally:
+    _slot_reads.value = previous
+
+
+def slot_reads():
+  """How optimizer state of a sharded weight created now reads in a replica."""
+  return getattr(_slot_reads, "value", "shard")
+
+
+def row_layout(partitioner, shape, dtype, num_replicas, name=None):
+  """The `RowLayout` `partitioner` asks for, or None where it cuts nothing.
+
+  `name` (the variable's) is for errors.
+  """
+  shape = tf.TensorShape(shape)
+  if shape.rank is None or shape.rank == 0 or not shape.is_fully_defined():
+    return None
+  num_shards = _shard_counts(partitioner(shape=shape, dtype=dtype), shape,
+                             name)
+  if num_shards[0] < 2 or num_replicas < 2:
+    return None
+  return RowLayout.split(shape.as_list(), num_shards[0], num_replicas)
+
+
+def _shard_counts(received, shape, name):
+  """What a partitioner returned for a variable, checked: a list of ints."""
+  variable = f"the variable {name!r}" if name else "an unnamed variable"
+  received_text = (f"Received: variable_partitioner(shape={shape}, ...) = "
+                   f"{received!r} for {variable}.")
+  accepted = (f"Expected `variable_partitioner` to return the number of "
+              f"shards along each axis: a list of {shape.rank} ints, the "
+              f"first at least 1 and the others 1, as TF's partitioners "
+              f"return (FixedShardsPartitioner(2) gives "
+              f"{[2] + [1] * (shape.rank - 1)}).")
+  is_sequence = (not isinstance(received, (str, bytes, dict)) and
+                 hasattr(received, "__iter__"))
+  counts = list(received) if is_sequence else []
+  if not is_sequence or not all(
+      isinstance(n, numbers.Integral) and not isinstance(n, bool)
+      for n in counts):
+    raise TypeError(f"{accepted} {received_text}")
+  if any(n < 1 for n in counts):
+    raise ValueError(f"{accepted} A variable has at least 1 shard along "
+                     f"each axis. {received_text}")
+  if len(counts) != shape.rank or any(n != 1 for n in counts[1:]):
+    raise ValueError(
+        f"ReplicatorStrategy shards variables along axis 0 only. "
+        f"{accepted} {received_text}")
+  return [int(n) for n in counts]
+
+
+def create(strategy, devices, next_creator, layout_for, replica_reads,
+           **kwargs):
+  """A `ShardedVariable` with one shard per device in `devices`, this worker's.
+
+  `layout_for(whole_initial_value)` gives the layout; every worker starts
+  from the chief's initial value. Returns None where the layout is None.
+  """
+  kwargs.pop("colocate_with", None)  # Its shards go to every device.
+  kwargs.pop("shape", None)
+  communicator = strategy.extended.communicator
+  with tf.init_scope(), tf.device(devices[0]):
+    initial_value = communicator.initial_value(kwargs["initial_value"],
+                                               kwargs.get("dtype"))
+    whole = tf.convert_to_tensor(
+        initial_value() if callable(initial_value) else initial_value,
+        dtype=kwargs.get("dtype"))
+  layout = layout_for(whole)
+  if layout is None:
+    return None
+  first_shard = communicator.first_replica_id
+
+  def create_shards(**kwargs):
+    shards = []
+    for index, device in enumerate(devices):
+      with tf.device(device):
+        kwargs["initial_value"] = layout.shard(whole, first_shard + index)
+        if index:
+          kwargs["name"] = "{}/shard_{:d}/".format(
+              shards[0].name.split(":")[0], index)
+        with tfi.context.device_policy(tfi.context.DEVICE_PLACEMENT_SILENT):
+          with tfi.record.stop_recording():
+            shards.append(next_creator(**kwargs))
+    return shards
+
+  def sharded_variable(strategy, values, aggregation):
+    return ShardedVariable(strategy, values, aggregation, layout, first_shard,
+                           replica_reads)
+
+  return tfi.distribute_utils.create_mirrored_variable(
+      strategy, create_shards,
+      {tf.VariableSynchronization.ON_WRITE: sharded_variable},
+      tfi.distribute_utils.VARIABLE_POLICY_MAPPING, **kwargs)
+
+
+def per_replica(values):
+  """`values`, one per local replica, as one distributed value."""
+  return tfi.distribute_utils.regroup(list(values), always_wrap=True)
+
+
+def parts(value):
+  """This worker's parts of a distributed value (one alone, unwrapped)."""
+  if isinstance(value, tf.distribute.DistributedValues):
+    return value.values
+  return (value,)

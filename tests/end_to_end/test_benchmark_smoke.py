@@ -1,0 +1,139 @@
+"""The benchmark's quick mode: every contender runs and their results agree.
+
+Timings are not checked (a unit test is no place for them); the full run and
+its table live in docs/performance.md.
+"""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+import unittest
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]  # Holds `benchmarks`.
+
+
+@pytest.mark.slow
+class BenchmarkSmokeTest(unittest.TestCase):
+
+  def test_quick_run_covers_every_contender_and_they_agree(self):
+    with tempfile.TemporaryDirectory() as out:
+      path = pathlib.Path(out) / "results.json"
+      env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+          [str(ROOT)] + os.environ.get("PYTHONPATH", "").split(os.pathsep))}
+      done = subprocess.run(
+          [sys.executable, "-m", "benchmarks", "--quick", "--json", str(path)],
+          capture_output=True, text=True, timeout=500, check=False, cwd=ROOT,
+          env=env)
+      self.assertEqual(done.returncode, 0, done.stdout[-3000:] +
+                       done.stderr[-5000:])
+      results = json.loads(path.read_text())
+    for section in ("fit", "custom"):
+      rows = results[section]
+      self.assertEqual({(r["model"], r["replicas"]) for r in rows},
+                       {(m, n) for m in ("mlp", "convnet") for n in (1, 2, 4)})
+      for row in rows:
+        self.assertEqual(sorted(row["ms"]), ["mirrored", "none", "replicator"])
+        self.assertTrue(all(ms > 0 for ms in row["ms"].values()), row)
+        self.assertTrue(row["agree"], row)
+    for row in results["allreduce"]:
+      self.assertEqual(sorted(row["ms"]),
+                       ["add_n floor", "mirrored", "replicator"])
+      self.assertTrue(row["agree"], row)
+    self.assertEqual({r["replicas"] for r in results["allreduce"]}, {2, 4})
+    self.assertEqual(
+        [(r["path"], r["replicas"]) for r in results["reducescatter"]],
+        [(path, n) for n in (2, 4) for path in ("merge_call", "in tf.cond")])
+    for row in results["reducescatter"]:
+      # MirroredStrategy's reference all_reduce has no tf.cond path.
+      self.assertEqual(set(row["ms"]), {"all_reduce", "reduce_scatter"} | (
+          {"mirrored all_reduce"} if row["path"] == "merge_call" else set()))
+      self.assertTrue(row["agree"], row)
+    self.assertEqual(
+        [(r["part"], r["replicas"]) for r in results["parts"]],
+        [(part, 4) for part in
+         ("forward", "+ backward", "+ all-reduce", "+ update")])
+    for row in results["parts"]:
+      self.assertEqual(sorted(row["ms"]), ["mirrored", "none", "none, sliced",
+                                           "replicator", "sharded"])
+      self.assertTrue(row["agree"], row)
+    self.assertEqual(
+        [(r["hidden"], r["optimizer"], r["replicas"])
+         for r in results["update"]],
+        [(h, o, 4) for h in (16, 32) for o in ("sgd", "adam")])
+    for row in results["update"]:
+      self.assertEqual(set(row["ms"]), {
+          f"{name} {measure}" for name in ("mirrored", "replicator", "sharded")
+          for measure in ("apply", "exchange")})
+      self.assertTrue(row["agree"], row)
+    first = results["first"][0]
+    for key in ("first_epoch_s", "peak_rss_mb"):
+      self.assertEqual(sorted(first[key]), ["mirrored", "none", "replicator"])
+      self.assertTrue(all(v > 0 for v in first[key].values()))
+    self.assertEqual([r["variant"] for r in results["multi"]],
+                     ["plain", "bfloat16", "accumulate 4"])
+    for row in results["multi"]:
+      self.assertTrue(row["agree"], row)
+    exchange, = results["exchange"]
+    self.assertEqual(len(exchange["ms"]), 8)  # 4 exchanges, 1 x 4 and 2 x 2.
+    self.assertTrue(exchange["agree"], exchange)
+    self.assertEqual(sorted(results["multi"][-1]["ms by kind"]), [
+        f"{kind}, {where}" for kind in ("accumulate", "update")
+        for where in ("1 process x 4", "2 workers x 2")])
+    xla, = [r for r in results["xla"] if r["model"] == "mlp"]
+    # MirroredStrategy cannot compile its replicated step with XLA.
+    self.assertEqual(set(xla["ms"]) | set(xla["failed"]), {
+        f"{name}{xla_suffix}" for name in ("none", "mirrored", "replicator")
+        for xla_suffix in ("", "+xla")})
+    self.assertIn("replicator+xla", xla["ms"])
+    self.assertTrue(xla["agree"], xla)
+    self.assertEqual([(r["model"], r["replicas"]) for r in results["overhead"]],
+                     [(part, n) for n in (1, 2, 4)
+                      for part in ("tiny", "input fetch")])
+    for row in results["overhead"]:
+      self.assertEqual(sorted(row["ms"]), ["mirrored", "none", "replicator"])
+      self.assertTrue(row["agree"], row)
+    self.assertEqual([(r["model"], r["replicas"]) for r in results["random"]],
+                     [("dropout", 4), ("augmented", 4)])
+    for row in results["random"]:
+      self.assertEqual(sorted(row["ms"]), ["mirrored", "none", "replicator",
+                                           "replicator, own draws"])
+      self.assertTrue(row["agree"], row)  # One device's draws, bit for bit.
+    self.assertIn("Random layers: Keras fit step, 4 replicas", done.stdout)
+    sharding, = [r for r in results["sharding"] if r["measure"] == "memory"]
+    contenders = ["mirrored", "replicator", "sharded", "zero3"]
+    for key in ("optimizer_mb_per_device_max", "weight_mb_per_device_max",
+                "peak_rss_mb"):
+      self.assertEqual(sorted(sharding[key]), contenders)
+      self.assertTrue(all(v > 0 for v in sharding[key].values()), sharding)
+    self.assertEqual(set(sharding["optimizer_devices"].values()), {4})
+    # Bytes are counted, not timed: each device holds a quarter of the slots.
+    optimizer = sharding["optimizer_mb_per_device_max"]
+    self.assertLess(optimizer["sharded"], 0.3 * optimizer["mirrored"])
+    self.assertLess(optimizer["zero3"], 0.3 * optimizer["mirrored"])
+    weights = sharding["weight_mb_per_device_max"]
+    self.assertLess(weights["zero3"], 0.3 * weights["mirrored"])
+    self.assertTrue(sharding["agree"], sharding)
+    fit_steps = [r for r in results["sharding"] if r["measure"] == "fit step"]
+    self.assertEqual([(r["optimizer"], r["replicas"]) for r in fit_steps],
+                     [("sgd", 4), ("adam", 4)])
+    for row in fit_steps:
+      self.assertEqual(sorted(row["ms"]), contenders)
+      self.assertTrue(row["agree"], row)
+    embedding, = results["embedding"]
+    self.assertEqual(sorted(embedding["ms"]),
+                     ["mirrored", "none", "replicator", "zero3"])
+    table = embedding["weight_mb_per_device_max"]
+    self.assertLess(table["zero3"], 0.3 * table["mirrored"])
+    self.assertTrue(embedding["agree"], embedding)
+    self.assertIn("Sharded state (sharded) and weights too", done.stdout)
+    self.assertIn("Embedding 2,000 x 8", done.stdout)
+    self.assertIn("Keras fit step, ms (median)", done.stdout)
+
+
+if __name__ == "__main__":
+  unittest.main()

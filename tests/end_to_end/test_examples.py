@@ -1,0 +1,116 @@
+"""The runnable examples still run, each in a fresh process.
+
+The digits examples train two short epochs. The paper's workloads (ResNet,
+SN-GAN, D4PG) run with `--quick`: the checks are that they finish, print
+the topology first and the wall time last, report a finite result and write
+their files, not the quality of a full run (docs/examples.md has those).
+"""
+
+import math
+import os
+import pathlib
+import re
+import subprocess
+import sys
+import tempfile
+import unittest
+
+from parameterized import parameterized
+import pytest
+
+EXAMPLES = pathlib.Path(__file__).resolve().parents[2] / "keras_examples"
+TOPOLOGY_2_REPLICAS = r"ReplicatorStrategy\(2 replicas: .*CPU:0.*CPU:1"
+ENV = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
+
+# script, extra flags, the line with its result, the files it writes.
+WORKLOADS = [
+    ("resnet_digits.py", [], "test accuracy", ["curves.png"]),
+    ("sngan_digits.py", ["--loop", "fit"],
+     "generated digits classified as intended", ["curves.png", "samples.png"]),
+    ("sngan_digits.py", ["--loop", "custom"],
+     "generated digits classified as intended", ["curves.png", "samples.png"]),
+    ("d4pg_pendulum.py", [], r"average return over \d+ episodes",
+     ["curves.png"]),
+]
+
+
+def reported(stdout, label):
+  """The number printed after `label:` (the last such line)."""
+  return float(re.findall(label + r": (\S+)", stdout)[-1])
+
+
+class ExamplesTest(unittest.TestCase):
+
+  @parameterized.expand(["train_digits.py", "custom_loop_digits.py"])
+  def test_example_trains_and_reports(self, script):
+    done = subprocess.run(
+        [sys.executable, str(EXAMPLES / script), "--epochs", "2",
+         "--replicas", "2"],
+        capture_output=True, text=True, timeout=300, check=False,
+        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
+    self.assertEqual(done.returncode, 0, done.stderr[-3000:])
+    lines = done.stdout.splitlines()
+    # The topology first, the wall time last; no TensorFlow start-up lines.
+    self.assertRegex(lines[0], r"^ReplicatorStrategy\(2 replicas: .*CPU:0.*CPU:1")
+    self.assertRegex(lines[-1], r"^wall time: \d+\.\d s$")
+    self.assertNotIn("oneDNN custom operations", done.stderr)
+    accuracy = float(done.stdout.rsplit("test accuracy:", 1)[1].split()[0])
+    self.assertGreater(accuracy, 0.5)  # 2 epochs; chance is 0.1.
+
+  @parameterized.expand(["train_digits.py", "custom_loop_digits.py"])
+  def test_help_answers_without_importing_tensorflow(self, script):
+    # -X importtime lists every module imported, on stderr.
+    done = subprocess.run(
+        [sys.executable, "-X", "importtime", str(EXAMPLES / script), "--help"],
+        capture_output=True, text=True, timeout=60, check=True)
+    self.assertIn("--global-batch-size", done.stdout)
+    imported = {line.rsplit("|", 1)[-1].strip().split(".")[0]
+                for line in done.stderr.splitlines()}
+    self.assertIn("argparse", imported)
+    self.assertFalse(imported & {"tensorflow", "keras", "sklearn"})
+
+  @parameterized.expand([(f"{w[0][:-3]}_{'_'.join(w[1]) or 'default'}",) + w
+                         for w in WORKLOADS])
+  def test_quick_run_reports_and_writes_files(self, _, script, flags, label,
+                                              files):
+    with tempfile.TemporaryDirectory() as output_dir:
+      done = subprocess.run(
+          [sys.executable, str(EXAMPLES / script), "--quick", "--replicas",
+           "2", "--output-dir", output_dir] + flags,
+          capture_output=True, text=True, timeout=300, check=False, env=ENV)
+      self.assertEqual(done.returncode, 0, done.stderr[-3000:])
+      lines = done.stdout.strip().splitlines()
+      self.assertRegex(lines[0], TOPOLOGY_2_REPLICAS)
+      self.assertRegex(lines[-1], r"^wall time: \d+\.\d s$")
+      self.assertTrue(math.isfinite(reported(done.stdout, label)),
+                      done.stdout[-2000:])
+      for name in files:
+        self.assertGreater(os.path.getsize(os.path.join(output_dir, name)),
+                           1000, name)
+      event_files = list(pathlib.Path(output_dir, "tensorboard").glob(
+          "**/events.out.tfevents.*"))
+      self.assertTrue(event_files, "no TensorBoard logs")
+
+  @pytest.mark.slow
+  def test_quick_run_as_two_workers_writes_once(self):
+    with tempfile.TemporaryDirectory() as output_dir:
+      done = subprocess.run(
+          [sys.executable, "-m", "replicator_strategy.cli.launch", "--workers",
+           "2", "--output", "all", "--timeout", "240", "--", sys.executable,
+           str(EXAMPLES / "d4pg_pendulum.py"), "--quick", "--replicas", "2",
+           "--output-dir", output_dir],
+          capture_output=True, text=True, timeout=300, check=False, env=ENV)
+      self.assertEqual(done.returncode, 0, done.stdout[-3000:])
+      for worker in (0, 1):
+        self.assertRegex(
+            done.stdout, rf"\[worker {worker}\] ReplicatorStrategy\(4 "
+            rf"replicas over 2 workers, this is worker {worker}")
+        self.assertTrue(math.isfinite(reported(
+            done.stdout, rf"\[worker {worker}\] average return over \d+ "
+            r"episodes")))
+      self.assertEqual(done.stdout.count("wrote "), 1, done.stdout[-3000:])
+      self.assertTrue(os.path.exists(os.path.join(output_dir, "curves.png")))
+
+
+if __name__ == "__main__":
+  unittest.main()

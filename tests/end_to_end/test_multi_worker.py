@@ -1,0 +1,653 @@
+"""2 workers x 2 logical CPUs on 127.0.0.1 equal one process with 4 replicas.
+
+Each test starts real worker processes through the launcher (TF_CONFIG, TF's
+gRPC runtime and collective ops), bounded in time; the launcher stops every
+process it started. The 4-replica reference runs in this process, on the
+same code (`multi_worker_runs`).
+"""
+
+import json
+import os
+import pathlib
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import unittest
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import multi_worker_runs
+import test_gradient_compression
+import topology
+from replicator_strategy.cli import launch
+from test_launch import alive
+
+TESTS = pathlib.Path(__file__).resolve().parent.parent
+LAUNCH_TIMEOUT = 240
+
+
+def launch_workers(runs, out, num_workers=2, env=None, launch_args=()):
+  """Runs `runs` on `num_workers` workers writing to `out`; (status, output)."""
+  done = subprocess.run(
+      [sys.executable, "-m", "replicator_strategy.cli.launch", "--workers",
+       str(num_workers), "--timeout", str(LAUNCH_TIMEOUT), *launch_args, "--",
+       sys.executable, str(TESTS / "multi_worker_main.py"), ",".join(runs),
+       str(out)],
+      capture_output=True, text=True, timeout=LAUNCH_TIMEOUT + 30,
+      check=False, env={**os.environ, **(env or {})})
+  return done.returncode, done.stdout[-6000:] + done.stderr[-3000:]
+
+
+def results_of(runs, out, num_workers=2, env=None, launcher_args=()):
+  """Each worker's results of `runs`, which must succeed."""
+  status, output = launch_workers(runs, out, num_workers, env, launcher_args)
+  if status != 0:
+    raise AssertionError(f"workers failed ({status}):\n{output}")
+  return [json.loads((pathlib.Path(out) / f"worker_{i}.json").read_text())
+          for i in range(num_workers)]
+
+
+def assert_close_nested(test, actual, expected, rtol=1e-5, atol=1e-6):
+  if isinstance(expected, dict):
+    test.assertEqual(sorted(actual), sorted(expected))
+    for key in expected:
+      assert_close_nested(test, actual[key], expected[key], rtol, atol)
+  elif isinstance(expected, list) and len({np.shape(e) for e in expected}) > 1:
+    test.assertEqual(len(actual), len(expected))  # Weights of several shapes.
+    for a, e in zip(actual, expected):
+      assert_close_nested(test, a, e, rtol, atol)
+  else:
+    np.testing.assert_allclose(np.asarray(actual, dtype=float),
+                               np.asarray(expected, dtype=float),
+                               rtol=rtol, atol=atol)
+
+
+class RunsOnWorkers:
+  """Mixin: `RUNS` on 2 workers x 2 (with `ENV`), once for the class's tests.
+
+  Each worker's results are in `cls.workers`; `cls.out`, the runs' working
+  directory, lasts until the class's tests are done.
+  """
+  RUNS = ()
+  ENV = None
+
+  @classmethod
+  def setUpClass(cls):
+    cls.out = tempfile.TemporaryDirectory()
+    cls.workers = results_of(list(cls.RUNS), cls.out.name, env=cls.ENV)
+
+  @classmethod
+  def tearDownClass(cls):
+    cls.out.cleanup()
+
+
+@pytest.mark.slow
+class TwoWorkersTest(RunsOnWorkers, unittest.TestCase):
+  RUNS = ("primitives", "custom_loop", "keras_fit",
+          "keras_fit_steps_per_execution", "input_pipelines", "batch_share")
+
+  def test_workers_agree_on_everything_but_ids_and_input_shards(self):
+    first, second = (dict(w) for w in self.workers)
+    for run in ("input_pipelines", "batch_share"):
+      first.pop(run)
+      second.pop(run)
+    first["primitives"] = {k: dict(v) if isinstance(v, dict) else v
+                           for k, v in first["primitives"].items()}
+    second["primitives"] = {k: dict(v) if isinstance(v, dict) else v
+                            for k, v in second["primitives"].items()}
+    for mode in ("eager", "function"):
+      self.assertEqual(first["primitives"][mode].pop("id"), [0.0, 1.0])
+      self.assertEqual(second["primitives"][mode].pop("id"), [2.0, 3.0])
+    self.assertEqual(first, second)
+
+  def test_collectives_span_every_replica_of_every_worker(self):
+    for mode in ("eager", "function"):
+      got = self.workers[0]["primitives"][mode]
+      self.assertEqual(got["sum"], [6.0, 6.0])  # 0 + 1 + 2 + 3
+      self.assertEqual(got["mean"], [1.5, 1.5])
+      self.assertEqual(got["min"], [1.0, 1.0])
+      self.assertEqual(got["max"], [3.0, 3.0])
+      self.assertEqual(got["int_sum"], [22, 22])  # 1 + 4 + 7 + 10
+      self.assertEqual(got["int_mean"], [5.5, 5.5])  # As in one process.
+      self.assertEqual(got["broadcast"], [30.0, 30.0])  # From worker 1.
+      self.assertEqual(got["all_gather"], [[0.0, 1.0, 2.0, 3.0]] * 2)
+      self.assertEqual(got["merge_call"], [6.0])
+      self.assertEqual(got["reduce"],
+                       {"sum": 6.0, "mean": 1.5, "min": 0.0, "max": 3.0})
+      self.assertEqual(got["gather"], [0.0, 1.0, 2.0, 3.0])
+    self.assertEqual(self.workers[0]["primitives"]["function"]["in_cond"],
+                     [3.0, 3.0])
+
+  def test_the_batch_share_counts_every_workers_rows(self):
+    np.testing.assert_allclose([w["batch_share"] for w in self.workers],
+                               [[0.1, 0.2], [0.3, 0.4]], rtol=1e-6)
+
+  def test_unseeded_variables_start_from_the_chiefs_value(self):
+    values = [w["primitives"]["unseeded_variable"] for w in self.workers]
+    self.assertEqual(values[0], values[1])
+
+  def test_custom_loop_equals_one_process_with_four_replicas(self):
+    expected = multi_worker_runs.custom_loop(topology.strategy_over(4))
+    for worker in self.workers:
+      assert_close_nested(self, worker["custom_loop"], expected)
+
+  def test_keras_fit_evaluate_predict_equal_one_process_with_four_replicas(
+      self):
+    expected = multi_worker_runs.keras_fit(topology.strategy_over(4))
+    self.assertEqual(len(expected["predict"]), 27)
+    for worker in self.workers:
+      assert_close_nested(self, worker["keras_fit"], expected)
+      assert_close_nested(self, worker["keras_fit_steps_per_execution"],
+                          expected)
+
+  def test_each_worker_reads_its_own_shard(self):
+    first, second = (w["input_pipelines"] for w in self.workers)
+    # input_pipeline_id, num_input_pipelines, per-replica batch of 8.
+    self.assertEqual(first["contexts"], [[0, 2, 2]])
+    self.assertEqual(second["contexts"], [[1, 2, 2]])
+    self.assertEqual(first["rows"], [[0, 2, 4, 6]])
+    self.assertEqual(second["rows"], [[1, 3, 5, 7]])
+
+  def test_a_dataset_read_whole_by_every_worker_is_warned_about(self):
+    for worker in self.workers:
+      warnings = worker["input_pipelines"]["warnings"]
+      self.assertEqual(len(warnings), 1, warnings)
+      self.assertIn("AutoShardPolicy.OFF: each of the 2 workers reads all",
+                    warnings[0])
+
+
+@pytest.mark.slow
+class OneDevicePerWorkerTest(RunsOnWorkers, unittest.TestCase):
+  """The usual cluster of one-GPU machines: nothing to add within a worker."""
+  RUNS = ("primitives", "custom_loop", "keras_fit")
+  ENV = {"MULTI_WORKER_DEVICES": "1,1"}
+
+  def test_training_equals_one_process_with_two_replicas(self):
+    for run in ("custom_loop", "keras_fit"):
+      expected = multi_worker_runs.RUNS[run](topology.strategy_over(2))
+      for worker in self.workers:
+        assert_close_nested(self, worker[run], expected)
+
+  def test_collectives_span_both_workers(self):
+    for index, worker in enumerate(self.workers):
+      for mode in ("eager", "function"):
+        got = worker["primitives"][mode]
+        self.assertEqual(got["id"], [float(index)])
+        expected = {"sum": 1.0, "mean": 0.5, "min": 1.0, "max": 1.0,
+                    "int_sum": 5, "int_mean": 2.5, "broadcast": 10.0,
+                    "merge_call": 1.0}
+        self.assertEqual({k: got[k] for k in expected},
+                         {k: [v] for k, v in expected.items()})
+        self.assertEqual(got["all_gather"], [[0.0, 1.0]])
+        self.assertEqual(got["reduce"],
+                         {"sum": 1.0, "mean": 0.5, "min": 0.0, "max": 1.0})
+        self.assertEqual(got["gather"], [0.0, 1.0])
+      self.assertEqual(worker["primitives"]["function"]["in_cond"], [1.0])
+
+
+@pytest.mark.slow
+class SlicingCollectivesTest(unittest.TestCase):
+  """reduce_scatter and all_to_all over 2 workers x 2 replicas equal 4 in one process."""
+
+  def test_every_replica_gets_what_it_gets_in_one_process(self):
+    with tempfile.TemporaryDirectory() as out:
+      workers = results_of(["slicing_collectives"], out)
+    expected = multi_worker_runs.slicing_collectives(topology.strategy_over(4))
+    # Gradients inside a tf.cond (run-time collectives) are those of
+    # merge_call's path.
+    for replica, results in expected["in_cond"].items():
+      assert_close_nested(self, results["gradients"],
+                          expected["function"][replica]["gradients"])
+    for mode, by_replica in expected.items():
+      got = {}
+      for worker in workers:
+        got.update(worker["slicing_collectives"][mode])
+      assert_close_nested(self, got, by_replica)
+
+
+@pytest.mark.slow
+class ShardedOptimizerStateTest(RunsOnWorkers, unittest.TestCase):
+  """shard_optimizer_state=True on 2 workers x 2 equals one process with 4."""
+  RUNS = ("custom_loop", "keras_fit", "keras_fit_steps_per_execution",
+          "keras_fit_accumulation", "keras_fit_nadam", "sharded_state")
+  ENV = {"MULTI_WORKER_SHARD_OPTIMIZER_STATE": "1"}
+
+  def test_training_equals_one_process_with_four_replicas(self):
+    custom_loop = multi_worker_runs.custom_loop(topology.strategy_over(4))
+    keras_fit = multi_worker_runs.keras_fit(topology.strategy_over(4))
+    for worker in self.workers:
+      assert_close_nested(self, worker["custom_loop"], custom_loop)
+      assert_close_nested(self, worker["keras_fit"], keras_fit)
+      assert_close_nested(self, worker["keras_fit_steps_per_execution"],
+                          keras_fit)
+
+  def test_nadam_equals_one_process_with_four_replicas(self):
+    # Also a mirrored scalar Nadam assigns inside each replica.
+    expected = multi_worker_runs.keras_fit(topology.strategy_over(4),
+                                           optimizer=keras.optimizers.Nadam)
+    for worker in self.workers:
+      assert_close_nested(self, worker["keras_fit_nadam"], expected)
+
+  def test_gradient_accumulation_equals_one_process_with_four_replicas(self):
+    # The step runs inside each replica's tf.cond: run-time collectives.
+    expected = multi_worker_runs.keras_fit(topology.strategy_over(4),
+                                           accumulation_steps=2)
+    for worker in self.workers:
+      assert_close_nested(self, worker["keras_fit_accumulation"], expected)
+
+  def test_each_worker_holds_its_replicas_shards_and_reads_whole_slots(self):
+    expected = multi_worker_runs.sharded_state(
+        topology.strategy_over(4, shard_optimizer_state=True))
+    self.assertEqual(len(expected["shard_sizes"]), 8)  # Adam: m, v x 4.
+    for worker in self.workers:
+      got = worker["sharded_state"]
+      # 4 shards of each slot in all, 2 on each worker.
+      self.assertEqual(got["shard_sizes"],
+                       [sizes[:2] for sizes in expected["shard_sizes"]])
+      assert_close_nested(self, got["slots"], expected["slots"])
+
+  def test_the_chiefs_saved_model_holds_the_whole_slots(self):
+    loaded = keras.models.load_model(
+        pathlib.Path(self.out.name) / "sharded.keras")
+    slots = [v.numpy().tolist() for v in loaded.optimizer.variables
+             if v.path.split("/")[-1] not in ("iteration", "learning_rate")]
+    assert_close_nested(self, slots, self.workers[0]["sharded_state"]["slots"])
+
+
+@pytest.mark.slow
+class GradientCompressionTest(RunsOnWorkers, unittest.TestCase):
+  """gradient_compression="bfloat16" across workers: 16-bit collective sums."""
+  RUNS = ("custom_loop", "keras_fit")
+  ENV = {"MULTI_WORKER_GRADIENT_COMPRESSION": "bfloat16"}
+
+  def test_training_stays_within_the_precision_of_one_device(self):
+    for run in self.RUNS:
+      want = getattr(multi_worker_runs, run)(topology.strategy_over(1))
+      for index, worker in enumerate(self.workers):
+        with self.subTest(run=run, worker=index):
+          test_gradient_compression.assert_compressed_close(
+              self, worker[run], want, "bfloat16")
+
+
+@pytest.mark.slow
+class ShardedStateGradientCompressionTest(GradientCompressionTest):
+  """The same with shard_optimizer_state=True: a 16-bit reduce-scatter."""
+  ENV = {"MULTI_WORKER_GRADIENT_COMPRESSION": "bfloat16",
+         "MULTI_WORKER_SHARD_OPTIMIZER_STATE": "1"}
+
+
+@pytest.mark.slow
+class ShardedVariablesGradientCompressionTest(RunsOnWorkers,
+                                              unittest.TestCase):
+  """Every weight in 4 shards: their gradient exchanges across workers in 16
+  bits (the kernels' reduce-scatter, the Embedding rows' all-gather)."""
+  RUNS = ("keras_fit", "embedding_fit")
+  ENV = {"MULTI_WORKER_GRADIENT_COMPRESSION": "bfloat16",
+         "MULTI_WORKER_VARIABLE_SHARDS": "4"}
+
+  def test_training_stays_within_the_precision_of_one_device(self):
+    for run in self.RUNS:
+      want = test_gradient_compression.trained(
+          getattr(multi_worker_runs, run)(topology.strategy_over(1)))
+      for index, worker in enumerate(self.workers):
+        with self.subTest(run=run, worker=index):
+          test_gradient_compression.assert_compressed_close(
+              self, test_gradient_compression.trained(worker[run]), want,
+              "bfloat16")
+
+
+@pytest.mark.slow
+class KerasCustomStepsTest(RunsOnWorkers, unittest.TestCase):
+  RUNS = ("keras_custom_steps", "fewer_rows_than_replicas")
+
+  def assert_workers_equal_one_process_with_four(self, run):
+    expected = multi_worker_runs.RUNS[run](topology.strategy_over(4))
+    for worker in self.workers:
+      assert_close_nested(self, worker[run], expected)
+
+  def test_custom_steps_and_add_loss_equal_one_process_with_four(self):
+    self.assert_workers_equal_one_process_with_four("keras_custom_steps")
+
+  def test_fewer_rows_than_replicas_equal_one_process_with_four(self):
+    self.assert_workers_equal_one_process_with_four("fewer_rows_than_replicas")
+
+
+@pytest.mark.slow
+class ShardedVariablesTest(RunsOnWorkers, unittest.TestCase):
+  """Every weight cut in 4 shards, on 2 workers x 2, equals one process with 4."""
+  # Custom loops and accumulation with sharded variables are checked in one
+  # process; across workers, fit, the Embedding lookups and saving.
+  RUNS = ("keras_fit", "embedding_fit", "sharded_state")
+  ENV = {"MULTI_WORKER_VARIABLE_SHARDS": "4"}
+
+  def test_training_equals_one_process_with_four_replicas(self):
+    expected = multi_worker_runs.keras_fit(topology.strategy_over(4))
+    for worker in self.workers:
+      assert_close_nested(self, worker["keras_fit"], expected)
+
+  def test_embedding_lookups_and_shards_across_workers(self):
+    want = multi_worker_runs.embedding_fit(topology.strategy_over(
+        4, variable_partitioner=(
+            tf.distribute.experimental.partitioners.FixedShardsPartitioner(4))))
+    # Table (40 rows), kernel (4 rows), bias (3 rows): shards of 4 replicas.
+    self.assertEqual(want["shard_rows"], [[10] * 4, [1] * 4, [1, 1, 1, 0]])
+    mirrored = multi_worker_runs.embedding_fit(topology.strategy_over(4))
+    for index, worker in enumerate(self.workers):
+      got = worker["embedding_fit"]
+      self.assertEqual(got["shard_rows"],
+                       [rows[2 * index:2 * index + 2]
+                        for rows in want["shard_rows"]])
+      for key in ("history", "weights", "predict", "slots"):
+        assert_close_nested(self, got[key], mirrored[key])
+
+  def test_the_chiefs_saved_model_holds_the_whole_weights_and_slots(self):
+    state = self.workers[0]["sharded_state"]
+    # Every slot of the sharded weights: 2 shards here, of 4 in all.
+    self.assertEqual([len(sizes) for sizes in state["shard_sizes"]],
+                     [2] * len(state["shard_sizes"]))
+    loaded = keras.models.load_model(
+        pathlib.Path(self.out.name) / "sharded.keras")
+    slots = [v.numpy().tolist() for v in loaded.optimizer.variables
+             if v.path.split("/")[-1] not in ("iteration", "learning_rate")]
+    assert_close_nested(self, slots, state["slots"])
+    want = multi_worker_runs.sharded_state(topology.strategy_over(4))
+    assert_close_nested(self, slots, want["slots"])
+
+
+@pytest.mark.slow
+class FilesTest(unittest.TestCase):
+  """Checkpoints, SavedModels, logs: written once; a restart resumes."""
+
+  def test_only_the_chief_writes_and_the_others_clean_up(self):
+    with tempfile.TemporaryDirectory() as out:
+      workers = results_of(["keras_files"], out)
+      written = sorted(str(p.relative_to(out))
+                       for p in pathlib.Path(out).rglob("*") if p.is_file())
+    self.assertEqual(workers[0]["keras_files"]["scratch"], [])
+    self.assertEqual(len(workers[1]["keras_files"]["scratch"]), 1)
+    self.assertFalse(os.path.exists(workers[1]["keras_files"]["scratch"][0]))
+    events = [f for f in written if "tfevents" in f]
+    self.assertEqual(len(events), 1, written)  # One writer, not two.
+    self.assertTrue(events[0].startswith("logs/train/"))
+    for expected in ("ckpt-1.keras", "ckpt-2.keras", "final.keras",
+                     "final.weights.h5", "exported/saved_model.pb"):
+      self.assertIn(expected, written)
+    self.assertFalse(any(f.startswith("backup") for f in written), written)
+
+  def test_a_restarted_cluster_resumes_and_ends_as_if_uninterrupted(self):
+    run = ["keras_backup_and_restore"]
+    with tempfile.TemporaryDirectory() as out:
+      status, output = launch_workers(run, out)
+      self.assertNotEqual(status, 0, "the first run was not interrupted")
+      self.assertTrue((pathlib.Path(out) / "backup").is_dir(), output)
+      resumed = results_of(run, out)
+    expected = multi_worker_runs.keras_backup_and_restore(
+        topology.strategy_over(4))
+    for worker in resumed:
+      got = worker["keras_backup_and_restore"]
+      self.assertEqual(len(got["loss"]), 2)  # Epochs 3 and 4 only.
+      assert_close_nested(self, got["loss"], expected["loss"][2:])
+      assert_close_nested(self, got["weights"], expected["weights"])
+
+
+@pytest.mark.slow
+class PreemptionTest(unittest.TestCase):
+  """SIGTERM or SIGKILL to worker 1 in epoch 3 of 4; --max-restarts resumes."""
+
+  def run_interrupted(self, run):
+    """The launcher's output, the resumed results, what TMPDIR holds after."""
+    with tempfile.TemporaryDirectory() as out, \
+        tempfile.TemporaryDirectory() as tmp:
+      status, output = launch_workers([run], out, env={"TMPDIR": tmp},
+                                      launch_args=["--max-restarts", "1"])
+      self.assertEqual(status, 0, output)
+      workers = [json.loads((pathlib.Path(out) / f"worker_{i}.json")
+                            .read_text())[run] for i in range(2)]
+      scratch = [p for p in os.listdir(tmp) if p.startswith("replicator-")]
+      self.assertFalse((pathlib.Path(out) / "backup").exists())
+    expected = multi_worker_runs.keras_backup_and_restore(
+        topology.strategy_over(4))
+    for got in workers:
+      self.assertEqual(len(got["loss"]), 2)  # Epochs 3 and 4 only.
+      assert_close_nested(self, got["loss"], expected["loss"][2:])
+      assert_close_nested(self, got["weights"], expected["weights"])
+    return output, scratch
+
+  def test_gradient_accumulation_restarts_exactly(self):
+    # Every worker exits after epoch 2 of 4 with a step pending in each
+    # replica's accumulators; the launcher restarts them from the backup.
+    run = "keras_accumulation_restarted"
+    with tempfile.TemporaryDirectory() as out:
+      status, output = launch_workers([run], out,
+                                      launch_args=["--max-restarts", "1"])
+      self.assertEqual(status, 0, output)
+      self.assertIn("2 workers, 2 starts", output)  # Restarted once.
+      restarted = [json.loads((pathlib.Path(out) / f"worker_{i}.json")
+                              .read_text())[run] for i in range(2)]
+    with tempfile.TemporaryDirectory() as out:
+      uninterrupted = results_of(["keras_accumulation_uninterrupted"], out)
+    for got, want in zip(restarted, uninterrupted):
+      want = want["keras_accumulation_uninterrupted"]
+      self.assertEqual(got["loss"], want["loss"][2:])  # Epochs 3 and 4.
+      self.assertEqual(got["weights"], want["weights"])  # To the bit.
+
+  def test_sigterm_stops_every_worker_at_one_step_and_a_restart_resumes(self):
+    output, scratch = self.run_interrupted("keras_preempted")
+    # Signalled after step 10, seen after step 11: every worker stops after 12.
+    stop = ("stops after step 12: /job:worker/replica:0/task:1 received "
+            "SIGTERM")
+    self.assertIn(f"[worker 0] /job:worker/replica:0/task:0 {stop}", output)
+    self.assertIn(f"[worker 1] /job:worker/replica:0/task:1 {stop}", output)
+    self.assertRegex(output, r"worker \d exited with status 143")
+    self.assertIn("restarting every worker on fresh ports (restart 1", output)
+    self.assertEqual(scratch, [])  # Removed before the preempted exit.
+
+  def test_a_custom_loop_saves_at_the_agreed_step_and_resumes_there(self):
+    run = "custom_loop_preempted"
+    with tempfile.TemporaryDirectory() as out:
+      status, output = launch_workers([run], out,
+                                      launch_args=["--max-restarts", "1"])
+      self.assertEqual(status, 0, output)
+      workers = [json.loads((pathlib.Path(out) / f"worker_{i}.json")
+                            .read_text())[run] for i in range(2)]
+    # Signalled after step 5, seen there: every worker stops after step 6.
+    self.assertIn("[worker 0] /job:worker/replica:0/task:0 stops after step 6: "
+                  "/job:worker/replica:0/task:1 received SIGTERM", output)
+    expected = multi_worker_runs.custom_loop_preempted(
+        topology.strategy_over(4))
+    for got in workers:
+      self.assertEqual(got["start"], 6)
+      assert_close_nested(self, got["weights"], expected["weights"])
+
+  def signal_the_launcher(self, sig):
+    """(status, output, seconds until no worker runs) after `sig` mid-fit."""
+    with tempfile.TemporaryDirectory() as out, tempfile.TemporaryFile(
+        "w+") as log:
+      launcher = subprocess.Popen(
+          [sys.executable, "-m", "replicator_strategy.cli.launch", "--workers",
+           "2", "--timeout", str(LAUNCH_TIMEOUT), "--", sys.executable,
+           str(TESTS / "multi_worker_main.py"), "keras_until_stopped", out],
+          stdout=log, stderr=subprocess.STDOUT, text=True)
+      self.addCleanup(launcher.kill)
+      pid_files = [pathlib.Path(out, f"pid{i}") for i in range(2)]
+      deadline = time.monotonic() + 60
+      while not all(p.exists() for p in pid_files):
+        self.assertIsNone(launcher.poll())
+        self.assertLess(time.monotonic(), deadline)
+        time.sleep(0.1)
+      pids = [int(p.read_text()) for p in pid_files]
+      start = time.monotonic()
+      launcher.send_signal(sig)
+      launcher.wait(timeout=60)
+      while any(alive(pid) for pid in pids):
+        self.assertLess(time.monotonic() - start, 60)
+        time.sleep(0.05)
+      seconds = time.monotonic() - start
+      log.seek(0)
+      self.assertTrue((pathlib.Path(out) / "backup" /
+                       "latest.weights.h5").exists())
+      return launcher.returncode, log.read(), seconds
+
+  def test_sigterm_to_the_launcher_stops_every_worker_at_one_step(self):
+    status, output, seconds = self.signal_the_launcher(signal.SIGTERM)
+    self.assertEqual(status, 143, output[-3000:])
+    self.assertRegex(output, r"\[worker 0\] /job:worker/replica:0/task:0 "
+                     r"stops after step \d+: /job:worker/replica:0/task:\d "
+                     r"received SIGTERM")
+    self.assertRegex(output, r"\[worker 1\] /job:worker/replica:0/task:1 "
+                     r"stops after step \d+")
+    self.assertLess(seconds, 15)
+
+  def test_a_killed_launcher_leaves_no_worker(self):
+    status, _, seconds = self.signal_the_launcher(signal.SIGKILL)
+    self.assertEqual(status, -signal.SIGKILL)
+    # Its watchdog's SIGTERM stopped them, well before its SIGKILL at 25 s.
+    self.assertLess(seconds, 15)
+
+  def test_a_killed_worker_exits_137_and_its_scratch_goes_at_the_restart(
+      self):
+    output, scratch = self.run_interrupted("keras_killed")
+    self.assertIn("worker 1 was killed by SIGKILL", output)
+    self.assertEqual(scratch, [])
+
+
+@pytest.mark.slow
+class NetworkTest(unittest.TestCase):
+  """TF's server listens on every interface (hard-coded in TF 2.21), so the
+  launcher gives its workers a network namespace with loopback only."""
+
+  def test_the_launchers_workers_can_be_reached_from_nowhere_else(self):
+    with tempfile.TemporaryDirectory() as out:
+      workers = results_of(["listening_addresses"], out)
+    ours = os.readlink("/proc/self/ns/net")
+    for worker in workers:
+      got = worker["listening_addresses"]
+      self.assertTrue(got["listening"], got)  # It serves, on its port...
+      self.assertEqual(got["interfaces"], ["lo"], got)  # ...on loopback only,
+      self.assertNotEqual(got["network_namespace"], ours, got)  # not ours.
+    self.assertEqual(workers[0]["listening_addresses"]["network_namespace"],
+                     workers[1]["listening_addresses"]["network_namespace"])
+
+  def test_network_host_keeps_the_machines_network(self):
+    with tempfile.TemporaryDirectory() as out:
+      workers = results_of(["listening_addresses"], out,
+                           launcher_args=["--network", "host"])
+    for worker in workers:
+      self.assertEqual(worker["listening_addresses"]["network_namespace"],
+                       os.readlink("/proc/self/ns/net"))
+
+
+FAULT_TIMEOUT = 10  # timeout_seconds the fault tests give the strategy.
+
+
+def start_workers(indices, runs, num_workers=2):
+  """Starts the workers at `indices` of a cluster; the others never start."""
+  addresses = [f"127.0.0.1:{p}" for p in launch.free_ports(num_workers)]
+  out = tempfile.mkdtemp()
+  return {
+      i: subprocess.Popen(
+          [sys.executable, str(TESTS / "multi_worker_main.py"), runs, out,
+           str(FAULT_TIMEOUT)],
+          env={**os.environ, "TF_CONFIG": launch.tf_config(addresses, i)},
+          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+          start_new_session=True)
+      for i in indices
+  }
+
+
+def outcome(process, limit=120):
+  """(exit status, seconds, output) of a worker, killed after `limit` s."""
+  start = time.monotonic()
+  try:
+    output, _ = process.communicate(timeout=limit)
+  except subprocess.TimeoutExpired:
+    os.killpg(process.pid, signal.SIGKILL)
+    output, _ = process.communicate()
+  return process.returncode, time.monotonic() - start, output
+
+
+def kill_all(workers):
+  for process in workers.values():
+    if process.poll() is None:
+      os.killpg(process.pid, signal.SIGKILL)
+    process.communicate()
+
+
+@pytest.mark.slow
+class FaultTest(unittest.TestCase):
+  """A worker that never starts, dies or freezes fails the others, named."""
+
+  def check_fails_naming(self, workers, survivor, missing_task):
+    self.addCleanup(kill_all, workers)
+    status, seconds, output = outcome(workers[survivor])
+    self.assertNotEqual(status, 0, output[-3000:])
+    self.assertNotEqual(status, -signal.SIGKILL, "hung: " + output[-3000:])
+    self.assertLess(seconds, 6 * FAULT_TIMEOUT)
+    self.assertIn(missing_task, output)
+
+  def test_a_worker_that_never_starts_fails_the_chief_naming_it(self):
+    workers = start_workers([0], "custom_loop")
+    self.check_fails_naming(workers, 0, "Missing: /job:worker/replica:0/task:1")
+
+  def test_a_chief_that_never_starts_fails_the_worker_naming_it(self):
+    workers = start_workers([1], "custom_loop")
+    self.check_fails_naming(
+        workers, 1, "Missing: the chief, /job:worker/replica:0/task:0")
+
+  def test_workers_with_different_device_counts_are_refused(self):
+    with tempfile.TemporaryDirectory() as out:
+      status, output = launch_workers(["primitives"], out,
+                                      env={"MULTI_WORKER_DEVICES": "2,3"})
+    self.assertNotEqual(status, 0)
+    self.assertIn("Every worker must replicate over as many devices; they "
+                  "have worker 0: 2, worker 1: 3", output)
+
+  def test_a_worker_that_dies_mid_training_fails_the_chief_naming_it(self):
+    workers = start_workers([0, 1], "peer_dies")
+    self.check_fails_naming(workers, 0, "/job:worker/replica:0/task:1")
+
+  def test_sigterm_outside_a_saving_loop_exits_143_and_fails_the_chief(self):
+    workers = start_workers([0, 1], "peer_gets_sigterm")
+    message = ("/job:worker/replica:0/task:1 received SIGTERM outside a "
+               "training loop that saves on preemption")
+    self.check_fails_naming(workers, 0, message)  # Told why, at once.
+    status, _, output = outcome(workers[1])
+    self.assertEqual(status, 143, output[-3000:])
+    self.assertIn(message, output)
+
+  def test_a_port_taken_by_another_process_is_named(self):
+    with socket.socket() as taken:
+      taken.bind(("127.0.0.1", 0))
+      taken.listen()
+      port = taken.getsockname()[1]
+      address = f"127.0.0.1:{port}"
+      worker = subprocess.Popen(
+          [sys.executable, str(TESTS / "multi_worker_main.py"), "primitives",
+           tempfile.mkdtemp(), str(FAULT_TIMEOUT)],
+          env={**os.environ, "TF_CONFIG": launch.tf_config(
+              [address, f"127.0.0.1:{launch.free_ports(1)[0]}"], 0)},
+          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+          start_new_session=True)
+      self.addCleanup(kill_all, {0: worker})
+      status, seconds, output = outcome(worker)
+    self.assertNotEqual(status, 0)
+    self.assertLess(seconds, 30)
+    self.assertIn(f"/job:worker/replica:0/task:0 cannot listen on port {port}, "
+                  f"the port of its address {address} in the cluster "
+                  f"(Address already in use): another process holds it.",
+                  output)
+
+  def test_a_worker_that_freezes_mid_training_fails_the_chief_naming_it(self):
+    workers = start_workers([0, 1], "peer_freezes")
+    self.check_fails_naming(
+        workers, 0, "stopped sending heartbeats):\n/job:worker/replica:0/task:1")
+
+
+if __name__ == "__main__":
+  unittest.main()
