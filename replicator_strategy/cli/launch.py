@@ -56,6 +56,7 @@ import threading
 import time
 
 from replicator_strategy.cli import tensorflow_logs
+from replicator_strategy.cli import worker_output
 
 _STOP_SECONDS = 5  # How long a worker stopped because another failed gets.
 TIMEOUT_STATUS = 124
@@ -147,73 +148,6 @@ def tf_config(addresses, index):
 def exit_status(returncode):
   """A shell's exit status: 128 + N for a process killed by signal N."""
   return 128 - returncode if returncode < 0 else returncode
-
-
-class _Console:
-  """Where the workers' lines go: each prefixed, progress-bar redraws handled.
-
-  A progress bar (Keras's) redraws its line with carriage returns (and
-  backspaces); under several prefixes these would overwrite each other, so a
-  finished line comes out once, in its last state. On a terminal the latest
-  unfinished state of each shown stream is drawn on a status line meanwhile.
-  """
-
-  def __init__(self, stdout, stderr, live):
-    self._out = {"stdout": stdout, "stderr": stderr}
-    self._live = live
-    # Re-entrant: a signal handler may speak while its thread holds it.
-    self._lock = threading.RLock()
-    self._status_shown = False
-
-  def say(self, message):
-    """The launcher's own message, on stderr, prefixed `[launch]`."""
-    self.line("stderr", f"[launch] {message}".encode())
-
-  def line(self, stream, text):
-    with self._lock:
-      self._clear_status()
-      self._out[stream].write(text + b"\n")
-      self._out[stream].flush()
-
-  def redraw(self, text):
-    if not self._live:
-      return
-    with self._lock:
-      self._out["stdout"].write(b"\r\x1b[K" + text)
-      self._out["stdout"].flush()
-      self._status_shown = True
-
-  def _clear_status(self):
-    if self._status_shown:
-      self._out["stdout"].write(b"\r\x1b[K")
-      self._out["stdout"].flush()
-      self._status_shown = False
-
-
-def _last_redraw(segment):
-  """What a terminal would show of `segment`: the text after its last `\\r`."""
-  return segment.rstrip(b"\r").rsplit(b"\r", 1)[-1].replace(b"\b", b"")
-
-
-def _forward(stream, prefix, console, name, shown, keep=lambda line: True):
-  """Copies `stream` to `console` line by line until it closes.
-
-  Only lines `keep` accepts come through. A stream not `shown` is still read
-  to its end, so the worker never blocks on a full pipe.
-  """
-  pending = b""
-  for chunk in iter(lambda: stream.read1(1 << 16), b""):
-    if not shown:
-      continue
-    *lines, pending = (pending + chunk).split(b"\n")
-    for line in lines:
-      if keep(line):
-        console.line(name, prefix + _last_redraw(line))
-    if b"\r" in pending:
-      console.redraw(prefix + _last_redraw(pending))
-  if pending:
-    console.line(name, prefix + _last_redraw(pending))
-  stream.close()
 
 
 def _signal_group(process, sig):
@@ -332,7 +266,7 @@ class _Launch:
           shown = (index == 0 or name == "stderr" or
                    self.output == OUTPUT_ALL)
           forwarder = threading.Thread(
-              target=_forward, daemon=True,
+              target=worker_output.forward, daemon=True,
               args=(getattr(process, name), prefix, self.console, name,
                     shown, self._keep(env)))
           forwarder.start()
@@ -385,7 +319,7 @@ def run(command, num_workers, timeout=None, max_restarts=0, grace_period=25,
   shows worker 0's output in full and the others' stderr, "all" everything.
   Ends with a summary line: workers, starts, wall time, exit statuses.
   """
-  console = _Console(sys.stdout.buffer, sys.stderr.buffer,
+  console = worker_output.Console(sys.stdout.buffer, sys.stderr.buffer,
                     live=sys.stdout.isatty())
   start = time.monotonic()
   with _Signals(console) as signals:
