@@ -33,6 +33,7 @@ import shutil
 
 from replicator_strategy import strategy as strategy_lib
 from replicator_strategy.cluster import scratch as scratch_lib
+from replicator_strategy.keras import _internal as ki
 
 
 def _non_chief(model):
@@ -57,10 +58,6 @@ def to_scratch_unless_chief(write):
   return wrapper
 
 
-_BACKUP_FILES = ("_weights_path", "_training_metadata_path",
-                 "_prev_weights_path", "_prev_training_metadata_path")
-
-
 def backup_to_scratch_unless_chief(save_model):
 
   @functools.wraps(save_model)
@@ -68,15 +65,10 @@ def backup_to_scratch_unless_chief(save_model):
     if not _non_chief(self.model):
       return save_model(self, *args, **kwargs)
     scratch = scratch_lib.new_dir()
-    real = {name: getattr(self, name) for name in _BACKUP_FILES + ("backup_dir",)}
     try:
-      for name in _BACKUP_FILES:
-        setattr(self, name, os.path.join(scratch, os.path.basename(real[name])))
-      self.backup_dir = scratch
-      return save_model(self, *args, **kwargs)
+      with ki.backup_written_to(self, scratch):
+        return save_model(self, *args, **kwargs)
     finally:
-      for name, path in real.items():
-        setattr(self, name, path)
       shutil.rmtree(scratch, ignore_errors=True)
 
   return wrapper
