@@ -1,8 +1,9 @@
 """The adapters: they alone reach TF's and Keras's privates, behind version checks.
 
-`_tf_internal` refuses untested TensorFlow versions; no other module (patch
-wrappers included: `self._x`, `getattr(self, "_x")`) reaches a private
-member of TF or Keras. (`keras/_internal`'s version check is tested in
+`_tf_internal` refuses untested TensorFlow versions and TF classes without
+the hooks `ShardedVariable` overrides; no other module (patch wrappers
+included: `self._x`, `getattr(self, "_x")`) reaches a private member of TF
+or Keras. (`keras/_internal`'s version check is tested in
 test_keras_patches.)
 """
 
@@ -19,6 +20,7 @@ import tensorflow as tf
 
 from replicator_strategy import _tf_internal
 from replicator_strategy.keras import patches as keras_patches
+from replicator_strategy.sharding import variables as sharded_variables
 
 
 class VersionCheckTest(unittest.TestCase):
@@ -213,6 +215,31 @@ def _private_names_of_foreign(classes):
     except (OSError, TypeError):
       pass  # Built in: no source to read.
   return {n for n in names if _private(n)}
+
+
+class OverriddenHooksTest(unittest.TestCase):
+
+  def test_the_listed_hooks_are_what_sharded_variable_overrides(self):
+    cls = sharded_variables.ShardedVariable
+    tf_names = _private_names_of_foreign(cls.__mro__[1:])
+    overridden = {name for name, value in vars(cls).items()
+                  if inspect.isfunction(value) and name in tf_names}
+    self.assertEqual(overridden, set(_tf_internal.DISTRIBUTED_VARIABLE_HOOKS))
+
+  def test_a_tf_without_a_listed_hook_is_refused(self):
+    _tf_internal._check_hooks(_tf_internal.values.DistributedVariable,
+                              _tf_internal.DISTRIBUTED_VARIABLE_HOOKS)
+
+    class Renamed:
+
+      def _get(self):
+        pass
+
+    with self.assertRaisesRegex(
+        ImportError, r"TensorFlow's Renamed: expected it to define "
+        r"_update_replica\. Received: tensorflow==2\.21\..*does not\. "
+        r"Install a tested version"):
+      _tf_internal._check_hooks(Renamed, ("_get", "_update_replica"))
 
 
 if __name__ == "__main__":
