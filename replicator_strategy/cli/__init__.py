@@ -5,6 +5,6 @@ Owns `replicator-launch` (`launch`: N local workers, each with its own
 (`environment_report`), and keeping TensorFlow's start-up INFO lines out
 (`tensorflow_logs`). `launch` and `tensorflow_logs` import no TensorFlow.
 
-May import: anything in the package, lazily where a command must start
-without TensorFlow.
+May import: anything in the package but `keras`, lazily where a command
+must start without TensorFlow.
 """

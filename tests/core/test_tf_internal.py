@@ -3,8 +3,8 @@
 `_tf_internal` refuses untested TensorFlow versions and TF classes without
 the hooks `ShardedVariable` overrides; no other module (patch wrappers
 included: `self._x`, `getattr(self, "_x")`) reaches a private member of TF
-or Keras. (`keras/_internal`'s version check is tested in
-test_keras_patches.)
+or Keras; nothing outside `keras/` imports it. (`keras/_internal`'s version
+check is tested in test_keras_patches.)
 """
 
 import ast
@@ -240,6 +240,61 @@ class OverriddenHooksTest(unittest.TestCase):
         r"_update_replica\. Received: tensorflow==2\.21\..*does not\. "
         r"Install a tested version"):
       _tf_internal._check_hooks(Renamed, ("_get", "_update_replica"))
+
+
+_KERAS_INTEGRATION = "replicator_strategy.keras"
+
+
+def _imported(node, module_name):
+  """The modules an import in `module_name` (dotted) names, resolved."""
+  if isinstance(node, ast.Import):
+    return [alias.name for alias in node.names]
+  if isinstance(node, ast.ImportFrom):
+    package = module_name.split(".")[:-1]
+    base = package[:len(package) + 1 - node.level] if node.level else []
+    base = ".".join(base + ([node.module] if node.module else []))
+    return [base] + [f"{base}.{alias.name}" for alias in node.names]
+  if (isinstance(node, ast.Call) and ast.unparse(node.func).endswith(
+      "import_module") and node.args and isinstance(node.args[0], ast.Constant)):
+    return [node.args[0].value]
+  return []
+
+
+def _keras_imports(modules):
+  """(module, line, code) of each import of `replicator_strategy.keras` in
+  `modules` (dotted name -> tree)."""
+  return [(name, node.lineno, ast.unparse(node))
+          for name, tree in modules.items()
+          if not name.startswith(_KERAS_INTEGRATION)
+          for node in ast.walk(tree)
+          if any(m == _KERAS_INTEGRATION or
+                 m.startswith(_KERAS_INTEGRATION + ".")
+                 for m in _imported(node, name))]
+
+
+class LayeringTest(unittest.TestCase):
+
+  def test_nothing_outside_keras_imports_keras(self):
+    modules = {
+        ".".join(("replicator_strategy",) +
+                 p.relative_to(PACKAGE).with_suffix("").parts): ast.parse(
+                     p.read_text())
+        for p in sorted(PACKAGE.rglob("*.py"))}
+    # The package's lazy loader installs the Keras patches on first use.
+    self.assertEqual(
+        [(name, code) for name, _, code in _keras_imports(modules)],
+        [("replicator_strategy.__init__",
+          "importlib.import_module('replicator_strategy.keras')")])
+
+  def test_the_check_sees_each_form_of_import(self):
+    found = _keras_imports({
+        "replicator_strategy.cluster.preemption_checkpoint": ast.parse(
+            "from replicator_strategy.keras import chief_writes\n"
+            "import replicator_strategy.keras.training\n"
+            "from replicator_strategy import keras\n"
+            "from ..keras import patches\n"
+            "from replicator_strategy import strategy\n")})
+    self.assertEqual([line for _, line, _ in found], [1, 2, 3, 4])
 
 
 if __name__ == "__main__":
