@@ -1,12 +1,20 @@
-"""The one place that imports TensorFlow's private `tensorflow.python.*` modules.
+"""The one place that reaches TensorFlow's private modules and members.
 
 ReplicatorStrategy reuses TF's distributed-variable classes, input pipeline,
 cross-device ops and replica threads. Those live in private modules whose
-layout may change between TF releases, so every such import is made here and
-checked against the TF versions this file was written for, and every private
-member of a TF object the package uses is reached through a named function
-at the end of this file (tests/core/test_tf_internal.py checks that no other
-module does). Upgrading TF means re-checking this one file.
+layout may change between TF releases, so this file, checked against the
+TF versions it was written for, lists:
+
+- every import of a private `tensorflow.python.*` module, and the private
+  classes the package subclasses or uses (`ThreadReplicaContext`, ...);
+- `DISTRIBUTED_VARIABLE_HOOKS`: the private methods of TF's
+  `DistributedVariable` that `ShardedVariable` overrides, each checked on
+  import to exist still;
+- a named function for every private member of a TF object the package
+  reads, calls or sets (at the end of this file).
+
+tests/core/test_tf_internal.py checks that no other module reaches a TF
+private. Upgrading TF means re-checking this one file.
 """
 
 import collections
@@ -71,6 +79,30 @@ FuncGraph = func_graph.FuncGraph
 VARIABLE_VALUE_KEY = trackable_constants.VARIABLE_VALUE_KEY
 WHILE_LOOP_GRAPHS = (control_flow_v2_func_graphs.WhileBodyFuncGraph,
                      control_flow_v2_func_graphs.WhileCondFuncGraph)
+
+# The private methods of TF's `DistributedVariable` that
+# `sharding.variables.ShardedVariable` overrides: TF reads, updates and saves
+# a distributed variable through them.
+DISTRIBUTED_VARIABLE_HOOKS = (
+    "_as_graph_element", "_get", "_get_cross_replica",
+    "_get_on_device_or_primary", "_restore_from_tensors",
+    "_serialize_to_tensors", "_update_cross_replica", "_update_replica")
+
+
+def _check_hooks(base, hooks):
+  """Refuses a TF whose `base` lacks a private method a subclass of ours
+  overrides (TF would no longer call the override)."""
+  missing = [name for name in hooks if not callable(getattr(base, name, None))]
+  if missing:
+    raise ImportError(
+        f"replicator_strategy overrides private methods of TensorFlow's "
+        f"{base.__name__}: expected it to define {', '.join(missing)}. "
+        f"Received: tensorflow=={tf.__version__}, whose {base.__name__} does "
+        f"not. Install a tested version (pip install "
+        f"'tensorflow-cpu=={TESTED_TF_VERSIONS[-1]}.*').")
+
+
+_check_hooks(values.DistributedVariable, DISTRIBUTED_VARIABLE_HOOKS)
 
 
 def one_replica_spec(spec):

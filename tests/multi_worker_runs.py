@@ -20,7 +20,7 @@ import keras
 
 import models
 import replicator_strategy as rs
-from replicator_strategy.keras import chief_writes
+from replicator_strategy.cluster import scratch
 
 GLOBAL_BATCH = 16
 
@@ -330,7 +330,7 @@ def keras_files(strategy, workdir):
   model.save(workdir / "final.keras")
   model.save_weights(workdir / "final.weights.h5")
   model.export(str(workdir / "exported"))
-  return {"scratch": list(chief_writes._scratch_root)}  # pylint: disable=protected-access
+  return {"scratch": list(scratch._scratch_root)}  # pylint: disable=protected-access
 
 
 class _Interrupt(keras.callbacks.Callback):

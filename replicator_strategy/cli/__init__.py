@@ -6,6 +6,6 @@ Owns `replicator-launch` (`launch`: N local workers, each with its own
 TensorFlow's start-up INFO lines out (`tensorflow_logs`). `launch`,
 `worker_output` and `tensorflow_logs` import no TensorFlow.
 
-May import: anything in the package, lazily where a command must start
-without TensorFlow.
+May import: anything in the package but `keras`, lazily where a command
+must start without TensorFlow.
 """

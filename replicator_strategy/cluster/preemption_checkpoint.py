@@ -14,8 +14,8 @@ it is created, and handles SIGTERM for MultiWorkerMirroredStrategy alone.)
 
 import tensorflow as tf
 
-from replicator_strategy.keras import chief_writes
 from replicator_strategy.cluster import preemption
+from replicator_strategy.cluster import scratch
 
 
 class PreemptionCheckpoint:
@@ -57,7 +57,7 @@ class PreemptionCheckpoint:
       raise TypeError(f"Expected `checkpoint` to be a tf.train.Checkpoint. "
                       f"Received: {checkpoint!r}")
     write_to = (directory if strategy.extended.should_checkpoint else
-                chief_writes.scratch_dir())
+                scratch.new_dir())
     self._manager = tf.train.CheckpointManager(checkpoint, write_to,
                                                max_to_keep=1)
     latest = tf.train.latest_checkpoint(directory)

@@ -10,6 +10,9 @@
   agreed to stop at after a SIGTERM.
 - `_internal`: Keras's private names, behind a Keras version check.
 
+Nothing outside `keras/` imports it but the package's lazy loader, which
+calls `install()`: the core and the other subpackages never depend on it.
+
 >>> import replicator_strategy as rs
 >>> len(rs.keras.PATCHES) > 0
 True

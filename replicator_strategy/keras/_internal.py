@@ -1,14 +1,22 @@
 """The one place that reaches Keras's private modules and members.
 
-The patches in `patches` wrap Keras functions, some private, and two
-wrappers call private Keras code. All of it is reached here and checked
-against the Keras versions this file was written for, as `_tf_internal` does
-for TensorFlow. Upgrading Keras means re-checking this file and the table in
+Checked against the Keras versions this file was written for, as
+`_tf_internal` is for TensorFlow, it lists:
+
+- every private Keras module the package imports (some own functions that
+  `patches.PATCHES` wraps);
+- a named function for every private member of a Keras object that the
+  patch wrappers and the rest of the package read, call or set (the
+  wrapped names themselves are in the table `patches.PATCHES`).
+
+tests/core/test_tf_internal.py checks that no other module reaches a Keras
+private. Upgrading Keras means re-checking this file and the table in
 `patches`, and one contract kept elsewhere: the TF optimizer finds a
 weight's slots through `_distributed_container()` (its `_var_key`), which
 `sharded_optimizer.WeightShard` provides to stand in for a weight.
 """
 
+import contextlib
 import os
 
 import keras
@@ -57,6 +65,39 @@ def distributed_dataset(epoch_iterator):
 def save_backup(backup_and_restore):
   """A `BackupAndRestore` callback writes its backup now."""
   backup_and_restore._save_model()  # pylint: disable=protected-access
+
+
+# Where a `BackupAndRestore` writes, besides its public `backup_dir`.
+_BACKUP_FILES = ("_weights_path", "_training_metadata_path",
+                 "_prev_weights_path", "_prev_training_metadata_path")
+
+
+@contextlib.contextmanager
+def backup_written_to(backup_and_restore, directory):
+  """A `BackupAndRestore` callback writes its backup into `directory`, in the block."""
+  real = {name: getattr(backup_and_restore, name)
+          for name in _BACKUP_FILES + ("backup_dir",)}
+  try:
+    for name in _BACKUP_FILES:
+      setattr(backup_and_restore, name,
+              os.path.join(directory, os.path.basename(real[name])))
+    backup_and_restore.backup_dir = directory
+    yield
+  finally:
+    for name, path in real.items():
+      setattr(backup_and_restore, name, path)
+
+
+def all_reduce_sum_gradients(optimizer, grads_and_vars):
+  """`optimizer`'s sum of (gradient, variable) pairs over the replicas, with
+  every wrapper `PATCHES` put around it."""
+  return optimizer._all_reduce_sum_gradients(grads_and_vars)  # pylint: disable=protected-access
+
+
+def embeddings_variable(embedding):
+  """An `Embedding` layer's table variable as it holds it (before LoRA or
+  int4 unpacking), or None before it is built."""
+  return getattr(embedding, "_embeddings", None)
 
 
 def uses_weight_decay(optimizer, variable):

@@ -6,9 +6,7 @@ still do the saving (reading distributed variables may take part in
 collectives), but only the chief's files may land where the script says:
 the others write to a private scratch directory that is deleted right after
 (TensorBoard logs: at the end of training; everything: at exit, also on a
-preemption). A worker killed outright (SIGKILL) cannot clean up: the next
-worker process that makes a scratch directory removes those of processes
-that no longer run.
+preemption; see `replicator_strategy.cluster.scratch`).
 
 - `Model.save`, `Model.save_weights`, `Model.export` (so also ModelCheckpoint).
 - `BackupAndRestore` saves, and deletes its backup at the end, on the chief
@@ -29,19 +27,13 @@ strategy is a ReplicatorStrategy over several workers, on a non-chief one.
 True
 """
 
-import atexit
 import functools
-import glob
 import os
 import shutil
-import tempfile
 
-
-from replicator_strategy.cluster import preemption
 from replicator_strategy import strategy as strategy_lib
-
-_scratch_root = []
-_SCRATCH_PREFIX = "replicator-worker-"
+from replicator_strategy.cluster import scratch as scratch_lib
+from replicator_strategy.keras import _internal as ki
 
 
 def _non_chief(model):
@@ -50,49 +42,13 @@ def _non_chief(model):
           not strategy.extended.is_chief)
 
 
-def scratch_dir():
-  """A new directory in this process's scratch root, removed at exit."""
-  if not _scratch_root:
-    _remove_scratch_of_dead_processes()
-    _scratch_root.append(
-        tempfile.mkdtemp(prefix=f"{_SCRATCH_PREFIX}{os.getpid()}-"))
-    remove = functools.partial(shutil.rmtree, _scratch_root[0],
-                               ignore_errors=True)
-    atexit.register(remove)
-    preemption.call_before_exit(remove)
-  return tempfile.mkdtemp(dir=_scratch_root[0])
-
-
-def _remove_scratch_of_dead_processes():
-  """Scratch roots (named by PID) of this user's processes that were killed."""
-  pattern = os.path.join(tempfile.gettempdir(), f"{_SCRATCH_PREFIX}*-*")
-  for root in glob.glob(pattern):
-    pid = os.path.basename(root)[len(_SCRATCH_PREFIX):].split("-")[0]
-    try:
-      ours = os.stat(root).st_uid == os.getuid()
-    except FileNotFoundError:
-      continue  # Removed meanwhile.
-    if pid.isdigit() and ours and not _running(int(pid)):
-      shutil.rmtree(root, ignore_errors=True)
-
-
-def _running(pid):
-  try:
-    os.kill(pid, 0)
-  except ProcessLookupError:
-    return False
-  except PermissionError:
-    pass  # Another user's process: running.
-  return True
-
-
 def to_scratch_unless_chief(write):
 
   @functools.wraps(write)
   def wrapper(self, filepath, *args, **kwargs):
     if not _non_chief(self):
       return write(self, filepath, *args, **kwargs)
-    scratch = scratch_dir()
+    scratch = scratch_lib.new_dir()
     try:
       name = os.path.basename(os.fspath(filepath).rstrip("/")) or "export"
       return write(self, os.path.join(scratch, name), *args, **kwargs)
@@ -102,26 +58,17 @@ def to_scratch_unless_chief(write):
   return wrapper
 
 
-_BACKUP_FILES = ("_weights_path", "_training_metadata_path",
-                 "_prev_weights_path", "_prev_training_metadata_path")
-
-
 def backup_to_scratch_unless_chief(save_model):
 
   @functools.wraps(save_model)
   def wrapper(self, *args, **kwargs):
     if not _non_chief(self.model):
       return save_model(self, *args, **kwargs)
-    scratch = scratch_dir()
-    real = {name: getattr(self, name) for name in _BACKUP_FILES + ("backup_dir",)}
+    scratch = scratch_lib.new_dir()
     try:
-      for name in _BACKUP_FILES:
-        setattr(self, name, os.path.join(scratch, os.path.basename(real[name])))
-      self.backup_dir = scratch
-      return save_model(self, *args, **kwargs)
+      with ki.backup_written_to(self, scratch):
+        return save_model(self, *args, **kwargs)
     finally:
-      for name, path in real.items():
-        setattr(self, name, path)
       shutil.rmtree(scratch, ignore_errors=True)
 
   return wrapper
@@ -144,7 +91,7 @@ def log_to_scratch_unless_chief(set_model):
   def wrapper(self, model):
     if _non_chief(model) and not getattr(self, "_replicator_scratch", None):
       self._replicator_scratch = self.log_dir  # pylint: disable=protected-access
-      self.log_dir = scratch_dir()
+      self.log_dir = scratch_lib.new_dir()
     return set_model(self, model)
 
   return wrapper

@@ -36,6 +36,7 @@ import tensorflow as tf
 from replicator_strategy import _tf_internal as tfi
 from replicator_strategy import replica_context
 from replicator_strategy.sharding import variables as sharded_variables
+from replicator_strategy.keras import _internal as ki
 from replicator_strategy.keras import sharded_optimizer
 
 
@@ -161,7 +162,7 @@ def lookup_rows(call):
 
   @functools.wraps(call)
   def wrapper(self, inputs):
-    table = _sharded_weight(getattr(self, "_embeddings", None))
+    table = _sharded_weight(ki.embeddings_variable(self))
     ctx = tf.distribute.get_replica_context()
     if (table is None or self.lora_enabled or self.quantization_mode or
         not isinstance(ctx, replica_context.ReplicaContext)):

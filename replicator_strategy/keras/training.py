@@ -169,9 +169,9 @@ def reduce_before_clipping(backend_apply_gradients):
     # clipping, at update steps only.
     if not (clips and _in_our_replicas()) or self.gradient_accumulation_steps:
       return backend_apply_gradients(self, grads, trainable_variables)
-    pairs = self._all_reduce_sum_gradients(  # pylint: disable=protected-access
-        zip(grads, [v.value if isinstance(v, keras.Variable) else v
-                    for v in trainable_variables]))
+    pairs = ki.all_reduce_sum_gradients(self, zip(
+        grads, [v.value if isinstance(v, keras.Variable) else v
+                for v in trainable_variables]))
     # Summing is linear, so accumulating reduced gradients changes nothing.
     self._gradients_reduced = True  # pylint: disable=protected-access
     try:
@@ -198,8 +198,7 @@ def reduce_accumulated_before_clipping(clip_gradients):
     if sharded_weights.any_sharded(ki.optimizer_weights(self)):
       sharded_weights.refuse_clipping_accumulated()
     # Without sharded weights, the weights do not change the sum.
-    pairs = self._all_reduce_sum_gradients(  # pylint: disable=protected-access
-        [(g, None) for g in grads])
+    pairs = ki.all_reduce_sum_gradients(self, [(g, None) for g in grads])
     self._gradients_reduced = True  # pylint: disable=protected-access
     return clip_gradients(self, [g for g, _ in pairs])
 

@@ -11,8 +11,6 @@ import contextlib
 import json
 import os
 import shutil
-import subprocess
-import sys
 import tempfile
 import unittest
 from unittest import mock
@@ -24,7 +22,7 @@ import tensorflow as tf
 
 import models
 import replicator_strategy as rs
-from replicator_strategy.keras import chief_writes
+from replicator_strategy.cluster import scratch
 import topology
 
 BATCH = 8
@@ -70,10 +68,10 @@ class ScratchSpy:
   def __init__(self, keep_dir):
     self.made, self.kept = [], {}
     self._keep_dir = keep_dir
-    self._scratch_dir, self._rmtree = chief_writes.scratch_dir, shutil.rmtree
+    self._new_dir, self._rmtree = scratch.new_dir, shutil.rmtree
 
-  def scratch_dir(self):
-    self.made.append(self._scratch_dir())
+  def new_dir(self):
+    self.made.append(self._new_dir())
     return self.made[-1]
 
   def rmtree(self, path, *args, **kwargs):
@@ -89,7 +87,7 @@ class ScratchSpy:
 
   @contextlib.contextmanager
   def watching(self):
-    with mock.patch.object(chief_writes, "scratch_dir", self.scratch_dir), \
+    with mock.patch.object(scratch, "new_dir", self.new_dir), \
          mock.patch.object(shutil, "rmtree", self.rmtree):
       yield self
 
@@ -254,32 +252,6 @@ class BackupAndRestoreTest(ChiefWritesTest):
     self.assertEqual(history.epoch, [1, 2])
     self.assertFalse(os.path.exists(backup_dir))
     self.assertEqual(self.spy.made, [])
-
-
-class ScratchRootTest(unittest.TestCase):
-
-  def test_the_first_scratch_removes_only_dead_processes_scratch(self):
-    with tempfile.TemporaryDirectory() as tmp:
-      dead = subprocess.run(
-          [sys.executable, "-c", "import os; print(os.getpid())"],
-          capture_output=True, text=True, check=True)
-      roots = {name: os.path.join(tmp, name) for name in (
-          f"replicator-worker-{int(dead.stdout)}-abc",  # Its process ended.
-          f"replicator-worker-{os.getppid()}-def",  # A running process's.
-          "replicator-worker-notapid-ghi",
-          "another-program-1-jkl")}
-      for path in roots.values():
-        os.makedirs(os.path.join(path, "inside"))
-      # This process has no scratch root yet, and makes it under `tmp`.
-      with mock.patch.object(tempfile, "tempdir", tmp), \
-           mock.patch.object(chief_writes, "_scratch_root", []):
-        scratch = chief_writes.scratch_dir()
-        self.assertTrue(os.path.isdir(scratch))
-        self.assertTrue(os.path.basename(os.path.dirname(scratch)).startswith(
-            f"replicator-worker-{os.getpid()}-"))
-      left = sorted(os.listdir(tmp))
-    self.assertEqual(sorted(set(roots) - set(left)),
-                     [f"replicator-worker-{int(dead.stdout)}-abc"])
 
 
 if __name__ == "__main__":
