@@ -98,7 +98,7 @@ for epoch in (1, 2):
     sys.stdout.write("\b" * width + "\r" + state)
     sys.stdout.flush()
     width = len(state)
-    time.sleep(0.02)
+    time.sleep(0.2)  # Time for the launcher to read each redraw.
   sys.stdout.write("\n")
 print(f"trained on worker {i}", flush=True)
 print(f"UserWarning: worker {i} warns", file=sys.stderr)
