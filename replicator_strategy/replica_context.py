@@ -1,12 +1,11 @@
 """The replica context: TF-Replicator's collectives inside `strategy.run`.
 
-Each replica runs the user's function in its own thread (TensorFlow's
-`mirrored_run` threads, reused unchanged); `merge_call` is the rendezvous
-where all replicas meet. Inside control flow (a `tf.cond` branch, a nested
-`tf.function`) the replicas trace separate graphs and cannot meet, so there
-collectives are launched per replica instead (`replica_collectives`); in a
-`tf.while_loop` of the replica function they are refused
-(`replica_collectives.check_not_in_replica_loop`).
+Each replica runs the user's function in its own thread (`replica_runner`);
+`merge_call` is the rendezvous where all replicas meet. Inside control flow
+(a `tf.cond` branch, a nested `tf.function`) the replicas trace separate
+graphs and cannot meet, so there collectives are launched per replica
+instead (`replica_collectives`); in a `tf.while_loop` of the replica
+function they are refused (`replica_collectives.check_not_in_replica_loop`).
 On top of `tf.distribute.ReplicaContext` this adds MIN/MAX all-reduce,
 `broadcast`, `reduce_scatter` and `all_to_all`, all differentiable, on both
 paths (example: `ReplicaContext`).
@@ -15,10 +14,8 @@ Design after TF-Replicator (Buchlovsky et al., 2019, arXiv:1902.00465).
 """
 
 import collections
-import contextlib
 import enum
 import inspect
-import weakref
 
 import tensorflow as tf
 
@@ -567,70 +564,3 @@ def _broadcast_from(strategy, source_replica_id, *per_replica):
                                   tfi.distribute_utils.regroup(masked, always_wrap=True),
                                   destinations=value))
   return out
-
-
-_lifted_functions = weakref.WeakKeyDictionary()
-
-
-def call_for_each_replica(strategy, fn, args, kwargs):
-  """Runs `fn` once per replica, each inside a `ReplicaContext`.
-
-  A `tf.function` is lifted above the replica threads (one trace holding every
-  replica), as MirroredStrategy does, so that `merge_call` works inside it.
-  One with `jit_compile=True` is compiled per replica: XLA compiles each
-  replica's ops for that replica's device (`tf.xla.experimental.jit_scope`),
-  the collectives between them run as TensorFlow ops.
-  """
-  if isinstance(fn, tfi.def_function.Function):
-    per_strategy = _lifted_functions.setdefault(strategy,
-                                                weakref.WeakKeyDictionary())
-    lifted = per_strategy.get(fn)
-    if lifted is None:
-      python_fn = fn.python_function
-      scope = (tf.xla.experimental.jit_scope if tfi.asks_for_xla(fn)
-               else contextlib.nullcontext)
-
-      def replicated(*a, **k):
-        with scope():
-          return call_for_each_replica(strategy, python_fn, a, k)
-
-      lifted = tfi.clone_function_without_xla(fn, replicated)
-      per_strategy[fn] = lifted
-    return lifted(*args, **kwargs)
-  if not tf.executing_eagerly():
-    fn = tfi.autograph.tf_convert(fn, tfi.ag_ctx.control_status_ctx())
-
-  @tfi.autograph.do_not_convert
-  def in_replica_context(*a, **k):
-    thread_context = tf.distribute.get_replica_context()
-    a, k = _relax_empty_batches((a, k))
-    context = ReplicaContext(strategy, tfi.replica_id(thread_context),
-                             inputs=(a, k))
-    with context:
-      # Its all-reduce merges the replica threads, which take turns at each
-      # merge: made later (Keras scales a loss with it), it would let another
-      # replica run a layer in between, and Keras layers keep their add_loss
-      # values on the layer, shared by the threads. In one process an unused
-      # share is pruned from the graph.
-      context.local_batch_share()
-      return fn(*a, **k)
-
-  return tfi.mirrored_run.call_for_each_replica(strategy, in_replica_context,
-                                                args, kwargs)
-
-
-def _relax_empty_batches(structure):
-  """`structure` with each traced tensor of 0 rows made one of unknown rows.
-
-  A replica left without rows (fewer rows than replicas) gets tensors whose
-  static batch is 0 when the step is traced for the concrete batch (as
-  Keras's predict and evaluate do); TF's shape inference then fails some
-  layers (an LSTM's bias add) that run well on 0 rows of unknown count.
-  """
-  def relax(t):
-    if (tf.is_tensor(t) and not tf.executing_eagerly() and
-        isinstance(t, tf.Tensor) and t.shape.rank and t.shape[0] == 0):
-      return tf.raw_ops.PlaceholderWithDefault(
-          input=t, shape=tf.TensorShape([None]).concatenate(t.shape[1:]))
-    return t
-  return tf.nest.map_structure(relax, structure)
