@@ -278,27 +278,14 @@ class ReplicaContext(tfi.ThreadReplicaContext):
         flat, grad=grad)
     return tf.nest.pack_sequence_as(value, ys)
 
-  def local_batch_share(self):
-    """This replica's rows over all replicas' rows, or None if unknown.
-
-    Rows are the leading dimension of the first tensor given to
-    `strategy.run`. Exact loss scaling under uneven splits needs it: a
-    replica's mean loss counts in proportion to its rows (Keras weights each
-    replica's mean loss 1/N otherwise).
-    """
-    rows = self.batch_rows()
-    if rows is None:
-      return None
-    return tf.math.divide_no_nan(tf.cast(rows.count, tf.float32),
-                                 tf.cast(rows.total, tf.float32))
-
   def batch_rows(self):
     """Where this replica's rows lie in the global batch, or None if unknown.
 
     A `BatchRows` (`first`, `count`, `total`: int64 scalars), the global
     batch being every replica's rows in replica order, as one device sees
-    them. Rows are counted as in `local_batch_share`; one all-reduce per
-    traced step (a vector of every replica's count) serves both.
+    them. Rows are the leading dimension of the first tensor given to
+    `strategy.run`; one all-reduce per traced step (a vector of every
+    replica's count) counts them.
     """
     graph = tf.compat.v1.get_default_graph()
     if graph not in self._batch_rows:

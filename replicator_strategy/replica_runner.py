@@ -63,12 +63,13 @@ def call_for_each_replica(strategy, fn, args, kwargs):
     context = replica_context.ReplicaContext(
         strategy, tfi.replica_id(thread_context), inputs=(a, k))
     with context:
-      # Its all-reduce merges the replica threads, which take turns at each
-      # merge: made later (Keras scales a loss with it), it would let another
-      # replica run a layer in between, and Keras layers keep their add_loss
-      # values on the layer, shared by the threads. In one process an unused
-      # share is pruned from the graph.
-      context.local_batch_share()
+      # Counting the rows all-reduces, which merges the replica threads, and
+      # they take turns at each merge: counted later (Keras scales a loss by
+      # the rows' share), it would let another replica run a layer in
+      # between, and Keras layers keep their add_loss values on the layer,
+      # shared by the threads. In one process unused counts are pruned from
+      # the graph.
+      context.batch_rows()
       return fn(*a, **k)
 
   return tfi.mirrored_run.call_for_each_replica(strategy, in_replica_context,
