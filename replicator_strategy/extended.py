@@ -21,6 +21,7 @@ from replicator_strategy.collectives import communicator as communicator_lib
 from replicator_strategy.collectives import packing
 from replicator_strategy.collectives import reduce_op as reduce_op_lib
 from replicator_strategy import replica_context
+from replicator_strategy import replica_runner
 from replicator_strategy.sharding import optimizer_state as sharded_optimizer_state
 from replicator_strategy.sharding import variables as sharded_variables
 from replicator_strategy import variables
@@ -82,7 +83,7 @@ class ReplicatorExtended(tfi.StrategyExtendedV1):
   # Replica execution.
 
   def _call_for_each_replica(self, fn, args, kwargs):
-    return replica_context.call_for_each_replica(
+    return replica_runner.call_for_each_replica(
         tfi.container_strategy(self), fn, args, kwargs)
 
   def _use_merge_call(self):

@@ -1,12 +1,11 @@
 """The replica context: TF-Replicator's collectives inside `strategy.run`.
 
-Each replica runs the user's function in its own thread (TensorFlow's
-`mirrored_run` threads, reused unchanged); `merge_call` is the rendezvous
-where all replicas meet. Inside control flow (a `tf.cond` branch, a nested
-`tf.function`) the replicas trace separate graphs and cannot meet, so there
-collectives are launched per replica instead (`replica_collectives`); in a
-`tf.while_loop` of the replica function they are refused
-(`replica_collectives.check_not_in_replica_loop`).
+Each replica runs the user's function in its own thread (`replica_runner`);
+`merge_call` is the rendezvous where all replicas meet. Inside control flow
+(a `tf.cond` branch, a nested `tf.function`) the replicas trace separate
+graphs and cannot meet, so there collectives are launched per replica
+instead (`replica_collectives`); in a `tf.while_loop` of the replica
+function they are refused (`replica_collectives.check_not_in_replica_loop`).
 On top of `tf.distribute.ReplicaContext` this adds MIN/MAX all-reduce,
 `broadcast`, `reduce_scatter` and `all_to_all`, all differentiable, on both
 paths (example: `ReplicaContext`).
@@ -15,14 +14,11 @@ Design after TF-Replicator (Buchlovsky et al., 2019, arXiv:1902.00465).
 """
 
 import collections
-import contextlib
-import enum
-import inspect
-import weakref
 
 import tensorflow as tf
 
 from replicator_strategy import _tf_internal as tfi
+from replicator_strategy.collectives import checks
 from replicator_strategy.collectives import replica_collectives
 from replicator_strategy.collectives import reduce_op as reduce_op_lib
 
@@ -84,15 +80,7 @@ class ReplicaContext(tfi.ThreadReplicaContext):
             tf.compat.v1.get_default_graph() is self._home_graph)
 
   def _merge_call(self, fn, args, kwargs):
-    # TF runs the first replica's merge function and drops the others': a
-    # replica that asked for a different one (a max where the others sum)
-    # would silently get their result. Each replica's call says what it is.
-    signature = _merge_signature(fn)
-
-    def checked(strategy, signatures, *a, **k):
-      _check_same_merge(signatures)
-      return fn(strategy, *a, **k)
-
+    signature, checked = checks.same_merge(fn)
     return tfi.base_merge_call(self, checked, (signature,) + tuple(args),
                                kwargs)
 
@@ -103,22 +91,8 @@ class ReplicaContext(tfi.ThreadReplicaContext):
     `tf.distribute.get_replica_context()` is None, and a replica context
     captured before is refused with a RuntimeError.
     """
-    self._require_replica_context("merge_call")
+    checks.refuse_cross_replica_context("merge_call")
     return super().merge_call(merge_fn, args, kwargs)
-
-  def _require_replica_context(self, api):
-    # A merge function (merge_call's merge_fn) runs once for all replicas, in
-    # cross-replica context; a context captured there would fail inside TF
-    # with "Need to be inside `call_for_each_replica()`" or a PerReplica error.
-    if tf.distribute.in_cross_replica_context():
-      raise RuntimeError(
-          f"ReplicaContext.{api} was called in cross-replica context, most "
-          f"likely inside a merge function (the merge_fn given to "
-          f"merge_call), which runs once for all replicas. Its arguments "
-          f"already hold every replica's value: combine them with the "
-          f"strategy that merge_fn receives (strategy.reduce, "
-          f"strategy.extended.reduce_to, strategy.gather), or call {api} "
-          f"in the replica function, before or after merge_call.")
 
   def all_reduce(self, reduce_op, value, options=None):
     """All-reduces a nested structure with "sum", "mean", "min" or "max".
@@ -127,9 +101,9 @@ class ReplicaContext(tfi.ThreadReplicaContext):
     Gradients: SUM/MEAN as in TF; MIN/MAX send the summed upstream gradient to
     the replicas holding the extremum, split evenly among ties.
     """
-    self._require_replica_context("all_reduce")
+    checks.refuse_cross_replica_context("all_reduce")
     op = reduce_op_lib.parse(reduce_op)
-    reject_none(value, "value", "ReplicaContext.all_reduce")
+    checks.reject_none(value, "value", "ReplicaContext.all_reduce")
     # Python numbers become each replica's own tensor. A tensor made outside
     # strategy.run stays one object: SUM and MEAN take it, as MirroredStrategy
     # and Keras's tests do, for a value already all-reduced.
@@ -162,7 +136,7 @@ class ReplicaContext(tfi.ThreadReplicaContext):
     The gradient of the result flows back, summed over replicas, to the
     source replica's input; the other replicas' inputs get zero.
     """
-    self._require_replica_context("broadcast")
+    checks.refuse_cross_replica_context("broadcast")
     num_replicas = self.num_replicas_in_sync
     if not (isinstance(source_replica_id, int) and
             0 <= source_replica_id < num_replicas):
@@ -171,8 +145,7 @@ class ReplicaContext(tfi.ThreadReplicaContext):
           f"{num_replicas}). Received: source_replica_id="
           f"{source_replica_id!r}")
     is_source = tfi.replica_id(self) == source_replica_id
-    reject_none(value, "value", "ReplicaContext.broadcast")
-    value = _own_tensors(value)
+    value = _own_tensors(value, "broadcast")
     flat = tf.nest.flatten(value)
 
     def grad(xs, ys, dys):
@@ -193,14 +166,13 @@ class ReplicaContext(tfi.ThreadReplicaContext):
 
     Inside control flow every replica's value must have the same shape.
     """
-    self._require_replica_context("all_gather")
-    reject_none(value, "value", "ReplicaContext.all_gather")
-    value = _own_tensors(value)
+    checks.refuse_cross_replica_context("all_gather")
+    value = _own_tensors(value, "all_gather")
     flat = tf.nest.flatten(value)
     paths = [path for path, _ in tfi.nest.flatten_with_tuple_paths(value)]
 
     def gather(strategy, *values):
-      _check_gatherable(strategy, values, paths, axis)
+      checks.check_gatherable(strategy, values, paths, axis)
       return [strategy.extended.communicator.all_gather(v, axis, options)
               for v in values]
 
@@ -242,10 +214,11 @@ class ReplicaContext(tfi.ThreadReplicaContext):
     >>> [t.numpy() for t in strategy.experimental_local_results(strategy.run(step))]
     [array([0., 3.], dtype=float32), array([6., 9.], dtype=float32)]
     """
-    self._require_replica_context("reduce_scatter")
+    checks.refuse_cross_replica_context("reduce_scatter")
     op = reduce_op_lib.parse(reduce_op)
-    value, flat, axes = self._slicing(value, axis, "reduce_scatter", "axis")
     n = self.num_replicas_in_sync
+    value = _own_tensors(value, "reduce_scatter")
+    flat, axes = checks.split_evenly(value, axis, n, "reduce_scatter", "axis")
 
     def grad(xs, ys, dys):
       full_dys = [self.all_gather(dy, a) for dy, a in zip(dys, axes)]
@@ -283,11 +256,13 @@ class ReplicaContext(tfi.ThreadReplicaContext):
     >>> [t.numpy() for t in strategy.experimental_local_results(strategy.run(step))]
     [array([ 0., 10.], dtype=float32), array([ 1., 11.], dtype=float32)]
     """
-    self._require_replica_context("all_to_all")
-    value, flat, splits = self._slicing(value, split_axis, "all_to_all",
-                                        "split_axis")
-    concats = [_normalized_axis(x, concat_axis, "all_to_all", "concat_axis")
-               for x in flat]
+    checks.refuse_cross_replica_context("all_to_all")
+    value = _own_tensors(value, "all_to_all")
+    flat, splits = checks.split_evenly(
+        value, split_axis, self.num_replicas_in_sync, "all_to_all",
+        "split_axis")
+    concats = [checks.normalized_axis(x, concat_axis, "all_to_all",
+                                      "concat_axis") for x in flat]
 
     def grad(xs, ys, dys):
       del xs, ys
@@ -303,55 +278,14 @@ class ReplicaContext(tfi.ThreadReplicaContext):
         flat, grad=grad)
     return tf.nest.pack_sequence_as(value, ys)
 
-  def _slicing(self, value, axis, api, argument):
-    """(`value` as own tensors, its leaves, each leaf's axis) for a collective
-    that cuts every leaf into N equal slices along `axis`."""
-    reject_none(value, "value", f"ReplicaContext.{api}")
-    value = _own_tensors(value)
-    n = self.num_replicas_in_sync
-    flat, axes = [], []
-    for path, x in tfi.nest.flatten_with_tuple_paths(value):
-      a = _normalized_axis(x, axis, api, argument)
-      size = x.shape[a]
-      where = "value" + "".join(f"[{key!r}]" for key in path)
-      message = (
-          f"ReplicaContext.{api} cuts each tensor of `value` into {n} equal "
-          f"slices along {argument}={axis}, one per replica, so its size "
-          f"there must be a multiple of {n}. Received: {where} of shape "
-          f"{x.shape}, size {{}} along axis {a}. Pad it along that axis to "
-          f"a multiple of {n} (tf.pad) and drop the padding afterwards.")
-      if size is not None and size % n:
-        raise ValueError(message.format(size))
-      if size is None:
-        check = tf.debugging.assert_equal(
-            tf.shape(x)[a] % n, 0, message=message.format("not a multiple"))
-        with tf.control_dependencies([check]):
-          x = tf.identity(x)
-      flat.append(x)
-      axes.append(a)
-    return value, flat, axes
-
-  def local_batch_share(self):
-    """This replica's rows over all replicas' rows, or None if unknown.
-
-    Rows are the leading dimension of the first tensor given to
-    `strategy.run`. Exact loss scaling under uneven splits needs it: a
-    replica's mean loss counts in proportion to its rows (Keras weights each
-    replica's mean loss 1/N otherwise).
-    """
-    rows = self.batch_rows()
-    if rows is None:
-      return None
-    return tf.math.divide_no_nan(tf.cast(rows.count, tf.float32),
-                                 tf.cast(rows.total, tf.float32))
-
   def batch_rows(self):
     """Where this replica's rows lie in the global batch, or None if unknown.
 
     A `BatchRows` (`first`, `count`, `total`: int64 scalars), the global
     batch being every replica's rows in replica order, as one device sees
-    them. Rows are counted as in `local_batch_share`; one all-reduce per
-    traced step (a vector of every replica's count) serves both.
+    them. Rows are the leading dimension of the first tensor given to
+    `strategy.run`; one all-reduce per traced step (a vector of every
+    replica's count) counts them.
     """
     graph = tf.compat.v1.get_default_graph()
     if graph not in self._batch_rows:
@@ -430,41 +364,6 @@ class ReplicaContext(tfi.ThreadReplicaContext):
     return exchange(*xs)
 
 
-def _check_gatherable(strategy, per_replica_values, paths, axis):
-  """Refuses values whose dimensions other than `axis` differ between replicas.
-
-  TF's concat would say "Dimension 0 in both shapes must be equal", counting
-  dimensions without `axis` and naming neither the value nor the replicas.
-  """
-  if isinstance(axis, bool) or not isinstance(axis, int):
-    return
-  first = strategy.extended.first_replica_id
-  for path, value in zip(paths, per_replica_values):
-    shapes = [part.shape for part in strategy.experimental_local_results(value)]
-    ranks = {shape.rank for shape in shapes} - {None}
-    differs = None
-    if len(ranks) > 1:
-      differs = "their ranks differ"
-    elif ranks:
-      rank = ranks.pop()
-      if -rank <= axis < rank:
-        for d in range(rank):
-          sizes = {shape[d] for shape in shapes} - {None}
-          if d != axis % rank and len(sizes) > 1:
-            differs = f"dimension {d} differs"
-            break
-    if differs:
-      where = "value" + "".join(f"[{key!r}]" for key in path)
-      received = ", ".join(f"replica {first + i}: {shape}"
-                           for i, shape in enumerate(shapes))
-      raise ValueError(
-          f"ReplicaContext.all_gather concatenates every replica's {where} "
-          f"along axis={axis}, so its other dimensions must be the same on "
-          f"every replica, but {differs}. Received shapes: {received}. Pad "
-          f"or slice each replica's {where} to the same size there, or "
-          f"gather along the dimension that differs.")
-
-
 def _has_indexed_slices(value):
   return any(isinstance(v, tf.IndexedSlices) for v in tf.nest.flatten(value))
 
@@ -475,68 +374,16 @@ def _destination(value):
   return value.device if isinstance(value, tf.Tensor) else value
 
 
-def _own_tensors(value):
-  """`value` as tensors of this replica's own.
+def _own_tensors(value, api):
+  """`value` as tensors of this replica's own (a None in it refused).
 
   A tensor made outside `strategy.run` reaches every replica as one object,
   which merge_call would take for a single value instead of one per replica
   (a broadcast from another replica would come back as zeros, a gather with
   one part). A copy per replica keeps each replica's part its own.
   """
+  checks.reject_none(value, "value", f"ReplicaContext.{api}")
   return tf.nest.map_structure(tf.identity, value)
-
-
-def _normalized_axis(tensor, axis, api, argument):
-  """`axis` of `tensor` as a non-negative int; a ValueError if it has none."""
-  rank = tensor.shape.rank
-  if not isinstance(axis, int) or rank is None or not -rank <= axis < rank:
-    raise ValueError(
-        f"Expected `{argument}` given to ReplicaContext.{api} to be an int "
-        f"in [-{rank}, {rank}) for a value of shape {tensor.shape}. "
-        f"Received: {argument}={axis!r}")
-  return axis % rank
-
-
-def _merge_signature(fn):
-  """What a merge_call asks for, comparable between replicas."""
-  fn = inspect.unwrap(getattr(fn, "func", fn))  # Partials, autograph.
-  fn = getattr(fn, "__func__", fn)  # A bound method.
-  modes = []
-  for cell in getattr(fn, "__closure__", None) or ():
-    try:
-      if isinstance(cell.cell_contents, enum.Enum):
-        modes.append(str(cell.cell_contents))
-    except ValueError:
-      pass  # An empty cell.
-  name = ".".join(part for part in getattr(fn, "__qualname__", "").split(".")
-                  if part not in ("<locals>", "<lambda>")) or repr(fn)
-  return f"{name} ({', '.join(modes)})" if modes else name
-
-
-def _check_same_merge(signatures):
-  if not isinstance(signatures, tf.distribute.DistributedValues):
-    return  # The same object from every replica, or one replica.
-  parts = signatures.values
-  if len(set(parts)) > 1:
-    raise ValueError(
-        "Replicas called different cross-replica operations at the same "
-        "point: " + "; ".join(f"replica {i}: {p}" for i, p in enumerate(parts))
-        + ". Every replica must call the same all_reduce / merge_call (same "
-        "op) in the same order.")
-
-
-def reject_none(value, argument, api):
-  """Names the path of the first None in the structure `value`.
-
-  TF's own error, "None values not supported.", does not say where it is.
-  """
-  for path, leaf in tfi.nest.flatten_with_tuple_paths(value):
-    if leaf is None:
-      where = argument + "".join(f"[{key!r}]" for key in path)
-      raise ValueError(
-          f"Expected every element of `{argument}` given to {api} to be a "
-          f"tensor or a number. Received: {where}=None. Leave it out of "
-          f"`{argument}`, or put a tensor in its place.")
 
 
 def merge_call_possible():
@@ -567,70 +414,3 @@ def _broadcast_from(strategy, source_replica_id, *per_replica):
                                   tfi.distribute_utils.regroup(masked, always_wrap=True),
                                   destinations=value))
   return out
-
-
-_lifted_functions = weakref.WeakKeyDictionary()
-
-
-def call_for_each_replica(strategy, fn, args, kwargs):
-  """Runs `fn` once per replica, each inside a `ReplicaContext`.
-
-  A `tf.function` is lifted above the replica threads (one trace holding every
-  replica), as MirroredStrategy does, so that `merge_call` works inside it.
-  One with `jit_compile=True` is compiled per replica: XLA compiles each
-  replica's ops for that replica's device (`tf.xla.experimental.jit_scope`),
-  the collectives between them run as TensorFlow ops.
-  """
-  if isinstance(fn, tfi.def_function.Function):
-    per_strategy = _lifted_functions.setdefault(strategy,
-                                                weakref.WeakKeyDictionary())
-    lifted = per_strategy.get(fn)
-    if lifted is None:
-      python_fn = fn.python_function
-      scope = (tf.xla.experimental.jit_scope if tfi.asks_for_xla(fn)
-               else contextlib.nullcontext)
-
-      def replicated(*a, **k):
-        with scope():
-          return call_for_each_replica(strategy, python_fn, a, k)
-
-      lifted = tfi.clone_function_without_xla(fn, replicated)
-      per_strategy[fn] = lifted
-    return lifted(*args, **kwargs)
-  if not tf.executing_eagerly():
-    fn = tfi.autograph.tf_convert(fn, tfi.ag_ctx.control_status_ctx())
-
-  @tfi.autograph.do_not_convert
-  def in_replica_context(*a, **k):
-    thread_context = tf.distribute.get_replica_context()
-    a, k = _relax_empty_batches((a, k))
-    context = ReplicaContext(strategy, tfi.replica_id(thread_context),
-                             inputs=(a, k))
-    with context:
-      # Its all-reduce merges the replica threads, which take turns at each
-      # merge: made later (Keras scales a loss with it), it would let another
-      # replica run a layer in between, and Keras layers keep their add_loss
-      # values on the layer, shared by the threads. In one process an unused
-      # share is pruned from the graph.
-      context.local_batch_share()
-      return fn(*a, **k)
-
-  return tfi.mirrored_run.call_for_each_replica(strategy, in_replica_context,
-                                                args, kwargs)
-
-
-def _relax_empty_batches(structure):
-  """`structure` with each traced tensor of 0 rows made one of unknown rows.
-
-  A replica left without rows (fewer rows than replicas) gets tensors whose
-  static batch is 0 when the step is traced for the concrete batch (as
-  Keras's predict and evaluate do); TF's shape inference then fails some
-  layers (an LSTM's bias add) that run well on 0 rows of unknown count.
-  """
-  def relax(t):
-    if (tf.is_tensor(t) and not tf.executing_eagerly() and
-        isinstance(t, tf.Tensor) and t.shape.rank and t.shape[0] == 0):
-      return tf.raw_ops.PlaceholderWithDefault(
-          input=t, shape=tf.TensorShape([None]).concatenate(t.shape[1:]))
-    return t
-  return tf.nest.map_structure(relax, structure)

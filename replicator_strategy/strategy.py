@@ -16,12 +16,12 @@ import tensorflow as tf
 
 from replicator_strategy import _tf_internal as tfi
 from replicator_strategy.cluster import config as cluster_lib
+from replicator_strategy.collectives import checks
 from replicator_strategy.collectives import watchdog as collective_watchdog
 from replicator_strategy import devices as devices_lib
 from replicator_strategy import extended as extended_lib
 from replicator_strategy.collectives import compression as compression_lib
 from replicator_strategy.collectives import reduce_op as reduce_op_lib
-from replicator_strategy import replica_context
 from replicator_strategy.cluster import runtime as worker_runtime
 
 # TF turns the timeout into int64 microseconds (collective ops, through a
@@ -142,7 +142,7 @@ class ReplicatorStrategy(tf.distribute.Strategy):
     3.0
     """
     op = reduce_op_lib.parse(reduce_op)
-    replica_context.reject_none(value, "value", "strategy.reduce")
+    checks.reject_none(value, "value", "strategy.reduce")
     axis = self._checked_axis(axis, value)
     if not op.is_extremum:
       return super().reduce(op.to_tf(), value, axis)

@@ -7,6 +7,9 @@ gradient exchange (`compression`), the collectives a replica launches by
 itself (`replica_collectives`) or with other workers (`worker_collectives`),
 and the thread that bounds every wait in them (`watchdog`).
 
+What the replica context's collectives are given, and that every replica
+asks for the same merge, is checked here too (`checks`).
+
 May import: `replicator_strategy._tf_internal` and its own modules; nothing
 from `sharding`, `cluster`, `cli` or `keras`.
 """

@@ -116,6 +116,29 @@ def build_from_batch_spec(maybe_symbolic_build):
   return wrapper
 
 
+def batch_share(replica_context):
+  """This replica's rows over all replicas' rows, or None if unknown.
+
+  Exact loss scaling under uneven splits needs it: a replica's mean loss
+  counts in proportion to its rows (Keras weights each replica's mean loss
+  1/N otherwise). Rows as `ReplicaContext.batch_rows` counts them.
+
+  >>> import replicator_strategy as rs
+  >>> strategy = rs.ReplicatorStrategy(devices=["/cpu:0", "/cpu:1"])
+  >>> rows = strategy.experimental_distribute_values_from_function(
+  ...     lambda ctx: tf.ones([2 * ctx.replica_id_in_sync_group + 1, 2]))
+  >>> shares = strategy.run(
+  ...     lambda x: batch_share(tf.distribute.get_replica_context()), (rows,))
+  >>> [float(s) for s in strategy.experimental_local_results(shares)]
+  [0.25, 0.75]
+  """
+  rows = replica_context.batch_rows()
+  if rows is None:
+    return None
+  return tf.math.divide_no_nan(tf.cast(rows.count, tf.float32),
+                               tf.cast(rows.total, tf.float32))
+
+
 def scale_by_batch_share(keras_fn, scale):
   """A replica's mean loss, its gradient scaled by the replica's share of the rows.
 
@@ -131,7 +154,7 @@ def scale_by_batch_share(keras_fn, scale):
   def wrapper(value):
     share = None
     if _in_our_replicas():
-      share = tf.distribute.get_replica_context().local_batch_share()
+      share = batch_share(tf.distribute.get_replica_context())
     if share is None:
       return keras_fn(value)
     if not scale:

@@ -12,9 +12,6 @@ import unittest
 
 from parameterized import parameterized
 import pytest
-import tensorflow as tf
-
-import topology
 
 MAIN = os.path.join(os.path.dirname(os.path.dirname(__file__)), "watchdog_main.py")
 
@@ -126,24 +123,6 @@ class AcrossWorkersTest(unittest.TestCase):
                       "waits in collective #", got["message"])
         self.assertIn("the same dataset length and global batch size",
                       got["message"])
-
-
-class MergePathMismatchTest(unittest.TestCase):
-  """Where replicas meet in merge_call, a mismatch fails while tracing."""
-
-  def test_sum_on_one_replica_max_on_another(self):
-    strategy = topology.strategy_over(2)
-
-    def fn():
-      ctx = tf.distribute.get_replica_context()
-      op = "sum" if tf.get_static_value(ctx.replica_id_in_sync_group) == 0 else "max"
-      return ctx.all_reduce(op, 1.0)
-
-    with self.assertRaisesRegex(
-        ValueError, r"Replicas called different cross-replica operations at "
-        r"the same point: replica 0: .*ReduceOp.SUM.*; replica 1: "
-        r".*ReduceOp.MAX"):
-      strategy.run(fn)
 
 
 if __name__ == "__main__":

@@ -351,15 +351,6 @@ class JitCompileTest(unittest.TestCase):
                       for device in tf.config.list_physical_devices())
     self.assertEqual(model.jit_compile, accelerated)
 
-  def test_a_jit_compiled_replica_function_runs_too(self):
-    strategy = topology.strategy_over(2)
-    step = tf.function(
-        lambda x: tf.distribute.get_replica_context().all_reduce("sum", x * 2),
-        jit_compile=True)
-    got = strategy.experimental_local_results(
-        strategy.run(step, args=(tf.constant(3.0),)))
-    self.assertEqual([float(t) for t in got], [12.0, 12.0])
-
 
 class BuiltOutsideScopeTest(unittest.TestCase):
 

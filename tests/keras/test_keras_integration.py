@@ -1,4 +1,4 @@
-"""Per-batch logs and `*_on_batch` under the strategy equal one device's.
+"""Per-batch logs and `*_on_batch` under the strategy equal one device's; batch shares.
 
 Each one-device reference is computed once and shared by the replica counts.
 """
@@ -11,6 +11,7 @@ import numpy as np
 from parameterized import parameterized
 import tensorflow as tf
 
+from replicator_strategy.keras import training
 import topology
 
 ROWS, GLOBAL_BATCH = 44, 16  # The last batch has 12 rows: uneven on 4 replicas.
@@ -114,6 +115,28 @@ class KerasIntegrationTest(unittest.TestCase):
       for key in logs:
         np.testing.assert_allclose(got[method][key], logs[key], rtol=1e-5,
                                    err_msg=f"{method} {key}")
+
+
+class BatchShareTest(unittest.TestCase):
+  """Each replica's share of the rows, by which its loss gradient is scaled."""
+
+  @parameterized.expand(topology.NAMED_REPLICA_COUNTS)
+  def test_a_replica_with_r_plus_1_rows_has_its_share(self, _, n):
+    strategy = topology.strategy_over(n)
+    values = strategy.experimental_distribute_values_from_function(
+        lambda ctx: tf.ones([ctx.replica_id_in_sync_group + 1, 2]))
+    share = lambda x: training.batch_share(tf.distribute.get_replica_context())
+    got = strategy.experimental_local_results(
+        tf.function(lambda v: strategy.run(share, (v,)))(values))
+    total = n * (n + 1) / 2
+    np.testing.assert_allclose(got, [(r + 1) / total for r in range(n)],
+                               rtol=1e-6)
+
+  def test_without_rows_it_is_unknown(self):
+    strategy = topology.strategy_over(2)
+    shares = strategy.run(
+        lambda: training.batch_share(tf.distribute.get_replica_context()))
+    self.assertIsNone(shares)
 
 
 if __name__ == "__main__":
