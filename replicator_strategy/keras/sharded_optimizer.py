@@ -51,6 +51,7 @@ from replicator_strategy.sharding import optimizer_state as sharded
 from replicator_strategy.sharding import variables as sharded_variables
 from replicator_strategy import strategy as strategy_lib
 from replicator_strategy.keras import _internal as ki
+from replicator_strategy.keras import step_context
 
 # Keras's optimizers whose `update_step` is elementwise on the weight, its
 # gradient and slots shaped like it (Lamb's layer norms, Adafactor's factored
@@ -137,7 +138,7 @@ def sharded_update_step(backend_update_step):
     if ctx is None:  # Called in cross-replica context: the gradients are global.
       return _step(strategy, self, grads, weights, learning_rate, summed=True)
     # keras.training sums the gradients first where the optimizer clips.
-    summed = getattr(self, "_gradients_reduced", False)
+    summed = step_context.gradients_summed(self)
 
     def merge_fn(strategy, grads, learning_rate):
       return _step(strategy, self, grads, weights, learning_rate, summed)

@@ -56,6 +56,9 @@ _OPTIMIZERS = {
         keras.optimizers.Adam(learning_rate=0.01)),
     "adam_global_clipnorm": lambda: keras.optimizers.Adam(
         learning_rate=0.01, global_clipnorm=0.5),
+    # Weight decay merges the replicas between clipping's sum and the step.
+    "adamw_clipnorm": lambda: keras.optimizers.AdamW(
+        learning_rate=0.01, weight_decay=0.1, clipnorm=0.5),
     # The EMA copy stays mirrored; Keras overwrites the weights from it in a
     # tf.cond inside each replica.
     "adam_ema": lambda: keras.optimizers.Adam(

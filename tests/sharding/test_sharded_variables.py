@@ -169,13 +169,27 @@ class FitTest(unittest.TestCase):
       [("4_replicas_adam_spe3", 4, "adam", 3)])
   def test_every_weight_sharded_fit_matches_no_strategy(
       self, _, n, optimizer_name, steps_per_execution=1):
-    strategy = every_kernel_sharded(n)
+    model = self.assert_fit_matches_no_strategy(
+        every_kernel_sharded(n), optimizer_name, steps_per_execution)
+    self.assertEqual(len(sharded(model.weights)), len(model.weights))
+
+  def test_clipping_with_some_weights_sharded_matches_no_strategy(self):
+    # Only the 8x16 kernel is big enough to cut. Clipping sums every
+    # gradient first; the mirrored weights' update (its all-reduce skipped)
+    # runs before the sharded kernel's, which still takes its gradient whole.
+    strategy = topology.strategy_over(
+        4, variable_partitioner=MinSize(min_shard_bytes=256, max_shards=4))
+    model = self.assert_fit_matches_no_strategy(strategy, "adam_clipnorm")
+    self.assertEqual(len(sharded(model.weights)), 1)
+
+  def assert_fit_matches_no_strategy(self, strategy, optimizer_name,
+                                     steps_per_execution=1):
+    """Fits as `zero.fit` does, compares with no strategy; returns the model."""
     model, optimizer, losses = zero.fit(optimizer_name, strategy,
                                         steps_per_execution)
     want_losses, want_weights, want_optimizer = zero.reference_fit(
         optimizer_name)
     np.testing.assert_allclose(losses, want_losses, rtol=RTOL, atol=ATOL)
-    self.assertEqual(len(sharded(model.weights)), len(model.weights))
     for v, want in zip(model.weights, want_weights):
       np.testing.assert_allclose(v.numpy(), want, rtol=RTOL, atol=ATOL,
                                  err_msg=v.path)
@@ -183,6 +197,7 @@ class FitTest(unittest.TestCase):
     for v, want in zip(optimizer.variables, want_optimizer):
       np.testing.assert_allclose(v.numpy(), want, rtol=RTOL, atol=ATOL,
                                  err_msg=v.path)
+    return model
 
 
 VOCABULARY, LENGTH, ROWS, BATCH = 40, 5, 58, 16
