@@ -47,6 +47,7 @@ import tensorflow as tf
 from replicator_strategy import _tf_internal as tfi
 from replicator_strategy.collectives import compression as compression_lib
 from replicator_strategy import replica_context
+from replicator_strategy.sharding import layout as layout_lib
 from replicator_strategy.sharding import optimizer_state as sharded
 from replicator_strategy.sharding import variables as sharded_variables
 from replicator_strategy import strategy as strategy_lib
@@ -171,8 +172,7 @@ def _step(strategy, optimizer, grads, weights, learning_rate, summed):
     summed = True
   updates = []
   for grad, weight in zip(grads, weights):
-    layout = sharded.Layout(tuple(weight.shape.as_list()),
-                            communicator.num_replicas)
+    layout = layout_lib.FlatLayout.of(weight.shape, communicator.num_replicas)
     grad_shards = sharded.reduce_scatter(communicator, layout, grad, summed,
                                          wire)
 
@@ -200,8 +200,7 @@ def _replica_step(strategy, optimizer, grads, weights, learning_rate, summed):
   shard = communicator.first_replica_id + local
   updates = []
   for grad, weight in zip(grads, weights):
-    layout = sharded.Layout(tuple(weight.shape.as_list()),
-                            communicator.num_replicas)
+    layout = layout_lib.FlatLayout.of(weight.shape, communicator.num_replicas)
     grad = sharded.dense(grad)
     if summed:
       grad_shard = layout.shard(grad, shard)

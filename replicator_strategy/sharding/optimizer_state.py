@@ -2,9 +2,9 @@
 
 With `ReplicatorStrategy(shard_optimizer_state=True)`, every optimizer slot
 (SGD momentum, Adam's m and v, ...) is one `ShardedVariable` (see
-`sharded_variables`; it refuses reads inside a replica): the slot flattened,
-padded to a multiple of N and cut into N equal contiguous shards, shard g on
-the device of global replica g (across workers, each worker holds its
+`variables`; it refuses reads inside a replica) with a `layout.FlatLayout`:
+the slot flattened, padded to a multiple of N and cut into N equal contiguous
+shards, shard g on the device of global replica g (across workers, each worker holds its
 replicas' shards). A 784x512 kernel's momentum is spread over all replicas
 rather than landing whole on one, so optimizer memory and optimizer math per
 device both drop to about 1/N. A step then runs, per model weight:
@@ -18,8 +18,8 @@ device both drop to about 1/N. A step then runs, per model weight:
 3. all-gather: every replica's copy of the weight (a `MirroredVariable`
    component) is overwritten with the concatenated new shards.
 
-This module holds the strategy side: the layout, the slot variable and the
-step's three parts (`reduce_scatter`, `update_shards`, `all_gather`).
+This module holds the strategy side: the slot variable and the step's three
+parts (`reduce_scatter`, `update_shards`, `all_gather`).
 `replicator_strategy.keras.sharded_optimizer` connects Keras optimizers to it.
 
 Design after ZeRO (Rajbhandari et al., 2020, arXiv:1910.02054), stages 1 and
@@ -37,8 +37,6 @@ Design after ZeRO (Rajbhandari et al., 2020, arXiv:1910.02054), stages 1 and
 """
 
 import contextlib
-import dataclasses
-import math
 import threading
 
 from absl import logging
@@ -47,55 +45,8 @@ import tensorflow as tf
 from replicator_strategy import _tf_internal as tfi
 from replicator_strategy.collectives import compression as compression_lib
 from replicator_strategy.collectives import reduce_op as reduce_op_lib
+from replicator_strategy.sharding import layout as layout_lib
 from replicator_strategy.sharding import variables as sharded_variables
-
-
-@dataclasses.dataclass(frozen=True)
-class Layout:
-  """How a tensor of `shape` is cut into `num_shards` equal flat shards."""
-  shape: tuple
-  num_shards: int
-
-  @property
-  def size(self):
-    return math.prod(self.shape)
-
-  @property
-  def shard_size(self):
-    return -(-self.size // self.num_shards)  # Rounded up; the last is padded.
-
-  def shard(self, tensor, index):
-    """Shard `index` of a full-shaped `tensor`, flat, zero-padded at the end."""
-    start = min(index * self.shard_size, self.size)
-    stop = min(start + self.shard_size, self.size)
-    flat = tensor if tensor.shape.rank == 1 else tf.reshape(tensor, [-1])
-    piece = flat[start:stop]
-    if stop - start < self.shard_size:
-      piece = tf.pad(piece, [[0, self.shard_size - (stop - start)]])
-    return piece
-
-  def padded_flat(self, tensor):
-    """`tensor` flat, zero-padded to `num_shards` shards: what reduce-scatter cuts."""
-    flat = tf.reshape(tensor, [-1])
-    return tf.pad(flat, [[0, self.shard_size * self.num_shards - self.size]])
-
-  def shard_shape(self, index):
-    del index  # Every shard is as long.
-    return (self.shard_size,)
-
-  def pad(self, shard, index):
-    del index  # Shards are padded already.
-    return shard
-
-  def assemble(self, shards):
-    """The full-shaped tensor from all `shards` (padding dropped)."""
-    flat = tf.concat(list(shards), axis=0) if len(shards) > 1 else shards[0]
-    if self.shard_size * self.num_shards > self.size:
-      flat = flat[:self.size]
-    return tf.reshape(flat, self.shape)
-
-  def assemble_padded(self, gathered):
-    return self.assemble([gathered])
 
 
 # Set while a Keras optimizer creates a slot under a sharding strategy.
@@ -123,7 +74,7 @@ def create_slot(strategy, devices, next_creator, **kwargs):
   num_replicas = strategy.extended.communicator.num_replicas
   return sharded_variables.create(
       strategy, devices, next_creator,
-      lambda whole: Layout(tuple(whole.shape.as_list()), num_replicas),
+      lambda whole: layout_lib.FlatLayout.of(whole.shape, num_replicas),
       replica_reads=None, **kwargs)
 
 

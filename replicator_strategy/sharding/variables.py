@@ -1,9 +1,9 @@
 """Variables held once across the replicas, a shard on each (ZeRO 3, big tables).
 
 A `ShardedVariable` is one distributed variable whose component on the
-device of global replica g is shard g of the whole, as a `layout` cuts it
-(across workers, each worker holds its own replicas' shards). Its memory per
-device is about 1/N of the whole. How it reads depends on where:
+device of global replica g is shard g of the whole, as its `layout` (a
+`layout.Layout`) cuts it (across workers, each worker holds its own
+replicas' shards). Its memory per device is about 1/N of the whole. How it reads depends on where:
 
 - in cross-replica context (outside `strategy.run`, saving, `numpy()`): the
   whole variable, assembled from every shard, and a whole-shaped assignment
@@ -19,7 +19,7 @@ device is about 1/N of the whole. How it reads depends on where:
   see `sharded_optimizer_state`).
 
 `ReplicatorStrategy(variable_partitioner=...)` shards the trainable
-variables that TF's partitioners cut along axis 0 (`RowLayout`); their
+variables that TF's partitioners cut along axis 0 (`layout.RowLayout`); their
 optimizer slots follow (`create_like`). `lookup` reads only the rows a batch
 needs from a sharded table.
 
@@ -33,8 +33,6 @@ needs from a sharded table.
 """
 
 import contextlib
-import dataclasses
-import itertools
 import numbers
 import threading
 
@@ -43,65 +41,9 @@ import tensorflow as tf
 
 from replicator_strategy import _tf_internal as tfi
 from replicator_strategy.collectives import compression as compression_lib
+from replicator_strategy.sharding import layout as layout_lib
 
 REPLICA_READS = ("whole", "shard", None)
-
-
-@dataclasses.dataclass(frozen=True)
-class RowLayout:
-  """A tensor of `shape` cut along axis 0: shard g holds `rows[g]` rows.
-
-  As TF's partitioners cut (`tf.nn.embedding_lookup`'s "div" strategy): the
-  first shards hold one row more when the rows do not divide evenly; shards
-  past the partitioner's count are empty.
-  """
-  shape: tuple
-  rows: tuple
-
-  @classmethod
-  def split(cls, shape, num_shards, num_replicas):
-    """`num_shards` (at most `num_replicas`) shards of `shape`, one per replica."""
-    num_shards = min(num_shards, num_replicas, shape[0])
-    base, extra = divmod(shape[0], num_shards)
-    rows = [base + (g < extra) for g in range(num_shards)]
-    return cls(tuple(shape), tuple(rows + [0] * (num_replicas - num_shards)))
-
-  @property
-  def num_shards(self):
-    return len(self.rows)
-
-  @property
-  def offsets(self):
-    return tuple(itertools.accumulate((0,) + self.rows[:-1]))
-
-  @property
-  def max_rows(self):
-    return max(self.rows)
-
-  def shard(self, tensor, index):
-    """Shard `index` of a whole-shaped `tensor`."""
-    start = self.offsets[index]
-    return tensor[start:start + self.rows[index]]
-
-  def shard_shape(self, index):
-    return (self.rows[index],) + tuple(self.shape[1:])
-
-  def pad(self, shard, index):
-    """Shard `index` padded with zero rows to `max_rows`: what collectives move."""
-    missing = self.max_rows - self.rows[index]
-    if not missing:
-      return shard
-    return tf.pad(shard, [[0, missing]] + [[0, 0]] * (len(self.shape) - 1))
-
-  def assemble(self, shards):
-    """The whole tensor from every shard, in order."""
-    return tf.concat(list(shards), axis=0) if len(shards) > 1 else shards[0]
-
-  def assemble_padded(self, gathered):
-    """The whole tensor from every padded shard, concatenated in order."""
-    return self.assemble([
-        gathered[g * self.max_rows:g * self.max_rows + rows]
-        for g, rows in enumerate(self.rows)])
 
 
 class ShardedVariable(tfi.values.DistributedVariable):
@@ -348,7 +290,8 @@ def row_layout(partitioner, shape, dtype, num_replicas, name=None):
                              name)
   if num_shards[0] < 2 or num_replicas < 2:
     return None
-  return RowLayout.split(shape.as_list(), num_shards[0], num_replicas)
+  return layout_lib.RowLayout.split(shape.as_list(), num_shards[0],
+                                    num_replicas)
 
 
 def _shard_counts(received, shape, name):

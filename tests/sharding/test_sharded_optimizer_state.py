@@ -22,6 +22,7 @@ from assertions import assert_per_replica
 import models
 import topology
 from test_custom_loop import make_step
+from replicator_strategy.sharding import layout as layout_lib
 from replicator_strategy.sharding import optimizer_state as sharded
 from replicator_strategy.sharding import variables as sharded_variables
 
@@ -138,33 +139,13 @@ def slots(optimizer):
           if isinstance(v.value, sharded_variables.ShardedVariable)]
 
 
-class LayoutTest(unittest.TestCase):
-
-  def test_shards_are_equal_contiguous_and_padded_at_the_end(self):
-    layout = sharded.Layout((2, 5), 4)
-    self.assertEqual(layout.shard_size, 3)
-    x = tf.reshape(tf.range(1.0, 11.0), (2, 5))
-    shards = [layout.shard(x, r).numpy().tolist() for r in range(4)]
-    self.assertEqual(shards, [[1, 2, 3], [4, 5, 6], [7, 8, 9], [10, 0, 0]])
-    np.testing.assert_array_equal(
-        layout.assemble([layout.shard(x, r) for r in range(4)]), x)
-
-  def test_fewer_elements_than_shards_and_scalars(self):
-    layout = sharded.Layout((), 4)
-    shards = [layout.shard(tf.constant(7.0), r).numpy().tolist()
-              for r in range(4)]
-    self.assertEqual(shards, [[7], [0], [0], [0]])
-    self.assertEqual(float(layout.assemble(
-        [tf.constant([7.0]), *[tf.zeros([1])] * 3])), 7.0)
-
-
 class ExchangeTest(unittest.TestCase):
 
   @parameterized.expand(topology.NAMED_REPLICA_COUNTS)
   def test_reduce_scatter_then_all_gather(self, _, n):
     strategy = sharding(n)
     communicator = strategy.extended.communicator
-    layout = sharded.Layout((3, 3), n)
+    layout = layout_lib.FlatLayout((3, 3), n)
     each = [tf.fill((3, 3), float(r + 1)) for r in range(n)]
     total = [tf.fill((3, 3), n * (n + 1) / 2)] * n  # Each replica's sum.
     for grads, summed in ((each, False), (total, True)):

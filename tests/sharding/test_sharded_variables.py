@@ -40,28 +40,6 @@ def sharded(variables):
           if isinstance(v.value, sharded_variables.ShardedVariable)]
 
 
-class RowLayoutTest(unittest.TestCase):
-
-  def test_rows_split_as_tf_partitioners_do_and_empty_shards_pad(self):
-    layout = sharded_variables.RowLayout.split((5, 2), 3, 4)
-    self.assertEqual(layout.rows, (2, 2, 1, 0))
-    self.assertEqual(layout.offsets, (0, 2, 4, 5))
-    x = tf.reshape(tf.range(10.0), (5, 2))
-    shards = [layout.shard(x, g) for g in range(4)]
-    self.assertEqual([s.shape.as_list() for s in shards],
-                     [[2, 2], [2, 2], [1, 2], [0, 2]])
-    np.testing.assert_array_equal(layout.assemble(shards), x)
-    padded = tf.concat([layout.pad(s, g) for g, s in enumerate(shards)], 0)
-    self.assertEqual(padded.shape.as_list(), [8, 2])
-    np.testing.assert_array_equal(layout.assemble_padded(padded), x)
-
-  def test_more_shards_than_replicas_or_rows_caps(self):
-    self.assertEqual(sharded_variables.RowLayout.split((9,), 8, 4).rows,
-                     (3, 2, 2, 2))
-    self.assertEqual(sharded_variables.RowLayout.split((2,), 4, 4).rows,
-                     (1, 1, 0, 0))
-
-
 class CreationTest(unittest.TestCase):
 
   def test_what_is_sharded(self):
