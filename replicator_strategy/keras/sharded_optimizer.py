@@ -47,6 +47,7 @@ import tensorflow as tf
 from replicator_strategy import _tf_internal as tfi
 from replicator_strategy.collectives import compression as compression_lib
 from replicator_strategy import replica_context
+from replicator_strategy.sharding import creation
 from replicator_strategy.sharding import layout as layout_lib
 from replicator_strategy.sharding import optimizer_state as sharded
 from replicator_strategy.sharding import variables as sharded_variables
@@ -90,7 +91,7 @@ def shard_slots(add_variable_from_reference):
     if name in _KEPT_WHOLE:
       return add_variable_from_reference(self, reference_variable, name=name,
                                          initializer=initializer)
-    with sharded.creating_slots():
+    with creation.requesting(flat=True):
       return add_variable_from_reference(self, reference_variable, name=name,
                                          initializer=initializer)
 

@@ -35,6 +35,7 @@ import tensorflow as tf
 
 from replicator_strategy import _tf_internal as tfi
 from replicator_strategy import replica_context
+from replicator_strategy.sharding import creation
 from replicator_strategy.sharding import variables as sharded_variables
 from replicator_strategy.keras import sharded_optimizer
 from replicator_strategy.keras import step_context
@@ -151,7 +152,7 @@ def average_reads_whole(add_variable_from_reference):
     if name != "average":
       return add_variable_from_reference(self, reference_variable, name=name,
                                          initializer=initializer)
-    with sharded_variables.slots_read_whole():
+    with creation.requesting(reads_whole=True):
       return add_variable_from_reference(self, reference_variable, name=name,
                                          initializer=initializer)
 

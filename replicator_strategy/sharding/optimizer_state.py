@@ -18,8 +18,9 @@ device both drop to about 1/N. A step then runs, per model weight:
 3. all-gather: every replica's copy of the weight (a `MirroredVariable`
    component) is overwritten with the concatenated new shards.
 
-This module holds the strategy side: the slot variable and the step's three
-parts (`reduce_scatter`, `update_shards`, `all_gather`).
+This module holds the strategy side of the step, its three parts
+(`reduce_scatter`, `update_shards`, `all_gather`); `creation` makes the
+slots.
 `replicator_strategy.keras.sharded_optimizer` connects Keras optimizers to it.
 
 Design after ZeRO (Rajbhandari et al., 2020, arXiv:1910.02054), stages 1 and
@@ -36,46 +37,13 @@ Design after ZeRO (Rajbhandari et al., 2020, arXiv:1910.02054), stages 1 and
 [('.../device:CPU:0', ..., '.../device:CPU:3'), ...]
 """
 
-import contextlib
-import threading
-
 from absl import logging
 import tensorflow as tf
 
 from replicator_strategy import _tf_internal as tfi
 from replicator_strategy.collectives import compression as compression_lib
 from replicator_strategy.collectives import reduce_op as reduce_op_lib
-from replicator_strategy.sharding import layout as layout_lib
 from replicator_strategy.sharding import variables as sharded_variables
-
-
-# Set while a Keras optimizer creates a slot under a sharding strategy.
-_creating = threading.local()
-
-
-@contextlib.contextmanager
-def creating_slots():
-  """Variables created inside are optimizer slots, to shard."""
-  previous = getattr(_creating, "active", False)
-  _creating.active = True
-  try:
-    yield
-  finally:
-    _creating.active = previous
-
-
-def creating_slot():
-  """Whether the variable being created is an optimizer slot to shard."""
-  return getattr(_creating, "active", False)
-
-
-def create_slot(strategy, devices, next_creator, **kwargs):
-  """A slot sharded flat over every replica, this worker's shards on `devices`."""
-  num_replicas = strategy.extended.communicator.num_replicas
-  return sharded_variables.create(
-      strategy, devices, next_creator,
-      lambda whole: layout_lib.FlatLayout.of(whole.shape, num_replicas),
-      replica_reads=None, **kwargs)
 
 
 # One step for one weight, in cross-replica context: reduce-scatter the

@@ -23,6 +23,8 @@ from assertions import assert_per_replica
 import topology
 from test_custom_loop import make_step
 import test_sharded_optimizer_state as zero
+from replicator_strategy.sharding import creation
+from replicator_strategy.sharding import layout as layout_lib
 from replicator_strategy.sharding import variables as sharded_variables
 
 RTOL, ATOL = zero.RTOL, zero.ATOL
@@ -62,6 +64,25 @@ class CreationTest(unittest.TestCase):
                                   np.arange(20.0).reshape(10, 2))
     table.assign(tf.ones((10, 2)))
     np.testing.assert_array_equal(table.values[3].numpy(), np.ones((2, 2)))
+
+  def test_optimizer_state_is_sharded_as_its_request_and_weight_say(self):
+    strategy = every_kernel_sharded(4)
+    with strategy.scope():
+      weight = tf.Variable(tf.zeros((10, 2)))
+      # Nested requests add up: the inner says flat, the outer reads whole.
+      with creation.requesting(reads_whole=True), creation.requesting(
+          flat=True):
+        flat = tf.Variable(tf.zeros((3, 3)))
+        with strategy.extended.colocate_vars_with(weight):
+          average = tf.Variable(tf.zeros((10, 2)))
+      with strategy.extended.colocate_vars_with(weight):
+        moment = tf.Variable(tf.zeros((10, 2)))
+    self.assertIsInstance(flat.layout, layout_lib.FlatLayout)
+    self.assertEqual([c.shape.as_list() for c in flat.values], [[3]] * 4)
+    self.assertIsNone(flat.replica_reads)  # Refused inside a replica.
+    for state, reads in ((average, "whole"), (moment, "shard")):
+      self.assertIs(state.layout, weight.layout)
+      self.assertEqual(state.replica_reads, reads)
 
   def test_one_shard_or_one_replica_stays_mirrored(self):
     for strategy in (topology.strategy_over(
