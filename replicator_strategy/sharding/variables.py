@@ -37,6 +37,7 @@ import tensorflow as tf
 
 from replicator_strategy import _tf_internal as tfi
 from replicator_strategy.collectives import compression as compression_lib
+from replicator_strategy.collectives import per_replica
 
 
 class ShardedVariable(tfi.values.DistributedVariable):
@@ -72,8 +73,8 @@ class ShardedVariable(tfi.values.DistributedVariable):
     padded = [self.layout.pad(s, self.first_shard + r)
               for r, s in enumerate(shards)]
     gathered = self.distribute_strategy.extended.communicator.all_gather(
-        per_replica(padded), axis=0)
-    return self.layout.assemble_padded(parts(gathered)[0])
+        per_replica.wrap(padded), axis=0)
+    return self.layout.assemble_padded(per_replica.parts(gathered)[0])
 
   def _get(self):
     shard = tfi.distribute_lib.get_update_replica_id()
@@ -291,15 +292,3 @@ def create(strategy, next_creator, layout_for, replica_reads, **kwargs):
       strategy, create_shards,
       {tf.VariableSynchronization.ON_WRITE: sharded_variable},
       tfi.distribute_utils.VARIABLE_POLICY_MAPPING, **kwargs)
-
-
-def per_replica(values):
-  """`values`, one per local replica, as one distributed value."""
-  return tfi.distribute_utils.regroup(list(values), always_wrap=True)
-
-
-def parts(value):
-  """This worker's parts of a distributed value (one alone, unwrapped)."""
-  if isinstance(value, tf.distribute.DistributedValues):
-    return value.values
-  return (value,)

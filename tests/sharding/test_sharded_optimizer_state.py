@@ -12,6 +12,7 @@ import functools
 import os
 import tempfile
 import unittest
+from unittest import mock
 
 import keras
 import numpy as np
@@ -22,6 +23,8 @@ from assertions import assert_per_replica
 import models
 import topology
 from test_custom_loop import make_step
+from replicator_strategy.collectives import communicator as communicator_lib
+from replicator_strategy.collectives import per_replica
 from replicator_strategy.sharding import layout as layout_lib
 from replicator_strategy.sharding import optimizer_state as sharded
 from replicator_strategy.sharding import variables as sharded_variables
@@ -141,24 +144,34 @@ def slots(optimizer):
 
 class ExchangeTest(unittest.TestCase):
 
-  @parameterized.expand(topology.NAMED_REPLICA_COUNTS)
-  def test_reduce_scatter_then_all_gather(self, _, n):
+  @parameterized.expand([
+      (f"{name}{'' if shared else '_separate_memories'}", n, shared)
+      for name, n in topology.NAMED_REPLICA_COUNTS for shared in (True, False)])
+  def test_reduce_scatter_then_all_gather(self, _, n, shares_memory):
+    # Separate memories (GPUs, workers) exchange shards; logical CPUs, which
+    # share one memory, sum once and cut.
     strategy = sharding(n)
-    communicator = strategy.extended.communicator
+    devices = strategy.extended.worker_devices
     layout = layout_lib.FlatLayout((3, 3), n)
-    each = [tf.fill((3, 3), float(r + 1)) for r in range(n)]
-    total = [tf.fill((3, 3), n * (n + 1) / 2)] * n  # Each replica's sum.
-    for grads, summed in ((each, False), (total, True)):
-      shards = sharded.reduce_scatter(communicator, layout, grads, summed)
-      self.assertEqual([s.shape for s in shards], [(layout.shard_size,)] * n)
-      np.testing.assert_array_equal(
-          tf.concat(shards, 0),
-          [n * (n + 1) / 2] * 9 + [0] * (layout.shard_size * n - 9))
-    with strategy.scope():
-      weight = tf.Variable(tf.zeros((3, 3)))
-    new_shards = [layout.shard(tf.reshape(tf.range(9.0), (3, 3)), r)
-                  for r in range(n)]
-    sharded.all_gather(communicator, layout, weight, new_shards)
+    each = per_replica.make(devices, lambda r: tf.fill((3, 3), float(r + 1)))
+    # Each replica's copy of the sum.
+    total = per_replica.make(devices,
+                             lambda r: tf.fill((3, 3), n * (n + 1) / 2))
+    with mock.patch.object(communicator_lib.Communicator, "shares_memory",
+                           shares_memory):
+      for grads, summed in ((each, False), (total, True)):
+        exchange = sharded.AllReplicas(strategy, [grads], summed)
+        shards = exchange.reduce_scatter(layout, exchange.gradients[0])
+        self.assertEqual([s.shape for s in shards],
+                         [(layout.shard_size,)] * n)
+        np.testing.assert_array_equal(
+            tf.concat(shards, 0),
+            [n * (n + 1) / 2] * 9 + [0] * (layout.shard_size * n - 9))
+      with strategy.scope():
+        weight = tf.Variable(tf.zeros((3, 3)))
+      new_shards = [layout.shard(tf.reshape(tf.range(9.0), (3, 3)), r)
+                    for r in range(n)]
+      exchange.all_gather(layout, weight, new_shards)
     for component in weight.values:
       np.testing.assert_array_equal(component, np.arange(9.0).reshape(3, 3))
 
