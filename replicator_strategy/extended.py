@@ -22,8 +22,7 @@ from replicator_strategy.collectives import packing
 from replicator_strategy.collectives import reduce_op as reduce_op_lib
 from replicator_strategy import replica_context
 from replicator_strategy import replica_runner
-from replicator_strategy.sharding import optimizer_state as sharded_optimizer_state
-from replicator_strategy.sharding import variables as sharded_variables
+from replicator_strategy.sharding import creation as sharding
 from replicator_strategy import variables
 
 _utils = tfi.distribute_utils
@@ -122,24 +121,10 @@ class ReplicatorExtended(tfi.StrategyExtendedV1):
   def _create_variable(self, next_creator, **kwargs):
     strategy = tfi.container_strategy(self)
     replica_sum = kwargs.pop(variables.REPLICA_SUM, False)
-    weight = kwargs.get("colocate_with")
-    if isinstance(weight, sharded_variables.ShardedVariable):
-      # Optimizer state of a sharded weight: sharded as the weight is.
-      return sharded_variables.create(
-          strategy, self._devices, next_creator, lambda _: weight.layout,
-          sharded_variables.slot_reads(), **kwargs)
-    if sharded_optimizer_state.creating_slot():
-      return sharded_optimizer_state.create_slot(
-          strategy, self._devices, next_creator, **kwargs)
-    if self.variable_partitioner is not None and _shardable(kwargs):
-      sharded = sharded_variables.create(
-          strategy, self._devices, next_creator,
-          lambda whole: sharded_variables.row_layout(
-              self.variable_partitioner, whole.shape, whole.dtype,
-              self.communicator.num_replicas, kwargs.get("name")),
-          "whole", **kwargs)
-      if sharded is not None:
-        return sharded
+    request = kwargs.pop(sharding.SLOT_REQUEST, None)
+    sharded = sharding.create(strategy, next_creator, request, **kwargs)
+    if sharded is not None:
+      return sharded
     return variables.create(strategy, self._devices, next_creator,
                             replica_sum=replica_sum, **kwargs)
 
@@ -386,13 +371,3 @@ def _reject_per_replica_mode(options, api):
         f"ReplicatorStrategy.{api} does not support "
         f"InputReplicationMode.PER_REPLICA yet. Use the default PER_WORKER "
         f"mode (leave experimental_replication_mode unset).")
-
-
-def _shardable(kwargs):
-  """Whether a new variable is a trainable weight a partitioner may cut."""
-  synchronization = kwargs.get("synchronization",
-                               tf.VariableSynchronization.AUTO)
-  return (kwargs.get("trainable", True) is not False and
-          kwargs.get("colocate_with") is None and
-          synchronization in (tf.VariableSynchronization.AUTO,
-                              tf.VariableSynchronization.ON_WRITE))

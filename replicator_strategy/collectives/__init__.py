@@ -5,7 +5,8 @@ is built with (`communicator`), the all-reduce algorithm for the devices
 (`all_reduce`), packing small values into one exchange (`packing`), 16-bit
 gradient exchange (`compression`), the collectives a replica launches by
 itself (`replica_collectives`) or with other workers (`worker_collectives`),
-and the thread that bounds every wait in them (`watchdog`).
+the thread that bounds every wait in them (`watchdog`), and taking apart and
+making values with one part per replica (`per_replica`).
 
 What the replica context's collectives are given, and that every replica
 asks for the same merge, is checked here too (`checks`).

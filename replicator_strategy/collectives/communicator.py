@@ -23,6 +23,7 @@ import tensorflow as tf
 from replicator_strategy import _tf_internal as tfi
 from replicator_strategy.collectives import all_reduce as all_reduce_lib
 from replicator_strategy.collectives import watchdog as collective_watchdog
+from replicator_strategy.collectives import per_replica
 from replicator_strategy.collectives import reduce_op as reduce_op_lib
 from replicator_strategy.collectives import replica_collectives
 from replicator_strategy.collectives import worker_collectives
@@ -128,11 +129,12 @@ class Communicator:
     """
     if self.shares_memory:
       with tf.device(self.devices[0]):
-        reduced = tf.split(reduce_op_lib.reduce_parts(op, _local_parts(value)),
-                           self.num_replicas, axis=axis)
-      return _per_replica(self.devices, lambda r: tf.identity(reduced[r]))
+        reduced = tf.split(
+            reduce_op_lib.reduce_parts(op, per_replica.parts(value)),
+            self.num_replicas, axis=axis)
+      return per_replica.make(self.devices, lambda r: tf.identity(reduced[r]))
     pieces = self._cut(value, axis)
-    return _per_replica(
+    return per_replica.make(
         self.devices, lambda r: reduce_op_lib.reduce_parts(
             op, [p[r] for p in pieces]))
 
@@ -149,17 +151,15 @@ class Communicator:
     which concatenates what it receives in replica order along `concat_axis`;
     a `PerReplica`."""
     pieces = self._cut(value, split_axis)
-    return _per_replica(
+    return per_replica.make(
         self.devices,
         lambda j: tf.concat([p[j] for p in pieces], axis=concat_axis))
 
   def _cut(self, value, axis):
     """Each local replica's part of `value` in N slices, on its own device."""
-    pieces = []
-    for device, part in zip(self.devices, _local_parts(value)):
-      with tf.device(device):
-        pieces.append(tf.split(part, self.num_replicas, axis=axis))
-    return pieces
+    local = per_replica.parts(value)
+    return per_replica.on_devices(
+        self.devices, lambda r: tf.split(local[r], self.num_replicas, axis=axis))
 
   def initial_value(self, initial_value, dtype):
     """`initial_value` (a tensor or callable) of a new variable, unchanged."""
@@ -254,14 +254,14 @@ class ClusterCommunicator(Communicator):
     keyed = getattr(self.cross_device_ops, "reduce_scatter", None)
     slices = keyed(op, value, axis) if keyed else None
     if slices is not None:
-      return _per_replica(self.devices, lambda i: tf.identity(slices[i]))
+      return per_replica.make(self.devices, lambda i: tf.identity(slices[i]))
     if op.is_extremum:
       reduced = [reduce_op_lib.reduce_along(op, stack, 0)
                  for stack in self._every_replicas(value)]
     else:
-      reduced = _local_parts(self.cross_device_ops.reduce(
+      reduced = per_replica.parts(self.cross_device_ops.reduce(
           op.to_tf(), value, destinations=value))
-    return _per_replica(
+    return per_replica.make(
         self.devices, lambda i: tf.split(
             reduced[i], self.num_replicas,
             axis=axis)[self.first_replica_id + i])
@@ -281,14 +281,13 @@ class ClusterCommunicator(Communicator):
            for part in tf.unstack(stacks[i], num=self.num_replicas)],
           axis=concat_axis)
 
-    return _per_replica(self.devices, received)
+    return per_replica.make(self.devices, received)
 
   def _every_replicas(self, value):
     """[N, ...] on each local replica: every replica's part, in replica order."""
-    stacked = tfi.distribute_utils.regroup(
-        [tf.expand_dims(p, 0) for p in value.values], always_wrap=True)
-    return _local_parts(tfi.gather(self.cross_device_ops, stacked,
-                                   destinations=value, axis=0))
+    stacked = per_replica.wrap([tf.expand_dims(p, 0) for p in value.values])
+    return per_replica.parts(tfi.gather(self.cross_device_ops, stacked,
+                                        destinations=value, axis=0))
 
   def initial_value(self, initial_value, dtype):
     """A callable giving the chief's `initial_value`: every worker starts equal."""
@@ -308,23 +307,6 @@ class ClusterCommunicator(Communicator):
           self.num_workers, self.num_workers)
 
 
-def _local_parts(value):
-  """This worker's parts of a distributed `value` (a plain tensor: one)."""
-  if isinstance(value, tf.distribute.DistributedValues):
-    return value.values
-  return (value,)
-
-
 def _wrapped(value):
   """`value` as a distributed value, even with one local replica."""
-  return tfi.distribute_utils.regroup(list(_local_parts(value)),
-                                      always_wrap=True)
-
-
-def _per_replica(devices, part_for):
-  """A `PerReplica` of `part_for(i)`, each made on `devices[i]`."""
-  parts = []
-  for i, device in enumerate(devices):
-    with tf.device(device):
-      parts.append(part_for(i))
-  return tfi.distribute_utils.regroup(parts, always_wrap=True)
+  return per_replica.wrap(per_replica.parts(value))

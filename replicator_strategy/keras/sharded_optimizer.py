@@ -44,13 +44,13 @@ import functools
 import keras
 import tensorflow as tf
 
-from replicator_strategy import _tf_internal as tfi
-from replicator_strategy.collectives import compression as compression_lib
 from replicator_strategy import replica_context
+from replicator_strategy.sharding import creation
 from replicator_strategy.sharding import optimizer_state as sharded
 from replicator_strategy.sharding import variables as sharded_variables
 from replicator_strategy import strategy as strategy_lib
 from replicator_strategy.keras import _internal as ki
+from replicator_strategy.keras import step_context
 
 # Keras's optimizers whose `update_step` is elementwise on the weight, its
 # gradient and slots shaped like it (Lamb's layer norms, Adafactor's factored
@@ -88,7 +88,7 @@ def shard_slots(add_variable_from_reference):
     if name in _KEPT_WHOLE:
       return add_variable_from_reference(self, reference_variable, name=name,
                                          initializer=initializer)
-    with sharded.creating_slots():
+    with creation.requesting(flat=True):
       return add_variable_from_reference(self, reference_variable, name=name,
                                          initializer=initializer)
 
@@ -133,98 +133,35 @@ def sharded_update_step(backend_update_step):
                                  learning_rate)
     weights = [v.value if isinstance(v, keras.Variable) else v
                for v in trainable_variables]
+    update = functools.partial(_update_shard, self)
     ctx = tf.distribute.get_replica_context()
     if ctx is None:  # Called in cross-replica context: the gradients are global.
-      return _step(strategy, self, grads, weights, learning_rate, summed=True)
+      return sharded.step(sharded.AllReplicas(strategy, grads, summed=True),
+                          weights, learning_rate, update)
     # keras.training sums the gradients first where the optimizer clips.
-    summed = getattr(self, "_gradients_reduced", False)
-
-    def merge_fn(strategy, grads, learning_rate):
-      return _step(strategy, self, grads, weights, learning_rate, summed)
-
+    summed = step_context.gradients_summed(self)
     if not replica_context.merge_call_possible():
       # Inside control flow (gradient accumulation's tf.cond): each replica
       # steps its own shard through run-time collectives.
-      return _replica_step(strategy, self, grads, weights, learning_rate,
-                           summed)
+      return sharded.step(sharded.OneReplica(strategy, grads, summed),
+                          weights, learning_rate, update)
+
+    def merge_fn(strategy, grads, learning_rate):
+      return sharded.step(sharded.AllReplicas(strategy, grads, summed),
+                          weights, learning_rate, update)
+
     return ctx.merge_call(merge_fn, args=(list(grads), learning_rate))
 
   return wrapper
 
 
-def _step(strategy, optimizer, grads, weights, learning_rate, summed):
-  """One sharded step for every weight, in cross-replica context."""
-  communicator = strategy.extended.communicator
-  wire = compression_lib.wire_dtype(strategy.gradient_compression)
-  grads = [strategy.experimental_local_results(g) for g in grads]
-  if communicator.shares_memory and not summed:
-    # Every replica reads the one sum in place, so the (packed) all-reduce
-    # costs no more than a reduce-scatter and launches far fewer ops.
-    sent = [sharded_variables.per_replica(_on_devices(
-        lambda g: compression_lib.to_wire(g, wire), parts)) for parts in grads]
-    sums = strategy.extended.batch_reduce_to(
-        tf.distribute.ReduceOp.SUM, [(g, g) for g in sent])
-    grads = [_on_devices(lambda s, d=parts[0].dtype: compression_lib.from_wire(
-        s, d), strategy.experimental_local_results(total))
-             for parts, total in zip(grads, sums)]
-    summed = True
-  updates = []
-  for grad, weight in zip(grads, weights):
-    layout = sharded.Layout(tuple(weight.shape.as_list()),
-                            communicator.num_replicas)
-    grad_shards = sharded.reduce_scatter(communicator, layout, grad, summed,
-                                         wire)
-
-    def update_shard(r, weight_shard, weight=weight, grad_shards=grad_shards):
-      stand_in = WeightShard(weight, weight_shard)
-      _decay(optimizer, stand_in)
-      optimizer.update_step(
-          grad_shards[r], stand_in,
-          tfi.distribute_utils.select_replica(r, learning_rate))
-      return stand_in.value
-
-    new_shards = sharded.update_shards(communicator, layout, weight,
-                                       update_shard)
-    updates.append(sharded.all_gather(communicator, layout, weight,
-                                      new_shards))
-  return tf.group(updates)
-
-
-def _replica_step(strategy, optimizer, grads, weights, learning_rate, summed):
-  """One sharded step for every weight, run by each replica on its own shard."""
-  communicator = strategy.extended.communicator
-  wire = compression_lib.wire_dtype(strategy.gradient_compression)
-  ctx = tf.distribute.get_replica_context()
-  local = ctx.local_index
-  shard = communicator.first_replica_id + local
-  updates = []
-  for grad, weight in zip(grads, weights):
-    layout = sharded.Layout(tuple(weight.shape.as_list()),
-                            communicator.num_replicas)
-    grad = sharded.dense(grad)
-    if summed:
-      grad_shard = layout.shard(grad, shard)
-    else:
-      grad_shard = compression_lib.from_wire(ctx.reduce_scatter(
-          "sum", compression_lib.to_wire(layout.padded_flat(grad), wire),
-          axis=0), grad.dtype)
-    component = tfi.component(weight, local)
-    stand_in = WeightShard(weight, layout.shard(component.read_value(), shard))
-    with tfi.UpdateContext(local):
-      _decay(optimizer, stand_in)
-      optimizer.update_step(grad_shard, stand_in, learning_rate)
-    new_weight = layout.assemble([ctx.all_gather(stand_in.value, axis=0)])
-    updates.append(component.assign(new_weight, read_value=False))
-  return tf.group(updates)
-
-
-def _on_devices(fn, parts):
-  """`fn` of each of `parts`, on the part's own device."""
-  results = []
-  for part in parts:
-    with tf.device(part.device):
-      results.append(fn(part))
-  return results
+def _update_shard(optimizer, weight, gradient, shard, learning_rate):
+  """`optimizer`'s own step (weight decay, `update_step`) on a `shard` of
+  `weight`; returns its new value."""
+  stand_in = WeightShard(weight, shard)
+  _decay(optimizer, stand_in)
+  optimizer.update_step(gradient, stand_in, learning_rate)
+  return stand_in.value
 
 
 class WeightShard:

@@ -35,9 +35,11 @@ import tensorflow as tf
 
 from replicator_strategy import _tf_internal as tfi
 from replicator_strategy import replica_context
+from replicator_strategy.sharding import creation
 from replicator_strategy.sharding import variables as sharded_variables
 from replicator_strategy.keras import _internal as ki
 from replicator_strategy.keras import sharded_optimizer
+from replicator_strategy.keras import step_context
 
 
 def refuse_clipping_accumulated():
@@ -72,16 +74,16 @@ def update_shards(backend_update_step):
     if not any(w is not None for w in sharded):
       return backend_update_step(self, grads, trainable_variables,
                                  learning_rate)
+    # Whole gradients where Keras summed them first (an optimizer that clips),
+    # or in cross-replica context; else this replica's summed shard.
+    whole = (step_context.gradients_summed(self) or
+             tf.distribute.get_replica_context() is None)
     rest = [(g, v) for g, v, w in zip(grads, trainable_variables, sharded)
             if w is None]
     updates = []
     if rest:
       updates.append(backend_update_step(
           self, [g for g, _ in rest], [v for _, v in rest], learning_rate))
-    # Whole gradients where Keras summed them first (an optimizer that clips),
-    # or in cross-replica context; else this replica's summed shard.
-    whole = (getattr(self, "_gradients_reduced", False) or
-             tf.distribute.get_replica_context() is None)
     for grad, weight in zip(grads, sharded):
       if weight is not None and grad is not None:
         updates.append(_update_weight(self, grad, weight, learning_rate,
@@ -151,7 +153,7 @@ def average_reads_whole(add_variable_from_reference):
     if name != "average":
       return add_variable_from_reference(self, reference_variable, name=name,
                                          initializer=initializer)
-    with sharded_variables.slots_read_whole():
+    with creation.requesting(reads_whole=True):
       return add_variable_from_reference(self, reference_variable, name=name,
                                          initializer=initializer)
 

@@ -61,6 +61,7 @@ import tensorflow as tf
 
 from replicator_strategy.keras import _internal as ki
 from replicator_strategy.keras import sharded_weights
+from replicator_strategy.keras import step_context
 from replicator_strategy import _tf_internal as tfi
 from replicator_strategy import global_batch_input
 from replicator_strategy.collectives import compression as compression_lib
@@ -187,21 +188,18 @@ def reduce_before_clipping(backend_apply_gradients):
 
   @functools.wraps(backend_apply_gradients)
   def wrapper(self, grads, trainable_variables):
-    clips = self.clipnorm or self.global_clipnorm or self.clipvalue
-    # With accumulation, `reduce_accumulated_before_clipping` reduces before
-    # clipping, at update steps only.
-    if not (clips and _in_our_replicas()) or self.gradient_accumulation_steps:
+    if not (_clips(self) and _in_our_replicas()):
       return backend_apply_gradients(self, grads, trainable_variables)
-    pairs = ki.all_reduce_sum_gradients(self, zip(
-        grads, [v.value if isinstance(v, keras.Variable) else v
-                for v in trainable_variables]))
-    # Summing is linear, so accumulating reduced gradients changes nothing.
-    self._gradients_reduced = True  # pylint: disable=protected-access
-    try:
-      return backend_apply_gradients(self, [g for g, _ in pairs],
-                                     trainable_variables)
-    finally:
-      self._gradients_reduced = False  # pylint: disable=protected-access
+    with step_context.stepping(self) as step:
+      # With accumulation, `reduce_accumulated_before_clipping` reduces
+      # before clipping, at update steps only.
+      if not self.gradient_accumulation_steps:
+        pairs = ki.all_reduce_sum_gradients(self, zip(
+            grads, [v.value if isinstance(v, keras.Variable) else v
+                    for v in trainable_variables]))
+        grads = [g for g, _ in pairs]
+        step.gradients_summed = True
+      return backend_apply_gradients(self, grads, trainable_variables)
 
   return wrapper
 
@@ -216,13 +214,15 @@ def reduce_accumulated_before_clipping(clip_gradients):
 
   @functools.wraps(clip_gradients)
   def wrapper(self, grads):
-    if not (_clips(self) and self.gradient_accumulation_steps and _in_our_replicas()):
+    # The step `reduce_before_clipping` opened where the optimizer clips.
+    step = step_context.current(self)
+    if step is None or not self.gradient_accumulation_steps:
       return clip_gradients(self, grads)
     if sharded_weights.any_sharded(ki.optimizer_weights(self)):
       sharded_weights.refuse_clipping_accumulated()
     # Without sharded weights, the weights do not change the sum.
     pairs = ki.all_reduce_sum_gradients(self, [(g, None) for g in grads])
-    self._gradients_reduced = True  # pylint: disable=protected-access
+    step.gradients_summed = True
     return clip_gradients(self, [g for g, _ in pairs])
 
   return wrapper
@@ -254,9 +254,7 @@ def skip_if_reduced(all_reduce_sum_gradients):
 
   @functools.wraps(all_reduce_sum_gradients)
   def wrapper(self, grads_and_vars):
-    if getattr(self, "_gradients_reduced", False):
-      # Once: the update after the clipping that reduced them.
-      self._gradients_reduced = False  # pylint: disable=protected-access
+    if step_context.gradients_summed(self):
       return list(grads_and_vars)
     return all_reduce_sum_gradients(self, grads_and_vars)
 

@@ -2,12 +2,12 @@
 
 With `ReplicatorStrategy(shard_optimizer_state=True)`, every optimizer slot
 (SGD momentum, Adam's m and v, ...) is one `ShardedVariable` (see
-`sharded_variables`; it refuses reads inside a replica): the slot flattened,
-padded to a multiple of N and cut into N equal contiguous shards, shard g on
-the device of global replica g (across workers, each worker holds its
-replicas' shards). A 784x512 kernel's momentum is spread over all replicas
-rather than landing whole on one, so optimizer memory and optimizer math per
-device both drop to about 1/N. A step then runs, per model weight:
+`variables`; it refuses reads inside a replica) with a `layout.FlatLayout`:
+the slot flattened, padded to a multiple of N and cut into N equal contiguous
+shards, shard g on the device of global replica g (across workers, each
+worker holds its replicas' shards). A 784x512 kernel's momentum is spread
+over all replicas rather than landing whole on one, so optimizer memory and
+optimizer math per device both drop to about 1/N. A step then runs, per model weight:
 
 1. reduce-scatter: replica r gets shard r of the summed gradient (the
    communicator's `reduce_scatter`, chosen for the topology; where the
@@ -18,9 +18,12 @@ device both drop to about 1/N. A step then runs, per model weight:
 3. all-gather: every replica's copy of the weight (a `MirroredVariable`
    component) is overwritten with the concatenated new shards.
 
-This module holds the strategy side: the layout, the slot variable and the
-step's three parts (`reduce_scatter`, `update_shards`, `all_gather`).
-`replicator_strategy.keras.sharded_optimizer` connects Keras optimizers to it.
+This module holds the strategy side of the step, written once (`step`) for
+two `Exchange`s: `AllReplicas`, every local replica's shards at once from
+cross-replica context (a `merge_call`), and `OneReplica`, a replica's own
+shard from inside its control flow (a `tf.cond`), where the replicas cannot
+merge and exchange through run-time collectives. `creation` makes the slots;
+`replicator_strategy.keras.sharded_optimizer` connects Keras optimizers.
 
 Design after ZeRO (Rajbhandari et al., 2020, arXiv:1910.02054), stages 1 and
 2.
@@ -36,131 +39,210 @@ Design after ZeRO (Rajbhandari et al., 2020, arXiv:1910.02054), stages 1 and
 [('.../device:CPU:0', ..., '.../device:CPU:3'), ...]
 """
 
-import contextlib
-import dataclasses
-import math
-import threading
+import abc
 
 from absl import logging
 import tensorflow as tf
 
 from replicator_strategy import _tf_internal as tfi
 from replicator_strategy.collectives import compression as compression_lib
+from replicator_strategy.collectives import per_replica
 from replicator_strategy.collectives import reduce_op as reduce_op_lib
-from replicator_strategy.sharding import variables as sharded_variables
+from replicator_strategy.sharding import layout as layout_lib
 
 
-@dataclasses.dataclass(frozen=True)
-class Layout:
-  """How a tensor of `shape` is cut into `num_shards` equal flat shards."""
-  shape: tuple
-  num_shards: int
+def step(exchange, weights, learning_rate, update):
+  """One sharded step of every weight in `weights`, over `exchange`.
 
-  @property
-  def size(self):
-    return math.prod(self.shape)
-
-  @property
-  def shard_size(self):
-    return -(-self.size // self.num_shards)  # Rounded up; the last is padded.
-
-  def shard(self, tensor, index):
-    """Shard `index` of a full-shaped `tensor`, flat, zero-padded at the end."""
-    start = min(index * self.shard_size, self.size)
-    stop = min(start + self.shard_size, self.size)
-    flat = tensor if tensor.shape.rank == 1 else tf.reshape(tensor, [-1])
-    piece = flat[start:stop]
-    if stop - start < self.shard_size:
-      piece = tf.pad(piece, [[0, self.shard_size - (stop - start)]])
-    return piece
-
-  def padded_flat(self, tensor):
-    """`tensor` flat, zero-padded to `num_shards` shards: what reduce-scatter cuts."""
-    flat = tf.reshape(tensor, [-1])
-    return tf.pad(flat, [[0, self.shard_size * self.num_shards - self.size]])
-
-  def shard_shape(self, index):
-    del index  # Every shard is as long.
-    return (self.shard_size,)
-
-  def pad(self, shard, index):
-    del index  # Shards are padded already.
-    return shard
-
-  def assemble(self, shards):
-    """The full-shaped tensor from all `shards` (padding dropped)."""
-    flat = tf.concat(list(shards), axis=0) if len(shards) > 1 else shards[0]
-    if self.shard_size * self.num_shards > self.size:
-      flat = flat[:self.size]
-    return tf.reshape(flat, self.shape)
-
-  def assemble_padded(self, gathered):
-    return self.assemble([gathered])
-
-
-# Set while a Keras optimizer creates a slot under a sharding strategy.
-_creating = threading.local()
-
-
-@contextlib.contextmanager
-def creating_slots():
-  """Variables created inside are optimizer slots, to shard."""
-  previous = getattr(_creating, "active", False)
-  _creating.active = True
-  try:
-    yield
-  finally:
-    _creating.active = previous
-
-
-def creating_slot():
-  """Whether the variable being created is an optimizer slot to shard."""
-  return getattr(_creating, "active", False)
-
-
-def create_slot(strategy, devices, next_creator, **kwargs):
-  """A slot sharded flat over every replica, this worker's shards on `devices`."""
-  num_replicas = strategy.extended.communicator.num_replicas
-  return sharded_variables.create(
-      strategy, devices, next_creator,
-      lambda whole: Layout(tuple(whole.shape.as_list()), num_replicas),
-      replica_reads=None, **kwargs)
-
-
-# One step for one weight, in cross-replica context: reduce-scatter the
-# gradient, update the shards, all-gather the weight.
-
-
-def reduce_scatter(communicator, layout, gradients, summed, wire=None):
-  """This worker's shards of the summed gradient, shard `first + r` on device r.
-
-  `gradients` holds each local replica's gradient (on its device), or, if
-  `summed`, each one's copy of the already summed gradient, or that sum
-  once (from cross-replica context). With a 16-bit
-  `wire` dtype (`gradient_compression`), the gradients travel and are summed
-  as that.
+  Per weight, with `exchange.gradients` in the same order: each replica's
+  shard of the summed gradient, then `update(weight, gradient_shard,
+  weight_shard, learning_rate)` for each replica in an `UpdateContext` (the
+  weight's slots read inside are that replica's shard), which returns the
+  new weight shard, then every copy of the weight set from the new shards.
   """
-  gradients = [dense(g) for g in gradients]
-  first = communicator.first_replica_id
-  if summed:
-    if communicator.shares_memory or len(gradients) == 1:
-      # Every copy holds the same sum: cut one.
-      with tf.device(communicator.devices[0]):
-        flat = tf.reshape(gradients[0], [-1])
-      gradients = [flat] * len(communicator.devices)
-    return [_on(device, layout.shard, g, first + r)
-            for r, (device, g) in enumerate(zip(communicator.devices,
-                                                gradients))]
-  padded = [_on(device, lambda g: compression_lib.to_wire(
-      layout.padded_flat(g), wire), g)
-            for device, g in zip(communicator.devices, gradients)]
-  shards = sharded_variables.parts(communicator.reduce_scatter(
-      reduce_op_lib.ReduceOp.SUM, sharded_variables.per_replica(padded), axis=0))
-  return [_on(device, compression_lib.from_wire, shard, gradients[0].dtype)
-          for device, shard in zip(communicator.devices, shards)]
+  updates = []
+  for weight, gradient in zip(weights, exchange.gradients):
+    layout = layout_lib.FlatLayout.of(weight.shape, exchange.num_replicas)
+
+    def update_shard(r, gradient_shard, weight_shard, weight=weight):
+      return update(weight, gradient_shard, weight_shard,
+                    tfi.distribute_utils.select_replica(r, learning_rate))
+
+    new_shards = exchange.update_shards(
+        layout, weight, exchange.reduce_scatter(layout, gradient),
+        update_shard)
+    updates.append(exchange.all_gather(layout, weight, new_shards))
+  return tf.group(updates)
 
 
-def dense(gradient):
+class Exchange(abc.ABC):
+  """Between which replicas `step` runs, and how they exchange shards.
+
+  Attributes:
+    gradients: the step's gradients, one per weight, as `reduce_scatter`
+      takes them.
+    num_replicas: replicas in sync, over every worker: the number of shards.
+  """
+  gradients: list
+  num_replicas: int
+
+  @abc.abstractmethod
+  def reduce_scatter(self, layout, gradient):
+    """The shards of the summed `gradient` this exchange's replicas update."""
+
+  @abc.abstractmethod
+  def update_shards(self, layout, weight, gradient_shards, update_fn):
+    """`update_fn(r, gradient_shard, weight_shard)` for each of its local
+    replicas r in `UpdateContext(r)`: the new weight shards, in order."""
+
+  @abc.abstractmethod
+  def all_gather(self, layout, weight, new_shards):
+    """Its replicas' copies of `weight` set from every replica's new shard."""
+
+
+class AllReplicas(Exchange):
+  """The step's exchange for every local replica at once, in cross-replica context.
+
+  `gradients` (each a distributed value, or a plain tensor: the global
+  gradient) are taken as each local replica's part, or, if `summed`, as each
+  one's copy of the sum over every replica. Where the replicas share memory
+  they are summed here, in one packed all-reduce, as 16-bit floats with the
+  strategy's `gradient_compression` (every replica then reads its slice of
+  the one sum in place: no more bytes than a reduce-scatter, far fewer ops).
+  """
+
+  def __init__(self, strategy, gradients, summed):
+    self._communicator = strategy.extended.communicator
+    self._wire = compression_lib.wire_dtype(strategy.gradient_compression)
+    self.num_replicas = self._communicator.num_replicas
+    self.gradients = [strategy.experimental_local_results(g)
+                      for g in gradients]
+    if self._communicator.shares_memory and not summed:
+      self.gradients = self._summed_in_place(strategy)
+      summed = True
+    self._summed = summed
+
+  def _summed_in_place(self, strategy):
+    """Every local replica's copy of the summed gradients, on its device."""
+    devices = self._communicator.devices
+    sent = [per_replica.make(devices, lambda r, parts=parts:
+                             compression_lib.to_wire(parts[r], self._wire))
+            for parts in self.gradients]
+    sums = strategy.extended.batch_reduce_to(tf.distribute.ReduceOp.SUM,
+                                             [(g, g) for g in sent])
+    return [_from_wire(devices, per_replica.parts(total), parts[0].dtype)
+            for parts, total in zip(self.gradients, sums)]
+
+  def reduce_scatter(self, layout, gradient):
+    """This worker's shards of the summed `gradient`, shard `first + r` on device r.
+
+    `gradient` is its local parts, as in `gradients`; summed, they are cut,
+    from one copy where the replicas share memory (every copy holds the same
+    sum). With a 16-bit wire dtype the parts travel and are summed as that.
+    """
+    communicator = self._communicator
+    parts = [_dense(g) for g in gradient]
+    first = communicator.first_replica_id
+    if self._summed:
+      if communicator.shares_memory or len(parts) == 1:
+        with tf.device(communicator.devices[0]):
+          flat = tf.reshape(parts[0], [-1])
+        parts = [flat] * len(communicator.devices)
+      return per_replica.on_devices(
+          communicator.devices, lambda r: layout.shard(parts[r], first + r))
+    padded = per_replica.on_devices(
+        communicator.devices, lambda r: compression_lib.to_wire(
+            layout.padded_flat(parts[r]), self._wire))
+    shards = per_replica.parts(communicator.reduce_scatter(
+        reduce_op_lib.ReduceOp.SUM, per_replica.wrap(padded), axis=0))
+    return _from_wire(communicator.devices, shards, parts[0].dtype)
+
+  def update_shards(self, layout, weight, gradient_shards, update_fn):
+    """New shards of `weight`: `update_fn(r, gradient_shards[r], shard)` in
+    `UpdateContext(r)`, for this worker's r-th shard (global shard
+    `first_replica_id + r`).
+
+    Replicas that share memory cut their shards from one read of the first
+    copy (every copy holds the same value); others read their own copy.
+    """
+    communicator = self._communicator
+    first = communicator.first_replica_id
+    if communicator.shares_memory:
+      with tf.device(weight.values[0].device):
+        whole = tf.reshape(weight.values[0].read_value(), [-1])
+    new_shards = []
+    for r, component in enumerate(weight.values):
+      with tf.device(component.device), tfi.UpdateContext(r), tf.name_scope(
+          f"update_shard_{r}"):
+        value = whole if communicator.shares_memory else component.read_value()
+        new_shards.append(update_fn(r, gradient_shards[r],
+                                    layout.shard(value, first + r)))
+    return new_shards
+
+  def all_gather(self, layout, weight, new_shards):
+    """Every component of `weight` set from every replica's new shard.
+
+    Replicas that share memory assemble the weight once, on the first device,
+    and every copy is assigned from it; others all-gather the shards.
+    """
+    communicator = self._communicator
+    devices = [c.device for c in weight.values]
+    if communicator.shares_memory:
+      with tf.device(devices[0]):
+        whole = layout.assemble(new_shards)
+      assembled = [whole] * len(devices)
+    else:
+      gathered = per_replica.parts(communicator.all_gather(
+          per_replica.wrap(new_shards), axis=0))
+      assembled = per_replica.on_devices(
+          devices, lambda r: layout.assemble([gathered[r]]))
+    return tf.group(per_replica.on_devices(
+        devices, lambda r: weight.values[r].assign(assembled[r],
+                                                   read_value=False)))
+
+
+class OneReplica(Exchange):
+  """The step's exchange for this replica's own shard, inside its control flow.
+
+  Where the replicas cannot merge (a `tf.cond` of the replica function, as
+  gradient accumulation's), each steps its shard through the replica
+  context's run-time collectives. `gradients` are this replica's, or, if
+  `summed`, its copy of the sum over every replica.
+  """
+
+  def __init__(self, strategy, gradients, summed):
+    communicator = strategy.extended.communicator
+    self._context = tf.distribute.get_replica_context()
+    self._local = self._context.local_index
+    self._shard = communicator.first_replica_id + self._local
+    self._wire = compression_lib.wire_dtype(strategy.gradient_compression)
+    self._summed = summed
+    self.num_replicas = communicator.num_replicas
+    self.gradients = list(gradients)
+
+  def reduce_scatter(self, layout, gradient):
+    """This replica's shard of the summed `gradient`, as a list of one."""
+    gradient = _dense(gradient)
+    if self._summed:
+      return [layout.shard(gradient, self._shard)]
+    return [compression_lib.from_wire(self._context.reduce_scatter(
+        "sum", compression_lib.to_wire(layout.padded_flat(gradient),
+                                       self._wire), axis=0), gradient.dtype)]
+
+  def update_shards(self, layout, weight, gradient_shards, update_fn):
+    """This replica's new shard of `weight`, as a list of one."""
+    component = tfi.component(weight, self._local)
+    shard = layout.shard(component.read_value(), self._shard)
+    with tfi.UpdateContext(self._local):
+      return [update_fn(self._local, gradient_shards[0], shard)]
+
+  def all_gather(self, layout, weight, new_shards):
+    """This replica's copy of `weight` set from every replica's new shard."""
+    whole = layout.assemble([self._context.all_gather(new_shards[0], axis=0)])
+    return tfi.component(weight, self._local).assign(whole, read_value=False)
+
+
+def _dense(gradient):
   """`gradient` as a dense tensor, warning once if it was sparse.
 
   Keras on one device squares each row occurrence of an `IndexedSlices`
@@ -188,47 +270,7 @@ def dense(gradient):
 _warned_dense = []
 
 
-def update_shards(communicator, layout, weight, update_fn):
-  """New shards of `weight`: `update_fn(r, shard)` in `UpdateContext(r)`.
-
-  `update_fn` returns the new value of this worker's r-th shard (global
-  shard `first_replica_id + r`); slots read inside it are that shard too.
-  Replicas that share memory cut their shards from one read of the first
-  copy (every copy holds the same value); others read their own copy.
-  """
-  first = communicator.first_replica_id
-  if communicator.shares_memory:
-    with tf.device(weight.values[0].device):
-      whole = tf.reshape(weight.values[0].read_value(), [-1])
-  new_shards = []
-  for r, component in enumerate(weight.values):
-    with tf.device(component.device), tfi.UpdateContext(r), tf.name_scope(
-        f"update_shard_{r}"):
-      value = whole if communicator.shares_memory else component.read_value()
-      new_shards.append(update_fn(r, layout.shard(value, first + r)))
-  return new_shards
-
-
-def all_gather(communicator, layout, weight, new_shards):
-  """Every component of `weight` set from every replica's new shard.
-
-  Replicas that share memory assemble the weight once, on the first device,
-  and every copy is assigned from it; others all-gather the shards.
-  """
-  if communicator.shares_memory:
-    with tf.device(weight.values[0].device):
-      whole = layout.assemble(new_shards)
-    assembled = [whole] * len(weight.values)
-  else:
-    gathered = communicator.all_gather(
-        sharded_variables.per_replica(new_shards), axis=0)
-    assembled = [_on(c.device, layout.assemble, [g]) for c, g in zip(
-        weight.values, sharded_variables.parts(gathered))]
-  return tf.group([
-      _on(c.device, lambda c=c, a=a: c.assign(a, read_value=False))
-      for c, a in zip(weight.values, assembled)])
-
-
-def _on(device, fn, *args):
-  with tf.device(device):
-    return fn(*args)
+def _from_wire(devices, received, dtype):
+  """Each of `received` back in `dtype`, on its device among `devices`."""
+  return per_replica.on_devices(
+      devices, lambda r: compression_lib.from_wire(received[r], dtype))

@@ -1,9 +1,9 @@
 """Variables held once across the replicas, a shard on each (ZeRO 3, big tables).
 
 A `ShardedVariable` is one distributed variable whose component on the
-device of global replica g is shard g of the whole, as a `layout` cuts it
-(across workers, each worker holds its own replicas' shards). Its memory per
-device is about 1/N of the whole. How it reads depends on where:
+device of global replica g is shard g of the whole, as its `layout` (a
+`layout.Layout`) cuts it (across workers, each worker holds its own
+replicas' shards). Its memory per device is about 1/N of the whole. How it reads depends on where:
 
 - in cross-replica context (outside `strategy.run`, saving, `numpy()`): the
   whole variable, assembled from every shard, and a whole-shaped assignment
@@ -16,12 +16,12 @@ device is about 1/N of the whole. How it reads depends on where:
   gradient is shard r of the summed gradient; inside a while loop, as an
   RNN's, gathered before the loop), "shard" (optimizer state of a
   sharded weight) or None (refused: optimizer state of a mirrored weight,
-  see `sharded_optimizer_state`).
+  see `optimizer_state`).
 
 `ReplicatorStrategy(variable_partitioner=...)` shards the trainable
-variables that TF's partitioners cut along axis 0 (`RowLayout`); their
-optimizer slots follow (`create_like`). `lookup` reads only the rows a batch
-needs from a sharded table.
+variables that TF's partitioners cut along axis 0 (`layout.RowLayout`);
+their optimizer slots follow (`creation` decides which variables are
+sharded). `lookup` reads only the rows a batch needs from a sharded table.
 
 >>> from replicator_strategy import ReplicatorStrategy
 >>> partitioner = tf.distribute.experimental.partitioners.FixedShardsPartitioner(4)
@@ -32,82 +32,19 @@ needs from a sharded table.
 [[3, 2], [3, 2], [2, 2], [2, 2]]
 """
 
-import contextlib
-import dataclasses
-import itertools
-import numbers
-import threading
-
 import numpy as np
 import tensorflow as tf
 
 from replicator_strategy import _tf_internal as tfi
 from replicator_strategy.collectives import compression as compression_lib
-
-REPLICA_READS = ("whole", "shard", None)
-
-
-@dataclasses.dataclass(frozen=True)
-class RowLayout:
-  """A tensor of `shape` cut along axis 0: shard g holds `rows[g]` rows.
-
-  As TF's partitioners cut (`tf.nn.embedding_lookup`'s "div" strategy): the
-  first shards hold one row more when the rows do not divide evenly; shards
-  past the partitioner's count are empty.
-  """
-  shape: tuple
-  rows: tuple
-
-  @classmethod
-  def split(cls, shape, num_shards, num_replicas):
-    """`num_shards` (at most `num_replicas`) shards of `shape`, one per replica."""
-    num_shards = min(num_shards, num_replicas, shape[0])
-    base, extra = divmod(shape[0], num_shards)
-    rows = [base + (g < extra) for g in range(num_shards)]
-    return cls(tuple(shape), tuple(rows + [0] * (num_replicas - num_shards)))
-
-  @property
-  def num_shards(self):
-    return len(self.rows)
-
-  @property
-  def offsets(self):
-    return tuple(itertools.accumulate((0,) + self.rows[:-1]))
-
-  @property
-  def max_rows(self):
-    return max(self.rows)
-
-  def shard(self, tensor, index):
-    """Shard `index` of a whole-shaped `tensor`."""
-    start = self.offsets[index]
-    return tensor[start:start + self.rows[index]]
-
-  def shard_shape(self, index):
-    return (self.rows[index],) + tuple(self.shape[1:])
-
-  def pad(self, shard, index):
-    """Shard `index` padded with zero rows to `max_rows`: what collectives move."""
-    missing = self.max_rows - self.rows[index]
-    if not missing:
-      return shard
-    return tf.pad(shard, [[0, missing]] + [[0, 0]] * (len(self.shape) - 1))
-
-  def assemble(self, shards):
-    """The whole tensor from every shard, in order."""
-    return tf.concat(list(shards), axis=0) if len(shards) > 1 else shards[0]
-
-  def assemble_padded(self, gathered):
-    """The whole tensor from every padded shard, concatenated in order."""
-    return self.assemble([
-        gathered[g * self.max_rows:g * self.max_rows + rows]
-        for g, rows in enumerate(self.rows)])
+from replicator_strategy.collectives import per_replica
 
 
 class ShardedVariable(tfi.values.DistributedVariable):
   """A variable whose component r is shard `first_shard + r`, on device r.
 
-  See the module docstring for how it reads in each context.
+  `layout` is a `layout.Layout`; `replica_reads` is "whole", "shard" or None
+  (see the module docstring for how it reads in each context).
   """
 
   def __init__(self, strategy, values, aggregation, layout, first_shard,
@@ -136,8 +73,8 @@ class ShardedVariable(tfi.values.DistributedVariable):
     padded = [self.layout.pad(s, self.first_shard + r)
               for r, s in enumerate(shards)]
     gathered = self.distribute_strategy.extended.communicator.all_gather(
-        per_replica(padded), axis=0)
-    return self.layout.assemble_padded(parts(gathered)[0])
+        per_replica.wrap(padded), axis=0)
+    return self.layout.assemble_padded(per_replica.parts(gathered)[0])
 
   def _get(self):
     shard = tfi.distribute_lib.get_update_replica_id()
@@ -313,74 +250,8 @@ def _checked_ids(every_id, num_rows):
     return tf.where(every_id < 0, every_id + num_rows, every_id)
 
 
-_slot_reads = threading.local()
-
-
-@contextlib.contextmanager
-def slots_read_whole():
-  """State of sharded weights created inside reads whole inside replicas.
-
-  For EMA copies of the weights, which Keras updates from the weights'
-  whole values; other optimizer state reads as this replica's shard.
-  """
-  previous = slot_reads()
-  _slot_reads.value = "whole"
-  try:
-    yield
-  finally:
-    _slot_reads.value = previous
-
-
-def slot_reads():
-  """How optimizer state of a sharded weight created now reads in a replica."""
-  return getattr(_slot_reads, "value", "shard")
-
-
-def row_layout(partitioner, shape, dtype, num_replicas, name=None):
-  """The `RowLayout` `partitioner` asks for, or None where it cuts nothing.
-
-  `name` (the variable's) is for errors.
-  """
-  shape = tf.TensorShape(shape)
-  if shape.rank is None or shape.rank == 0 or not shape.is_fully_defined():
-    return None
-  num_shards = _shard_counts(partitioner(shape=shape, dtype=dtype), shape,
-                             name)
-  if num_shards[0] < 2 or num_replicas < 2:
-    return None
-  return RowLayout.split(shape.as_list(), num_shards[0], num_replicas)
-
-
-def _shard_counts(received, shape, name):
-  """What a partitioner returned for a variable, checked: a list of ints."""
-  variable = f"the variable {name!r}" if name else "an unnamed variable"
-  received_text = (f"Received: variable_partitioner(shape={shape}, ...) = "
-                   f"{received!r} for {variable}.")
-  accepted = (f"Expected `variable_partitioner` to return the number of "
-              f"shards along each axis: a list of {shape.rank} ints, the "
-              f"first at least 1 and the others 1, as TF's partitioners "
-              f"return (FixedShardsPartitioner(2) gives "
-              f"{[2] + [1] * (shape.rank - 1)}).")
-  is_sequence = (not isinstance(received, (str, bytes, dict)) and
-                 hasattr(received, "__iter__"))
-  counts = list(received) if is_sequence else []
-  if not is_sequence or not all(
-      isinstance(n, numbers.Integral) and not isinstance(n, bool)
-      for n in counts):
-    raise TypeError(f"{accepted} {received_text}")
-  if any(n < 1 for n in counts):
-    raise ValueError(f"{accepted} A variable has at least 1 shard along "
-                     f"each axis. {received_text}")
-  if len(counts) != shape.rank or any(n != 1 for n in counts[1:]):
-    raise ValueError(
-        f"ReplicatorStrategy shards variables along axis 0 only. "
-        f"{accepted} {received_text}")
-  return [int(n) for n in counts]
-
-
-def create(strategy, devices, next_creator, layout_for, replica_reads,
-           **kwargs):
-  """A `ShardedVariable` with one shard per device in `devices`, this worker's.
+def create(strategy, next_creator, layout_for, replica_reads, **kwargs):
+  """A `ShardedVariable`, this worker's shards on its replicas' devices.
 
   `layout_for(whole_initial_value)` gives the layout; every worker starts
   from the chief's initial value. Returns None where the layout is None.
@@ -388,6 +259,7 @@ def create(strategy, devices, next_creator, layout_for, replica_reads,
   kwargs.pop("colocate_with", None)  # Its shards go to every device.
   kwargs.pop("shape", None)
   communicator = strategy.extended.communicator
+  devices = communicator.devices
   with tf.init_scope(), tf.device(devices[0]):
     initial_value = communicator.initial_value(kwargs["initial_value"],
                                                kwargs.get("dtype"))
@@ -420,15 +292,3 @@ def create(strategy, devices, next_creator, layout_for, replica_reads,
       strategy, create_shards,
       {tf.VariableSynchronization.ON_WRITE: sharded_variable},
       tfi.distribute_utils.VARIABLE_POLICY_MAPPING, **kwargs)
-
-
-def per_replica(values):
-  """`values`, one per local replica, as one distributed value."""
-  return tfi.distribute_utils.regroup(list(values), always_wrap=True)
-
-
-def parts(value):
-  """This worker's parts of a distributed value (one alone, unwrapped)."""
-  if isinstance(value, tf.distribute.DistributedValues):
-    return value.values
-  return (value,)

@@ -50,6 +50,10 @@ _OPTIMIZERS = {
                                                     clipnorm=0.5), "float32"),
     "adam_global_clipnorm": (lambda: keras.optimizers.Adam(
         learning_rate=0.01, global_clipnorm=1.0), "float32"),
+    # Weight decay merges the replicas between clipping's all-reduce and the
+    # update, whose all-reduce each replica must still skip.
+    "adamw_clipnorm": (lambda: keras.optimizers.AdamW(
+        learning_rate=0.01, weight_decay=0.1, clipnorm=0.5), "float32"),
     "adam_ema": (lambda: keras.optimizers.Adam(
         learning_rate=0.01, use_ema=True, ema_overwrite_frequency=2),
                  "float32"),

@@ -12,6 +12,7 @@ import functools
 import os
 import tempfile
 import unittest
+from unittest import mock
 
 import keras
 import numpy as np
@@ -22,6 +23,9 @@ from assertions import assert_per_replica
 import models
 import topology
 from test_custom_loop import make_step
+from replicator_strategy.collectives import communicator as communicator_lib
+from replicator_strategy.collectives import per_replica
+from replicator_strategy.sharding import layout as layout_lib
 from replicator_strategy.sharding import optimizer_state as sharded
 from replicator_strategy.sharding import variables as sharded_variables
 
@@ -56,6 +60,9 @@ _OPTIMIZERS = {
         keras.optimizers.Adam(learning_rate=0.01)),
     "adam_global_clipnorm": lambda: keras.optimizers.Adam(
         learning_rate=0.01, global_clipnorm=0.5),
+    # Weight decay merges the replicas between clipping's sum and the step.
+    "adamw_clipnorm": lambda: keras.optimizers.AdamW(
+        learning_rate=0.01, weight_decay=0.1, clipnorm=0.5),
     # The EMA copy stays mirrored; Keras overwrites the weights from it in a
     # tf.cond inside each replica.
     "adam_ema": lambda: keras.optimizers.Adam(
@@ -135,46 +142,36 @@ def slots(optimizer):
           if isinstance(v.value, sharded_variables.ShardedVariable)]
 
 
-class LayoutTest(unittest.TestCase):
-
-  def test_shards_are_equal_contiguous_and_padded_at_the_end(self):
-    layout = sharded.Layout((2, 5), 4)
-    self.assertEqual(layout.shard_size, 3)
-    x = tf.reshape(tf.range(1.0, 11.0), (2, 5))
-    shards = [layout.shard(x, r).numpy().tolist() for r in range(4)]
-    self.assertEqual(shards, [[1, 2, 3], [4, 5, 6], [7, 8, 9], [10, 0, 0]])
-    np.testing.assert_array_equal(
-        layout.assemble([layout.shard(x, r) for r in range(4)]), x)
-
-  def test_fewer_elements_than_shards_and_scalars(self):
-    layout = sharded.Layout((), 4)
-    shards = [layout.shard(tf.constant(7.0), r).numpy().tolist()
-              for r in range(4)]
-    self.assertEqual(shards, [[7], [0], [0], [0]])
-    self.assertEqual(float(layout.assemble(
-        [tf.constant([7.0]), *[tf.zeros([1])] * 3])), 7.0)
-
-
 class ExchangeTest(unittest.TestCase):
 
-  @parameterized.expand(topology.NAMED_REPLICA_COUNTS)
-  def test_reduce_scatter_then_all_gather(self, _, n):
+  @parameterized.expand([
+      (f"{name}{'' if shared else '_separate_memories'}", n, shared)
+      for name, n in topology.NAMED_REPLICA_COUNTS for shared in (True, False)])
+  def test_reduce_scatter_then_all_gather(self, _, n, shares_memory):
+    # Separate memories (GPUs, workers) exchange shards; logical CPUs, which
+    # share one memory, sum once and cut.
     strategy = sharding(n)
-    communicator = strategy.extended.communicator
-    layout = sharded.Layout((3, 3), n)
-    each = [tf.fill((3, 3), float(r + 1)) for r in range(n)]
-    total = [tf.fill((3, 3), n * (n + 1) / 2)] * n  # Each replica's sum.
-    for grads, summed in ((each, False), (total, True)):
-      shards = sharded.reduce_scatter(communicator, layout, grads, summed)
-      self.assertEqual([s.shape for s in shards], [(layout.shard_size,)] * n)
-      np.testing.assert_array_equal(
-          tf.concat(shards, 0),
-          [n * (n + 1) / 2] * 9 + [0] * (layout.shard_size * n - 9))
-    with strategy.scope():
-      weight = tf.Variable(tf.zeros((3, 3)))
-    new_shards = [layout.shard(tf.reshape(tf.range(9.0), (3, 3)), r)
-                  for r in range(n)]
-    sharded.all_gather(communicator, layout, weight, new_shards)
+    devices = strategy.extended.worker_devices
+    layout = layout_lib.FlatLayout((3, 3), n)
+    each = per_replica.make(devices, lambda r: tf.fill((3, 3), float(r + 1)))
+    # Each replica's copy of the sum.
+    total = per_replica.make(devices,
+                             lambda r: tf.fill((3, 3), n * (n + 1) / 2))
+    with mock.patch.object(communicator_lib.Communicator, "shares_memory",
+                           shares_memory):
+      for grads, summed in ((each, False), (total, True)):
+        exchange = sharded.AllReplicas(strategy, [grads], summed)
+        shards = exchange.reduce_scatter(layout, exchange.gradients[0])
+        self.assertEqual([s.shape for s in shards],
+                         [(layout.shard_size,)] * n)
+        np.testing.assert_array_equal(
+            tf.concat(shards, 0),
+            [n * (n + 1) / 2] * 9 + [0] * (layout.shard_size * n - 9))
+      with strategy.scope():
+        weight = tf.Variable(tf.zeros((3, 3)))
+      new_shards = [layout.shard(tf.reshape(tf.range(9.0), (3, 3)), r)
+                    for r in range(n)]
+      exchange.all_gather(layout, weight, new_shards)
     for component in weight.values:
       np.testing.assert_array_equal(component, np.arange(9.0).reshape(3, 3))
 

@@ -23,6 +23,8 @@ from assertions import assert_per_replica
 import topology
 from test_custom_loop import make_step
 import test_sharded_optimizer_state as zero
+from replicator_strategy.sharding import creation
+from replicator_strategy.sharding import layout as layout_lib
 from replicator_strategy.sharding import variables as sharded_variables
 
 RTOL, ATOL = zero.RTOL, zero.ATOL
@@ -38,28 +40,6 @@ def every_kernel_sharded(n, **kwargs):
 def sharded(variables):
   return [v for v in variables
           if isinstance(v.value, sharded_variables.ShardedVariable)]
-
-
-class RowLayoutTest(unittest.TestCase):
-
-  def test_rows_split_as_tf_partitioners_do_and_empty_shards_pad(self):
-    layout = sharded_variables.RowLayout.split((5, 2), 3, 4)
-    self.assertEqual(layout.rows, (2, 2, 1, 0))
-    self.assertEqual(layout.offsets, (0, 2, 4, 5))
-    x = tf.reshape(tf.range(10.0), (5, 2))
-    shards = [layout.shard(x, g) for g in range(4)]
-    self.assertEqual([s.shape.as_list() for s in shards],
-                     [[2, 2], [2, 2], [1, 2], [0, 2]])
-    np.testing.assert_array_equal(layout.assemble(shards), x)
-    padded = tf.concat([layout.pad(s, g) for g, s in enumerate(shards)], 0)
-    self.assertEqual(padded.shape.as_list(), [8, 2])
-    np.testing.assert_array_equal(layout.assemble_padded(padded), x)
-
-  def test_more_shards_than_replicas_or_rows_caps(self):
-    self.assertEqual(sharded_variables.RowLayout.split((9,), 8, 4).rows,
-                     (3, 2, 2, 2))
-    self.assertEqual(sharded_variables.RowLayout.split((2,), 4, 4).rows,
-                     (1, 1, 0, 0))
 
 
 class CreationTest(unittest.TestCase):
@@ -84,6 +64,25 @@ class CreationTest(unittest.TestCase):
                                   np.arange(20.0).reshape(10, 2))
     table.assign(tf.ones((10, 2)))
     np.testing.assert_array_equal(table.values[3].numpy(), np.ones((2, 2)))
+
+  def test_optimizer_state_is_sharded_as_its_request_and_weight_say(self):
+    strategy = every_kernel_sharded(4)
+    with strategy.scope():
+      weight = tf.Variable(tf.zeros((10, 2)))
+      # Nested requests add up: the inner says flat, the outer reads whole.
+      with creation.requesting(reads_whole=True), creation.requesting(
+          flat=True):
+        flat = tf.Variable(tf.zeros((3, 3)))
+        with strategy.extended.colocate_vars_with(weight):
+          average = tf.Variable(tf.zeros((10, 2)))
+      with strategy.extended.colocate_vars_with(weight):
+        moment = tf.Variable(tf.zeros((10, 2)))
+    self.assertIsInstance(flat.layout, layout_lib.FlatLayout)
+    self.assertEqual([c.shape.as_list() for c in flat.values], [[3]] * 4)
+    self.assertIsNone(flat.replica_reads)  # Refused inside a replica.
+    for state, reads in ((average, "whole"), (moment, "shard")):
+      self.assertIs(state.layout, weight.layout)
+      self.assertEqual(state.replica_reads, reads)
 
   def test_one_shard_or_one_replica_stays_mirrored(self):
     for strategy in (topology.strategy_over(
@@ -169,13 +168,27 @@ class FitTest(unittest.TestCase):
       [("4_replicas_adam_spe3", 4, "adam", 3)])
   def test_every_weight_sharded_fit_matches_no_strategy(
       self, _, n, optimizer_name, steps_per_execution=1):
-    strategy = every_kernel_sharded(n)
+    model = self.assert_fit_matches_no_strategy(
+        every_kernel_sharded(n), optimizer_name, steps_per_execution)
+    self.assertEqual(len(sharded(model.weights)), len(model.weights))
+
+  def test_clipping_with_some_weights_sharded_matches_no_strategy(self):
+    # Only the 8x16 kernel is big enough to cut. Clipping sums every
+    # gradient first; the mirrored weights' update (its all-reduce skipped)
+    # runs before the sharded kernel's, which still takes its gradient whole.
+    strategy = topology.strategy_over(
+        4, variable_partitioner=MinSize(min_shard_bytes=256, max_shards=4))
+    model = self.assert_fit_matches_no_strategy(strategy, "adam_clipnorm")
+    self.assertEqual(len(sharded(model.weights)), 1)
+
+  def assert_fit_matches_no_strategy(self, strategy, optimizer_name,
+                                     steps_per_execution=1):
+    """Fits as `zero.fit` does, compares with no strategy; returns the model."""
     model, optimizer, losses = zero.fit(optimizer_name, strategy,
                                         steps_per_execution)
     want_losses, want_weights, want_optimizer = zero.reference_fit(
         optimizer_name)
     np.testing.assert_allclose(losses, want_losses, rtol=RTOL, atol=ATOL)
-    self.assertEqual(len(sharded(model.weights)), len(model.weights))
     for v, want in zip(model.weights, want_weights):
       np.testing.assert_allclose(v.numpy(), want, rtol=RTOL, atol=ATOL,
                                  err_msg=v.path)
@@ -183,6 +196,7 @@ class FitTest(unittest.TestCase):
     for v, want in zip(optimizer.variables, want_optimizer):
       np.testing.assert_allclose(v.numpy(), want, rtol=RTOL, atol=ATOL,
                                  err_msg=v.path)
+    return model
 
 
 VOCABULARY, LENGTH, ROWS, BATCH = 40, 5, 58, 16
