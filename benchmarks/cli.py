@@ -2,9 +2,10 @@
 
 The parent runs one child process per replica count for the sections that
 run per count (every contender in the same process, interleaved round by
-round), then the sections that start processes of their own; it prints the
-tables and writes the JSON. `--child section:spec` makes a process a child:
-it runs that one piece and prints its result as JSON.
+round), then the sections that start processes of their own, then one
+process and one launch of 2 workers for the sections that compare them; it
+prints the tables and writes the JSON. `--child section:spec` makes a
+process a child: it runs that one piece and prints its result as JSON.
 """
 
 import json
@@ -24,6 +25,8 @@ from benchmarks.sections import REGISTRY
 
 # The child kind that runs every per-count section for one replica count.
 REPLICAS = "replicas"
+# The child kind that runs every section compared on workers, in turn.
+WORKERS = "workers"
 DESCRIPTION = ("ReplicatorStrategy vs MirroredStrategy vs no strategy, side "
                "by side in one run.")
 
@@ -52,11 +55,15 @@ def chosen(options):
 
 
 def run_child(options):
-  """What `--child section:spec` asks for; "replicas:n" runs one count."""
+  """What `--child section:spec` asks for; "replicas:n" runs one count,
+  "workers" every section compared on workers."""
   name, _, spec = options.child.partition(":")
   if name == REPLICAS:
     return {s.name: s.per_replicas(options, int(spec))
             for s in chosen(options) if s.per_replicas}
+  if name == WORKERS:
+    return {s.name: s.on_workers(options)
+            for s in chosen(options) if s.on_workers}
   return REGISTRY[name].child(options, spec)
 
 
@@ -70,6 +77,13 @@ def run(options):
   for s in chosen(options):
     if s.fresh:
       results[s.name] += s.fresh(options)
+  on_workers = [s for s in chosen(options) if s.on_workers]
+  if on_workers:
+    single = processes.child(options, WORKERS)
+    workers = processes.on_two_workers(options, WORKERS)
+    for s in on_workers:
+      results[s.name] += s.workers_rows(options, single[s.name],
+                                        [w[s.name] for w in workers])
   return results
 
 

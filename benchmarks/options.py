@@ -11,11 +11,13 @@ SIZES = {  # name: (full run, --quick)
     "conv_filters": (16, 4),
     "image": (28, 8),
     "global_batch": (256, 32),
-    "fit_steps": (20, 3),
-    "rounds": (5, 2),
+    # --quick times one round (after the warm-up that traces) of 4 steps: its
+    # last step is the update of `multi`'s accumulation over 4 steps.
+    "fit_steps": (20, 4),
+    "rounds": (5, 1),
     "allreduce_mb": ((1, 16, 64), (0.0625,)),
     "allreduce_many": ((200, 4096), (10, 256)),  # tensors, bytes each
-    "allreduce_repeats": (15, 3),
+    "allreduce_repeats": (15, 1),
     "reduce_scatter_mb": (16, 0.0625),
     "first_epoch_runs": (3, 1),  # fresh processes per contender
     # The memory-bound MLP: input, hidden width, hidden layers; 50.4 M

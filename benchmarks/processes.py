@@ -23,26 +23,26 @@ def _env():
   return {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
 
 
-def _command(options, section, spec, devices=None):
-  return ([sys.executable, "-m", "benchmarks", "--child", f"{section}:{spec}"]
+def _command(options, kind, spec, devices=None):
+  return ([sys.executable, "-m", "benchmarks", "--child", f"{kind}:{spec}"]
           + options.child_flags(devices))
 
 
-def child(options, section, spec="", timeout=600):
-  """Runs `section`'s child on `spec` in a fresh process; its JSON result."""
-  done = subprocess.run(_command(options, section, spec), stdout=subprocess.PIPE,
+def child(options, kind, spec="", timeout=600):
+  """Runs the child `kind:spec` in a fresh process; its JSON result."""
+  done = subprocess.run(_command(options, kind, spec), stdout=subprocess.PIPE,
                         text=True, timeout=timeout, check=True, env=_env())
   return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def on_two_workers(options, section, spec=""):
-  """Runs `section`'s child on `spec` on 2 workers x 2 devices (under the
+def on_two_workers(options, kind, spec=""):
+  """Runs the child `kind:spec` on 2 workers x 2 devices (under the
   launcher); each worker's JSON result."""
   with tempfile.TemporaryDirectory() as out:
     done = subprocess.run(
         [sys.executable, "-m", "replicator_strategy.cli.launch", "--workers",
          "2", "--timeout", "500", "--output", "all", "--"] +
-        _command(options, section, spec, devices=2),
+        _command(options, kind, spec, devices=2),
         stdout=subprocess.PIPE, text=True, timeout=560, check=True, cwd=out,
         env=_env())
   lines = [line.split("] ", 1)[1] for line in done.stdout.splitlines()

@@ -15,7 +15,6 @@ import tensorflow as tf
 
 import replicator_strategy as rs
 from benchmarks import models
-from benchmarks import processes
 from benchmarks import section
 from benchmarks import tables
 from benchmarks import timing
@@ -50,9 +49,8 @@ def _step(strategy, values, exchange):
   return tf.function(lambda: strategy.run(replica_fn, (values,)))
 
 
-def exchange_child(options, spec):
-  """In a child (maybe a worker): each exchange's ms (median), and the sums."""
-  del spec
+def exchange_on_workers(options):
+  """In one process or a worker: each exchange's ms (median), and the sums."""
   size = options.size
   strategy = rs.ReplicatorStrategy()
   shapes = [w.shape for w in models.initial_weights(size, "mlp")]
@@ -72,9 +70,8 @@ def exchange_child(options, spec):
           "results": results}
 
 
-def exchange_rows(options):
-  single = processes.child(options, SECTION.name)
-  workers = processes.on_two_workers(options, SECTION.name)
+def exchange_rows(options, single, workers):
+  del options
   row = {"ms": {f"{exchange}, {where}": statistics.median(
       r["ms"][exchange] for r in results)
                 for where, results in zip(multi.WHERE, ([single], workers))
@@ -104,4 +101,5 @@ def exchange_table(options, rows):
 
 SECTION = section.Section(
     name="exchange", measures="what a traced step pays to exchange",
-    fresh=exchange_rows, child=exchange_child, table=exchange_table)
+    on_workers=exchange_on_workers, workers_rows=exchange_rows,
+    table=exchange_table)

@@ -12,7 +12,6 @@ import keras
 
 import replicator_strategy as rs
 from benchmarks import models
-from benchmarks import processes
 from benchmarks import section
 from benchmarks import tables
 from benchmarks import timing
@@ -26,13 +25,12 @@ VARIANTS = {
 WHERE = ("1 process x 4", "2 workers x 2")
 
 
-def multi_child(options, spec):
-  """In a child (maybe a worker): every variant's result, by variant.
+def multi_on_workers(options):
+  """In one process or a worker: every variant's result, by variant.
 
   One process runs them all, one after another (a worker joins its cluster
   once; each variant's strategy uses it in turn).
   """
-  del spec
   return {variant: _fit_step(options.size, variant) for variant in VARIANTS}
 
 
@@ -76,13 +74,13 @@ def _fit_step(size, variant):
   return result
 
 
-def multi_rows(options):
-  singles = processes.child(options, SECTION.name)
-  on_workers = processes.on_two_workers(options, SECTION.name)
+def multi_rows(options, single_run, worker_runs):
+  """One row per variant: the one process's run against the workers'."""
+  del options
   rows = []
   for variant in VARIANTS:
-    single = singles[variant]
-    workers = [w[variant] for w in on_workers]
+    single = single_run[variant]
+    workers = [w[variant] for w in worker_runs]
     by_where = dict(zip(WHERE, ([single], workers)))
     row = {"variant": variant,
            "ms": {where: statistics.median(r["ms"] for r in results)
@@ -133,4 +131,4 @@ def multi_table(options, rows):
 
 SECTION = section.Section(
     name="multi", measures="2 workers x 2 devices against 1 process x 4",
-    fresh=multi_rows, child=multi_child, table=multi_table)
+    on_workers=multi_on_workers, workers_rows=multi_rows, table=multi_table)
