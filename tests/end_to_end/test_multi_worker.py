@@ -589,10 +589,10 @@ class NetworkTest(RunsOnWorkers, unittest.TestCase):
 FAULT_TIMEOUT = 10  # timeout_seconds the fault tests give the strategy.
 
 
-def start_workers(indices, runs, num_workers=2):
-  """Starts the workers at `indices` of a cluster; the others never start."""
+def start_workers(indices, runs, out, num_workers=2):
+  """Starts the workers at `indices` of a cluster, writing to `out`; the
+  others never start."""
   addresses = [f"127.0.0.1:{p}" for p in launch.free_ports(num_workers)]
-  out = tempfile.mkdtemp()
   return {
       i: subprocess.Popen(
           [sys.executable, str(TESTS / "multi_worker_main.py"), runs, out,
@@ -626,6 +626,10 @@ def kill_all(workers):
 class FaultTest(unittest.TestCase):
   """A worker that never starts, dies or freezes fails the others, named."""
 
+  def setUp(self):
+    super().setUp()
+    self.out = self.enterContext(tempfile.TemporaryDirectory())
+
   def check_fails_naming(self, workers, survivor, missing_task):
     self.addCleanup(kill_all, workers)
     status, seconds, output = outcome(workers[survivor])
@@ -635,11 +639,11 @@ class FaultTest(unittest.TestCase):
     self.assertIn(missing_task, output)
 
   def test_a_worker_that_never_starts_fails_the_chief_naming_it(self):
-    workers = start_workers([0], "custom_loop")
+    workers = start_workers([0], "custom_loop", self.out)
     self.check_fails_naming(workers, 0, "Missing: /job:worker/replica:0/task:1")
 
   def test_a_chief_that_never_starts_fails_the_worker_naming_it(self):
-    workers = start_workers([1], "custom_loop")
+    workers = start_workers([1], "custom_loop", self.out)
     self.check_fails_naming(
         workers, 1, "Missing: the chief, /job:worker/replica:0/task:0")
 
@@ -652,11 +656,11 @@ class FaultTest(unittest.TestCase):
                   "have worker 0: 2, worker 1: 3", output)
 
   def test_a_worker_that_dies_mid_training_fails_the_chief_naming_it(self):
-    workers = start_workers([0, 1], "peer_dies")
+    workers = start_workers([0, 1], "peer_dies", self.out)
     self.check_fails_naming(workers, 0, "/job:worker/replica:0/task:1")
 
   def test_sigterm_outside_a_saving_loop_exits_143_and_fails_the_chief(self):
-    workers = start_workers([0, 1], "peer_gets_sigterm")
+    workers = start_workers([0, 1], "peer_gets_sigterm", self.out)
     message = ("/job:worker/replica:0/task:1 received SIGTERM outside a "
                "training loop that saves on preemption")
     self.check_fails_naming(workers, 0, message)  # Told why, at once.
@@ -672,7 +676,7 @@ class FaultTest(unittest.TestCase):
       address = f"127.0.0.1:{port}"
       worker = subprocess.Popen(
           [sys.executable, str(TESTS / "multi_worker_main.py"), "primitives",
-           tempfile.mkdtemp(), str(FAULT_TIMEOUT)],
+           self.out, str(FAULT_TIMEOUT)],
           env={**os.environ, "TF_CONFIG": launch.tf_config(
               [address, f"127.0.0.1:{launch.free_ports(1)[0]}"], 0)},
           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -687,7 +691,7 @@ class FaultTest(unittest.TestCase):
                   output)
 
   def test_a_worker_that_freezes_mid_training_fails_the_chief_naming_it(self):
-    workers = start_workers([0, 1], "peer_freezes")
+    workers = start_workers([0, 1], "peer_freezes", self.out)
     self.check_fails_naming(
         workers, 0, "stopped sending heartbeats):\n/job:worker/replica:0/task:1")
 
