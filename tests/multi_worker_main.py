@@ -1,10 +1,13 @@
 """One worker of a multi-worker test: `python tests/multi_worker_main.py RUNS OUT_DIR [TIMEOUT]`.
 
 Started by `replicator_strategy.cli.launch` (which sets TF_CONFIG); runs the
-comma-separated `multi_worker_runs.RUNS` and writes their results to
-OUT_DIR/worker_<index>.json as {run: results}.
+comma-separated run specs RUNS in turn, each on a strategy with the options
+it names (`multi_worker_runs.parse`), and writes their results to
+OUT_DIR/worker_<index>.json as {spec: results}. A run that takes a working
+directory gets OUT_DIR/<spec>.
 """
 
+import functools
 import json
 import os
 import pathlib
@@ -17,23 +20,20 @@ sys.path[1:1] = sorted(str(d) for d in pathlib.Path(__file__).parent.iterdir()
                        if d.is_dir() and d.name[0] not in "._")
 
 import replicator_strategy as rs  # pylint: disable=g-import-not-at-top
-import tensorflow as tf  # pylint: disable=g-import-not-at-top
 
 # MULTI_WORKER_DEVICES="2,3": worker i gets the i-th count (default 2 each).
 _COUNTS = os.environ.get("MULTI_WORKER_DEVICES", "2,2").split(",")
 rs.split_cpu(int(_COUNTS[json.loads(os.environ["TF_CONFIG"])["task"]["index"]]))
-# MULTI_WORKER_SHARD_OPTIMIZER_STATE=1: the strategy shards optimizer state.
-# MULTI_WORKER_VARIABLE_SHARDS=K: it cuts every weight into K shards.
-# MULTI_WORKER_GRADIENT_COMPRESSION=bfloat16: its gradient all-reduce is 16-bit.
-_SHARDS = os.environ.get("MULTI_WORKER_VARIABLE_SHARDS")
-STRATEGY = rs.ReplicatorStrategy(
-    timeout_seconds=float(sys.argv[3]) if len(sys.argv) > 3 else 60,
-    shard_optimizer_state=bool(
-        os.environ.get("MULTI_WORKER_SHARD_OPTIMIZER_STATE")),
-    variable_partitioner=(
-        tf.distribute.experimental.partitioners.FixedShardsPartitioner(
-            int(_SHARDS)) if _SHARDS else None),
-    gradient_compression=os.environ.get("MULTI_WORKER_GRADIENT_COMPRESSION"))
+_TIMEOUT = float(sys.argv[3]) if len(sys.argv) > 3 else 60
+
+
+@functools.cache
+def strategy(options=()):
+  """The strategy with `options`, sorted (keyword, value) pairs."""
+  return rs.ReplicatorStrategy(timeout_seconds=_TIMEOUT, **dict(options))
+
+
+strategy()  # Joins the cluster before any TensorFlow op; the others follow.
 
 import multi_worker_runs  # pylint: disable=g-import-not-at-top
 
@@ -41,10 +41,15 @@ import multi_worker_runs  # pylint: disable=g-import-not-at-top
 def main(runs, out_dir, timeout=None):
   del timeout  # Read above, before the strategy starts.
   results = {}
-  for run in runs.split(","):
-    extra = (out_dir,) if run in multi_worker_runs.TAKES_WORKDIR else ()
-    results[run] = multi_worker_runs.RUNS[run](STRATEGY, *extra)
-  index = STRATEGY.extended.cluster.worker_index
+  for spec in runs.split(","):
+    name, options = multi_worker_runs.parse(spec)
+    extra = ()
+    if name in multi_worker_runs.TAKES_WORKDIR:
+      extra = (pathlib.Path(out_dir, spec),)
+      extra[0].mkdir(exist_ok=True)
+    results[spec] = multi_worker_runs.RUNS[name](
+        strategy(tuple(sorted(options.items()))), *extra)
+  index = strategy().extended.cluster.worker_index
   path = pathlib.Path(out_dir) / f"worker_{index}.json"
   path.write_text(json.dumps(results))
 

@@ -2,7 +2,8 @@
 
 Each function takes a strategy and returns plain JSON-able results, so a
 worker process (`multi_worker_main.py`) and the test process (one process,
-4 replicas) run the very same code.
+4 replicas) run the very same code. A run spec names a run and, after "@",
+the options of its strategy: "keras_fit@bfloat16+shard_optimizer_state".
 """
 
 import contextlib
@@ -24,6 +25,22 @@ from replicator_strategy.cluster import scratch
 from replicator_strategy.keras import training as keras_training
 
 GLOBAL_BATCH = 16
+# The strategy options a run spec may name.
+STRATEGY_OPTIONS = {
+    "shard_optimizer_state": {"shard_optimizer_state": True},
+    "bfloat16": {"gradient_compression": "bfloat16"},
+    "4_shards": {"variable_partitioner": (
+        tf.distribute.experimental.partitioners.FixedShardsPartitioner(4))},
+}
+
+
+def parse(spec):
+  """(run name, strategy options) of run spec "RUN" or "RUN@OPTION+OPTION"."""
+  name, _, options = spec.partition("@")
+  kwargs = {}
+  for option in filter(None, options.split("+")):
+    kwargs.update(STRATEGY_OPTIONS[option])
+  return name, kwargs
 
 
 def data(rows=58, seed=1):
@@ -319,7 +336,11 @@ def peer_dies(strategy, fate=signal.SIGKILL):
 
 
 def keras_files(strategy, workdir):
-  """fit with ModelCheckpoint, TensorBoard, BackupAndRestore; save, export."""
+  """fit with ModelCheckpoint, TensorBoard, BackupAndRestore; save, export.
+
+  Also this process's scratch root (if any), before and after.
+  """
+  scratch_before = list(scratch._scratch_root)  # pylint: disable=protected-access
   x, y = data()
   workdir = pathlib.Path(workdir)
   model = _model(strategy, lambda: keras.optimizers.SGD(0.05), loss="mse")
@@ -331,7 +352,8 @@ def keras_files(strategy, workdir):
   model.save(workdir / "final.keras")
   model.save_weights(workdir / "final.weights.h5")
   model.export(str(workdir / "exported"))
-  return {"scratch": list(scratch._scratch_root)}  # pylint: disable=protected-access
+  return {"scratch_before": scratch_before,
+          "scratch": list(scratch._scratch_root)}  # pylint: disable=protected-access
 
 
 class _Interrupt(keras.callbacks.Callback):

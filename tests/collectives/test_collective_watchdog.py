@@ -4,6 +4,7 @@ Each case runs in its own process (tests/watchdog_main.py): an abort ends
 every collective of the process that sees it.
 """
 
+import functools
 import json
 import os
 import subprocess
@@ -16,7 +17,9 @@ import pytest
 MAIN = os.path.join(os.path.dirname(os.path.dirname(__file__)), "watchdog_main.py")
 
 
+@functools.cache
 def run_main(*args, timeout=300):
+  """The JSON line of `watchdog_main.py ARGS`, run once; read it only."""
   done = subprocess.run([sys.executable, MAIN, *map(str, args)],
                         capture_output=True, text=True, timeout=timeout,
                         check=False)
@@ -26,7 +29,12 @@ def run_main(*args, timeout=300):
 
 @pytest.mark.slow
 class LongRunTest(unittest.TestCase):
-  """20,000 steps with a collective inside tf.cond on each: no growth."""
+  """10,000 steps with a collective inside tf.cond on each: no growth.
+
+  Past the ~3,000 steps after which such a fit used to abort; the ~0.9 MiB
+  per 1,000 steps it used to grow by would be twice the bound between the
+  first and last samples.
+  """
 
   def assert_flat(self, samples):
     first, last = samples[0], samples[-1]
@@ -37,16 +45,16 @@ class LongRunTest(unittest.TestCase):
     self.assertLess(last["rss_mib"] - first["rss_mib"], 4.0, samples)
 
   def test_custom_loop_with_a_collective_in_cond(self):
-    self.assert_flat(run_main("long_custom_loop", 20000, 2000)["samples"])
+    self.assert_flat(run_main("long_custom_loop", 10000, 1000)["samples"])
 
   def test_fit_with_gradient_accumulation(self):
-    self.assert_flat(run_main("long_fit", 20000, 2000)["samples"])
+    self.assert_flat(run_main("long_fit", 10000, 1000)["samples"])
 
 
 class StallAndMismatchTest(unittest.TestCase):
 
   def test_a_replica_left_waiting_fails_after_the_timeout_naming_it(self):
-    got = run_main("stall")
+    got = run_main("after_a_timeout", "op_mismatch")["stall"]
     self.assertEqual(got["error"], "DeadlineExceededError")
     self.assertGreater(got["seconds"], 2.0)
     self.assertLess(got["seconds"], 15.0)
@@ -75,7 +83,9 @@ class StallAndMismatchTest(unittest.TestCase):
     # The second used to get TF's bare "Function was cancelled before it was
     # started": TF keeps the process's collectives aborted, for a new
     # strategy too.
-    for attempt, got in run_main("after_a_timeout", "op_mismatch").items():
+    after = run_main("after_a_timeout", "op_mismatch")
+    for attempt in ("first", "again"):
+      got = after[attempt]
       with self.subTest(attempt):
         self.assertEqual(got["error"], "CancelledError")
         self.assertLess(got["seconds"], 1.0)

@@ -2,10 +2,14 @@
 
 Each test starts real worker processes through the launcher (TF_CONFIG, TF's
 gRPC runtime and collective ops), bounded in time; the launcher stops every
-process it started. The 4-replica reference runs in this process, on the
-same code (`multi_worker_runs`).
+process it started. Tests that only read runs' results share launches
+(`RunsOnWorkers`). The references run in this process, on the same code
+(`multi_worker_runs`), once each (`in_one_process`).
 """
 
+import atexit
+import collections
+import functools
 import json
 import os
 import pathlib
@@ -20,7 +24,6 @@ import unittest
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
 
 import multi_worker_runs
 import test_gradient_compression
@@ -29,7 +32,7 @@ from replicator_strategy.cli import launch
 from test_launch import alive
 
 TESTS = pathlib.Path(__file__).resolve().parent.parent
-LAUNCH_TIMEOUT = 240
+LAUNCH_TIMEOUT = 480  # A shared launch runs for minutes on a loaded machine.
 
 
 def launch_workers(runs, out, num_workers=2, env=None, launch_args=()):
@@ -44,13 +47,30 @@ def launch_workers(runs, out, num_workers=2, env=None, launch_args=()):
   return done.returncode, done.stdout[-6000:] + done.stderr[-3000:]
 
 
-def results_of(runs, out, num_workers=2, env=None, launcher_args=()):
-  """Each worker's results of `runs`, which must succeed."""
-  status, output = launch_workers(runs, out, num_workers, env, launcher_args)
+def worker_results(out, status, output, num_workers=2):
+  """Each worker's results in `out`, after a launch that must have succeeded."""
   if status != 0:
     raise AssertionError(f"workers failed ({status}):\n{output}")
   return [json.loads((pathlib.Path(out) / f"worker_{i}.json").read_text())
           for i in range(num_workers)]
+
+
+def results_of(runs, out, num_workers=2, env=None, launcher_args=()):
+  """Each worker's results of `runs`, which must succeed."""
+  return worker_results(
+      out, *launch_workers(runs, out, num_workers, env, launcher_args),
+      num_workers)
+
+
+@functools.cache
+def in_one_process(spec, num_replicas=4):
+  """Run spec `spec`'s results in this process on `num_replicas` replicas.
+
+  Computed once; the tests only read them.
+  """
+  name, options = multi_worker_runs.parse(spec)
+  return multi_worker_runs.RUNS[name](
+      topology.strategy_over(num_replicas, **options))
 
 
 def assert_close_nested(test, actual, expected, rtol=1e-5, atol=1e-6):
@@ -69,22 +89,45 @@ def assert_close_nested(test, actual, expected, rtol=1e-5, atol=1e-6):
 
 
 class RunsOnWorkers:
-  """Mixin: `RUNS` on 2 workers x 2 (with `ENV`), once for the class's tests.
+  """Mixin: `RUNS` on 2 workers x 2, each on a strategy with `OPTIONS`.
 
-  Each worker's results are in `cls.workers`; `cls.out`, the runs' working
-  directory, lasts until the class's tests are done.
+  The classes of one `LAUNCH` share it: it runs all their runs, each once,
+  before the first of their tests (`shared_launch`). `cls.workers` holds each
+  worker's results by run name, `cls.workdir(run)` the files a run wrote.
   """
   RUNS = ()
-  ENV = None
+  OPTIONS = ""  # "@OPTION+OPTION" (multi_worker_runs.STRATEGY_OPTIONS).
+  LAUNCH = "plain"
+  specs = collections.defaultdict(list)  # Of each launch, in order, once.
+
+  def __init_subclass__(cls, **kwargs):
+    super().__init_subclass__(**kwargs)
+    specs = RunsOnWorkers.specs[cls.LAUNCH]
+    specs += [run + cls.OPTIONS for run in cls.RUNS
+              if run + cls.OPTIONS not in specs]
 
   @classmethod
   def setUpClass(cls):
-    cls.out = tempfile.TemporaryDirectory()
-    cls.workers = results_of(list(cls.RUNS), cls.out.name, env=cls.ENV)
+    super().setUpClass()
+    cls.out, status, output = shared_launch(cls.LAUNCH)
+    cls.workers = [{run: worker[run + cls.OPTIONS] for run in cls.RUNS}
+                   for worker in worker_results(cls.out, status, output)]
 
   @classmethod
-  def tearDownClass(cls):
-    cls.out.cleanup()
+  def workdir(cls, run):
+    return pathlib.Path(cls.out, run + cls.OPTIONS)
+
+
+@functools.cache
+def shared_launch(name):
+  """(output directory, status, output) of launch `name` of RunsOnWorkers.
+
+  A failed launch fails each class that shares it, without a relaunch. The
+  directory lasts until the tests end.
+  """
+  out = tempfile.TemporaryDirectory()
+  atexit.register(out.cleanup)
+  return out.name, *launch_workers(RunsOnWorkers.specs[name], out.name)
 
 
 @pytest.mark.slow
@@ -133,13 +176,13 @@ class TwoWorkersTest(RunsOnWorkers, unittest.TestCase):
     self.assertEqual(values[0], values[1])
 
   def test_custom_loop_equals_one_process_with_four_replicas(self):
-    expected = multi_worker_runs.custom_loop(topology.strategy_over(4))
+    expected = in_one_process("custom_loop")
     for worker in self.workers:
       assert_close_nested(self, worker["custom_loop"], expected)
 
   def test_keras_fit_evaluate_predict_equal_one_process_with_four_replicas(
       self):
-    expected = multi_worker_runs.keras_fit(topology.strategy_over(4))
+    expected = in_one_process("keras_fit")
     self.assertEqual(len(expected["predict"]), 27)
     for worker in self.workers:
       assert_close_nested(self, worker["keras_fit"], expected)
@@ -163,14 +206,19 @@ class TwoWorkersTest(RunsOnWorkers, unittest.TestCase):
 
 
 @pytest.mark.slow
-class OneDevicePerWorkerTest(RunsOnWorkers, unittest.TestCase):
+class OneDevicePerWorkerTest(unittest.TestCase):
   """The usual cluster of one-GPU machines: nothing to add within a worker."""
-  RUNS = ("primitives", "custom_loop", "keras_fit")
-  ENV = {"MULTI_WORKER_DEVICES": "1,1"}
+
+  @classmethod
+  def setUpClass(cls):
+    super().setUpClass()
+    with tempfile.TemporaryDirectory() as out:
+      cls.workers = results_of(["primitives", "custom_loop", "keras_fit"],
+                               out, env={"MULTI_WORKER_DEVICES": "1,1"})
 
   def test_training_equals_one_process_with_two_replicas(self):
     for run in ("custom_loop", "keras_fit"):
-      expected = multi_worker_runs.RUNS[run](topology.strategy_over(2))
+      expected = in_one_process(run, 2)
       for worker in self.workers:
         assert_close_nested(self, worker[run], expected)
 
@@ -192,13 +240,12 @@ class OneDevicePerWorkerTest(RunsOnWorkers, unittest.TestCase):
 
 
 @pytest.mark.slow
-class SlicingCollectivesTest(unittest.TestCase):
+class SlicingCollectivesTest(RunsOnWorkers, unittest.TestCase):
   """reduce_scatter and all_to_all over 2 workers x 2 replicas equal 4 in one process."""
+  RUNS = ("slicing_collectives",)
 
   def test_every_replica_gets_what_it_gets_in_one_process(self):
-    with tempfile.TemporaryDirectory() as out:
-      workers = results_of(["slicing_collectives"], out)
-    expected = multi_worker_runs.slicing_collectives(topology.strategy_over(4))
+    expected = in_one_process("slicing_collectives")
     # Gradients inside a tf.cond (run-time collectives) are those of
     # merge_call's path.
     for replica, results in expected["in_cond"].items():
@@ -206,9 +253,16 @@ class SlicingCollectivesTest(unittest.TestCase):
                           expected["function"][replica]["gradients"])
     for mode, by_replica in expected.items():
       got = {}
-      for worker in workers:
+      for worker in self.workers:
         got.update(worker["slicing_collectives"][mode])
       assert_close_nested(self, got, by_replica)
+
+
+def saved_slots(path):
+  """The optimizer slots of the Keras model saved at `path`."""
+  loaded = keras.models.load_model(path)
+  return [v.numpy().tolist() for v in loaded.optimizer.variables
+          if v.path.split("/")[-1] not in ("iteration", "learning_rate")]
 
 
 @pytest.mark.slow
@@ -216,11 +270,12 @@ class ShardedOptimizerStateTest(RunsOnWorkers, unittest.TestCase):
   """shard_optimizer_state=True on 2 workers x 2 equals one process with 4."""
   RUNS = ("custom_loop", "keras_fit", "keras_fit_steps_per_execution",
           "keras_fit_accumulation", "keras_fit_nadam", "sharded_state")
-  ENV = {"MULTI_WORKER_SHARD_OPTIMIZER_STATE": "1"}
+  OPTIONS = "@shard_optimizer_state"
+  LAUNCH = "sharded_state"
 
   def test_training_equals_one_process_with_four_replicas(self):
-    custom_loop = multi_worker_runs.custom_loop(topology.strategy_over(4))
-    keras_fit = multi_worker_runs.keras_fit(topology.strategy_over(4))
+    custom_loop = in_one_process("custom_loop")
+    keras_fit = in_one_process("keras_fit")
     for worker in self.workers:
       assert_close_nested(self, worker["custom_loop"], custom_loop)
       assert_close_nested(self, worker["keras_fit"], keras_fit)
@@ -229,21 +284,18 @@ class ShardedOptimizerStateTest(RunsOnWorkers, unittest.TestCase):
 
   def test_nadam_equals_one_process_with_four_replicas(self):
     # Also a mirrored scalar Nadam assigns inside each replica.
-    expected = multi_worker_runs.keras_fit(topology.strategy_over(4),
-                                           optimizer=keras.optimizers.Nadam)
+    expected = in_one_process("keras_fit_nadam")
     for worker in self.workers:
       assert_close_nested(self, worker["keras_fit_nadam"], expected)
 
   def test_gradient_accumulation_equals_one_process_with_four_replicas(self):
     # The step runs inside each replica's tf.cond: run-time collectives.
-    expected = multi_worker_runs.keras_fit(topology.strategy_over(4),
-                                           accumulation_steps=2)
+    expected = in_one_process("keras_fit_accumulation")
     for worker in self.workers:
       assert_close_nested(self, worker["keras_fit_accumulation"], expected)
 
   def test_each_worker_holds_its_replicas_shards_and_reads_whole_slots(self):
-    expected = multi_worker_runs.sharded_state(
-        topology.strategy_over(4, shard_optimizer_state=True))
+    expected = in_one_process("sharded_state" + self.OPTIONS)
     self.assertEqual(len(expected["shard_sizes"]), 8)  # Adam: m, v x 4.
     for worker in self.workers:
       got = worker["sharded_state"]
@@ -253,10 +305,7 @@ class ShardedOptimizerStateTest(RunsOnWorkers, unittest.TestCase):
       assert_close_nested(self, got["slots"], expected["slots"])
 
   def test_the_chiefs_saved_model_holds_the_whole_slots(self):
-    loaded = keras.models.load_model(
-        pathlib.Path(self.out.name) / "sharded.keras")
-    slots = [v.numpy().tolist() for v in loaded.optimizer.variables
-             if v.path.split("/")[-1] not in ("iteration", "learning_rate")]
+    slots = saved_slots(self.workdir("sharded_state") / "sharded.keras")
     assert_close_nested(self, slots, self.workers[0]["sharded_state"]["slots"])
 
 
@@ -264,11 +313,12 @@ class ShardedOptimizerStateTest(RunsOnWorkers, unittest.TestCase):
 class GradientCompressionTest(RunsOnWorkers, unittest.TestCase):
   """gradient_compression="bfloat16" across workers: 16-bit collective sums."""
   RUNS = ("custom_loop", "keras_fit")
-  ENV = {"MULTI_WORKER_GRADIENT_COMPRESSION": "bfloat16"}
+  OPTIONS = "@bfloat16"
+  LAUNCH = "compressed"
 
   def test_training_stays_within_the_precision_of_one_device(self):
     for run in self.RUNS:
-      want = getattr(multi_worker_runs, run)(topology.strategy_over(1))
+      want = in_one_process(run, 1)
       for index, worker in enumerate(self.workers):
         with self.subTest(run=run, worker=index):
           test_gradient_compression.assert_compressed_close(
@@ -278,8 +328,7 @@ class GradientCompressionTest(RunsOnWorkers, unittest.TestCase):
 @pytest.mark.slow
 class ShardedStateGradientCompressionTest(GradientCompressionTest):
   """The same with shard_optimizer_state=True: a 16-bit reduce-scatter."""
-  ENV = {"MULTI_WORKER_GRADIENT_COMPRESSION": "bfloat16",
-         "MULTI_WORKER_SHARD_OPTIMIZER_STATE": "1"}
+  OPTIONS = "@bfloat16+shard_optimizer_state"
 
 
 @pytest.mark.slow
@@ -288,13 +337,12 @@ class ShardedVariablesGradientCompressionTest(RunsOnWorkers,
   """Every weight in 4 shards: their gradient exchanges across workers in 16
   bits (the kernels' reduce-scatter, the Embedding rows' all-gather)."""
   RUNS = ("keras_fit", "embedding_fit")
-  ENV = {"MULTI_WORKER_GRADIENT_COMPRESSION": "bfloat16",
-         "MULTI_WORKER_VARIABLE_SHARDS": "4"}
+  OPTIONS = "@bfloat16+4_shards"
+  LAUNCH = "compressed"
 
   def test_training_stays_within_the_precision_of_one_device(self):
     for run in self.RUNS:
-      want = test_gradient_compression.trained(
-          getattr(multi_worker_runs, run)(topology.strategy_over(1)))
+      want = test_gradient_compression.trained(in_one_process(run, 1))
       for index, worker in enumerate(self.workers):
         with self.subTest(run=run, worker=index):
           test_gradient_compression.assert_compressed_close(
@@ -305,9 +353,10 @@ class ShardedVariablesGradientCompressionTest(RunsOnWorkers,
 @pytest.mark.slow
 class KerasCustomStepsTest(RunsOnWorkers, unittest.TestCase):
   RUNS = ("keras_custom_steps", "fewer_rows_than_replicas")
+  LAUNCH = "keras"
 
   def assert_workers_equal_one_process_with_four(self, run):
-    expected = multi_worker_runs.RUNS[run](topology.strategy_over(4))
+    expected = in_one_process(run)
     for worker in self.workers:
       assert_close_nested(self, worker[run], expected)
 
@@ -324,20 +373,19 @@ class ShardedVariablesTest(RunsOnWorkers, unittest.TestCase):
   # Custom loops and accumulation with sharded variables are checked in one
   # process; across workers, fit, the Embedding lookups and saving.
   RUNS = ("keras_fit", "embedding_fit", "sharded_state")
-  ENV = {"MULTI_WORKER_VARIABLE_SHARDS": "4"}
+  OPTIONS = "@4_shards"
+  LAUNCH = "sharded_variables"
 
   def test_training_equals_one_process_with_four_replicas(self):
-    expected = multi_worker_runs.keras_fit(topology.strategy_over(4))
+    expected = in_one_process("keras_fit")
     for worker in self.workers:
       assert_close_nested(self, worker["keras_fit"], expected)
 
   def test_embedding_lookups_and_shards_across_workers(self):
-    want = multi_worker_runs.embedding_fit(topology.strategy_over(
-        4, variable_partitioner=(
-            tf.distribute.experimental.partitioners.FixedShardsPartitioner(4))))
+    want = in_one_process("embedding_fit" + self.OPTIONS)
     # Table (40 rows), kernel (4 rows), bias (3 rows): shards of 4 replicas.
     self.assertEqual(want["shard_rows"], [[10] * 4, [1] * 4, [1, 1, 1, 0]])
-    mirrored = multi_worker_runs.embedding_fit(topology.strategy_over(4))
+    mirrored = in_one_process("embedding_fit")
     for index, worker in enumerate(self.workers):
       got = worker["embedding_fit"]
       self.assertEqual(got["shard_rows"],
@@ -351,27 +399,26 @@ class ShardedVariablesTest(RunsOnWorkers, unittest.TestCase):
     # Every slot of the sharded weights: 2 shards here, of 4 in all.
     self.assertEqual([len(sizes) for sizes in state["shard_sizes"]],
                      [2] * len(state["shard_sizes"]))
-    loaded = keras.models.load_model(
-        pathlib.Path(self.out.name) / "sharded.keras")
-    slots = [v.numpy().tolist() for v in loaded.optimizer.variables
-             if v.path.split("/")[-1] not in ("iteration", "learning_rate")]
+    slots = saved_slots(self.workdir("sharded_state") / "sharded.keras")
     assert_close_nested(self, slots, state["slots"])
-    want = multi_worker_runs.sharded_state(topology.strategy_over(4))
-    assert_close_nested(self, slots, want["slots"])
+    assert_close_nested(self, slots, in_one_process("sharded_state")["slots"])
 
 
 @pytest.mark.slow
-class FilesTest(unittest.TestCase):
+class FilesTest(RunsOnWorkers, unittest.TestCase):
   """Checkpoints, SavedModels, logs: written once; a restart resumes."""
+  RUNS = ("keras_files",)
 
   def test_only_the_chief_writes_and_the_others_clean_up(self):
-    with tempfile.TemporaryDirectory() as out:
-      workers = results_of(["keras_files"], out)
-      written = sorted(str(p.relative_to(out))
-                       for p in pathlib.Path(out).rglob("*") if p.is_file())
-    self.assertEqual(workers[0]["keras_files"]["scratch"], [])
-    self.assertEqual(len(workers[1]["keras_files"]["scratch"]), 1)
-    self.assertFalse(os.path.exists(workers[1]["keras_files"]["scratch"][0]))
+    workdir = self.workdir("keras_files")
+    written = sorted(str(p.relative_to(workdir))
+                     for p in workdir.rglob("*") if p.is_file())
+    first, second = (w["keras_files"] for w in self.workers)
+    # No other run of the launch wrote to worker 1's scratch before.
+    self.assertEqual(second["scratch_before"], [])
+    self.assertEqual(first["scratch"], [])
+    self.assertEqual(len(second["scratch"]), 1)
+    self.assertFalse(os.path.exists(second["scratch"][0]))
     events = [f for f in written if "tfevents" in f]
     self.assertEqual(len(events), 1, written)  # One writer, not two.
     self.assertTrue(events[0].startswith("logs/train/"))
@@ -385,10 +432,9 @@ class FilesTest(unittest.TestCase):
     with tempfile.TemporaryDirectory() as out:
       status, output = launch_workers(run, out)
       self.assertNotEqual(status, 0, "the first run was not interrupted")
-      self.assertTrue((pathlib.Path(out) / "backup").is_dir(), output)
+      self.assertTrue(pathlib.Path(out, run[0], "backup").is_dir(), output)
       resumed = results_of(run, out)
-    expected = multi_worker_runs.keras_backup_and_restore(
-        topology.strategy_over(4))
+    expected = in_one_process("keras_backup_and_restore")
     for worker in resumed:
       got = worker["keras_backup_and_restore"]
       self.assertEqual(len(got["loss"]), 2)  # Epochs 3 and 4 only.
@@ -397,8 +443,9 @@ class FilesTest(unittest.TestCase):
 
 
 @pytest.mark.slow
-class PreemptionTest(unittest.TestCase):
+class PreemptionTest(RunsOnWorkers, unittest.TestCase):
   """SIGTERM or SIGKILL to worker 1 in epoch 3 of 4; --max-restarts resumes."""
+  RUNS = ("keras_accumulation_uninterrupted",)
 
   def run_interrupted(self, run):
     """The launcher's output, the resumed results, what TMPDIR holds after."""
@@ -410,9 +457,8 @@ class PreemptionTest(unittest.TestCase):
       workers = [json.loads((pathlib.Path(out) / f"worker_{i}.json")
                             .read_text())[run] for i in range(2)]
       scratch = [p for p in os.listdir(tmp) if p.startswith("replicator-")]
-      self.assertFalse((pathlib.Path(out) / "backup").exists())
-    expected = multi_worker_runs.keras_backup_and_restore(
-        topology.strategy_over(4))
+      self.assertFalse(pathlib.Path(out, run, "backup").exists())
+    expected = in_one_process("keras_backup_and_restore")
     for got in workers:
       self.assertEqual(len(got["loss"]), 2)  # Epochs 3 and 4 only.
       assert_close_nested(self, got["loss"], expected["loss"][2:])
@@ -430,9 +476,7 @@ class PreemptionTest(unittest.TestCase):
       self.assertIn("2 workers, 2 starts", output)  # Restarted once.
       restarted = [json.loads((pathlib.Path(out) / f"worker_{i}.json")
                               .read_text())[run] for i in range(2)]
-    with tempfile.TemporaryDirectory() as out:
-      uninterrupted = results_of(["keras_accumulation_uninterrupted"], out)
-    for got, want in zip(restarted, uninterrupted):
+    for got, want in zip(restarted, self.workers):
       want = want["keras_accumulation_uninterrupted"]
       self.assertEqual(got["loss"], want["loss"][2:])  # Epochs 3 and 4.
       self.assertEqual(got["weights"], want["weights"])  # To the bit.
@@ -459,8 +503,7 @@ class PreemptionTest(unittest.TestCase):
     # Signalled after step 5, seen there: every worker stops after step 6.
     self.assertIn("[worker 0] /job:worker/replica:0/task:0 stops after step 6: "
                   "/job:worker/replica:0/task:1 received SIGTERM", output)
-    expected = multi_worker_runs.custom_loop_preempted(
-        topology.strategy_over(4))
+    expected = in_one_process("custom_loop_preempted")
     for got in workers:
       self.assertEqual(got["start"], 6)
       assert_close_nested(self, got["weights"], expected["weights"])
@@ -475,7 +518,8 @@ class PreemptionTest(unittest.TestCase):
            str(TESTS / "multi_worker_main.py"), "keras_until_stopped", out],
           stdout=log, stderr=subprocess.STDOUT, text=True)
       self.addCleanup(launcher.kill)
-      pid_files = [pathlib.Path(out, f"pid{i}") for i in range(2)]
+      workdir = pathlib.Path(out, "keras_until_stopped")
+      pid_files = [workdir / f"pid{i}" for i in range(2)]
       deadline = time.monotonic() + 60
       while not all(p.exists() for p in pid_files):
         self.assertIsNone(launcher.poll())
@@ -490,8 +534,7 @@ class PreemptionTest(unittest.TestCase):
         time.sleep(0.05)
       seconds = time.monotonic() - start
       log.seek(0)
-      self.assertTrue((pathlib.Path(out) / "backup" /
-                       "latest.weights.h5").exists())
+      self.assertTrue((workdir / "backup" / "latest.weights.h5").exists())
       return launcher.returncode, log.read(), seconds
 
   def test_sigterm_to_the_launcher_stops_every_worker_at_one_step(self):
@@ -518,21 +561,21 @@ class PreemptionTest(unittest.TestCase):
 
 
 @pytest.mark.slow
-class NetworkTest(unittest.TestCase):
+class NetworkTest(RunsOnWorkers, unittest.TestCase):
   """TF's server listens on every interface (hard-coded in TF 2.21), so the
   launcher gives its workers a network namespace with loopback only."""
+  RUNS = ("listening_addresses",)
 
   def test_the_launchers_workers_can_be_reached_from_nowhere_else(self):
-    with tempfile.TemporaryDirectory() as out:
-      workers = results_of(["listening_addresses"], out)
     ours = os.readlink("/proc/self/ns/net")
-    for worker in workers:
+    for worker in self.workers:
       got = worker["listening_addresses"]
       self.assertTrue(got["listening"], got)  # It serves, on its port...
       self.assertEqual(got["interfaces"], ["lo"], got)  # ...on loopback only,
       self.assertNotEqual(got["network_namespace"], ours, got)  # not ours.
-    self.assertEqual(workers[0]["listening_addresses"]["network_namespace"],
-                     workers[1]["listening_addresses"]["network_namespace"])
+    self.assertEqual(
+        self.workers[0]["listening_addresses"]["network_namespace"],
+        self.workers[1]["listening_addresses"]["network_namespace"])
 
   def test_network_host_keeps_the_machines_network(self):
     with tempfile.TemporaryDirectory() as out:
@@ -546,10 +589,10 @@ class NetworkTest(unittest.TestCase):
 FAULT_TIMEOUT = 10  # timeout_seconds the fault tests give the strategy.
 
 
-def start_workers(indices, runs, num_workers=2):
-  """Starts the workers at `indices` of a cluster; the others never start."""
+def start_workers(indices, runs, out, num_workers=2):
+  """Starts the workers at `indices` of a cluster, writing to `out`; the
+  others never start."""
   addresses = [f"127.0.0.1:{p}" for p in launch.free_ports(num_workers)]
-  out = tempfile.mkdtemp()
   return {
       i: subprocess.Popen(
           [sys.executable, str(TESTS / "multi_worker_main.py"), runs, out,
@@ -583,6 +626,10 @@ def kill_all(workers):
 class FaultTest(unittest.TestCase):
   """A worker that never starts, dies or freezes fails the others, named."""
 
+  def setUp(self):
+    super().setUp()
+    self.out = self.enterContext(tempfile.TemporaryDirectory())
+
   def check_fails_naming(self, workers, survivor, missing_task):
     self.addCleanup(kill_all, workers)
     status, seconds, output = outcome(workers[survivor])
@@ -592,11 +639,11 @@ class FaultTest(unittest.TestCase):
     self.assertIn(missing_task, output)
 
   def test_a_worker_that_never_starts_fails_the_chief_naming_it(self):
-    workers = start_workers([0], "custom_loop")
+    workers = start_workers([0], "custom_loop", self.out)
     self.check_fails_naming(workers, 0, "Missing: /job:worker/replica:0/task:1")
 
   def test_a_chief_that_never_starts_fails_the_worker_naming_it(self):
-    workers = start_workers([1], "custom_loop")
+    workers = start_workers([1], "custom_loop", self.out)
     self.check_fails_naming(
         workers, 1, "Missing: the chief, /job:worker/replica:0/task:0")
 
@@ -609,11 +656,11 @@ class FaultTest(unittest.TestCase):
                   "have worker 0: 2, worker 1: 3", output)
 
   def test_a_worker_that_dies_mid_training_fails_the_chief_naming_it(self):
-    workers = start_workers([0, 1], "peer_dies")
+    workers = start_workers([0, 1], "peer_dies", self.out)
     self.check_fails_naming(workers, 0, "/job:worker/replica:0/task:1")
 
   def test_sigterm_outside_a_saving_loop_exits_143_and_fails_the_chief(self):
-    workers = start_workers([0, 1], "peer_gets_sigterm")
+    workers = start_workers([0, 1], "peer_gets_sigterm", self.out)
     message = ("/job:worker/replica:0/task:1 received SIGTERM outside a "
                "training loop that saves on preemption")
     self.check_fails_naming(workers, 0, message)  # Told why, at once.
@@ -629,7 +676,7 @@ class FaultTest(unittest.TestCase):
       address = f"127.0.0.1:{port}"
       worker = subprocess.Popen(
           [sys.executable, str(TESTS / "multi_worker_main.py"), "primitives",
-           tempfile.mkdtemp(), str(FAULT_TIMEOUT)],
+           self.out, str(FAULT_TIMEOUT)],
           env={**os.environ, "TF_CONFIG": launch.tf_config(
               [address, f"127.0.0.1:{launch.free_ports(1)[0]}"], 0)},
           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -644,7 +691,7 @@ class FaultTest(unittest.TestCase):
                   output)
 
   def test_a_worker_that_freezes_mid_training_fails_the_chief_naming_it(self):
-    workers = start_workers([0, 1], "peer_freezes")
+    workers = start_workers([0, 1], "peer_freezes", self.out)
     self.check_fails_naming(
         workers, 0, "stopped sending heartbeats):\n/job:worker/replica:0/task:1")
 
