@@ -6,8 +6,14 @@ round), then the sections that start processes of their own, then one
 process and one launch of 2 workers for the sections that compare them; it
 prints the tables and writes the JSON. `--child section:spec` makes a
 process a child: it runs that one piece and prints its result as JSON.
+
+A full run runs one child at a time, so that nothing disturbs a timing.
+--quick checks that everything runs and agrees, not timings: its children
+for the replica counts and its workers run side by side, and the parent
+runs the other children itself (`processes.child`).
 """
 
+import concurrent.futures
 import json
 import os
 import platform
@@ -62,29 +68,48 @@ def run_child(options):
     return {s.name: s.per_replicas(options, int(spec))
             for s in chosen(options) if s.per_replicas}
   if name == WORKERS:
-    return {s.name: s.on_workers(options)
-            for s in chosen(options) if s.on_workers}
+    return workers_child(options, spec)
   return REGISTRY[name].child(options, spec)
+
+
+def workers_child(options, spec):
+  """Every chosen section's `on_workers` result, by name, one after another."""
+  del spec
+  return {s.name: s.on_workers(options)
+          for s in chosen(options) if s.on_workers}
 
 
 def run(options):
   """Every chosen section's rows, by name."""
-  results = {name: [] for name in options.sections}
-  if any(s.per_replicas for s in chosen(options)):
-    for n in contenders.replica_counts():
-      for name, rows in processes.child(options, REPLICAS, n).items():
+  sections = chosen(options)
+  on_workers = [s for s in sections if s.on_workers]
+  with concurrent.futures.ThreadPoolExecutor() as pool:
+    start = pool.submit if options.quick else _done
+    per_count = []
+    if any(s.per_replicas for s in sections):
+      per_count = [start(processes.fresh, options, REPLICAS, n)
+                   for n in contenders.replica_counts()]
+    fresh = {s.name: s.fresh(options) for s in sections if s.fresh}
+    if on_workers:
+      single = processes.child(options, WORKERS, workers_child)
+      workers = start(processes.on_two_workers, options, WORKERS)
+    results = {name: [] for name in options.sections}
+    for count in per_count:
+      for name, rows in count.result().items():
         results[name] += rows
-  for s in chosen(options):
-    if s.fresh:
-      results[s.name] += s.fresh(options)
-  on_workers = [s for s in chosen(options) if s.on_workers]
-  if on_workers:
-    single = processes.child(options, WORKERS)
-    workers = processes.on_two_workers(options, WORKERS)
+    for name, rows in fresh.items():
+      results[name] += rows
     for s in on_workers:
-      results[s.name] += s.workers_rows(options, single[s.name],
-                                        [w[s.name] for w in workers])
+      results[s.name] += s.workers_rows(
+          options, single[s.name], [w[s.name] for w in workers.result()])
   return results
+
+
+def _done(fn, *args):
+  """`fn(*args)`, run now, as a finished future: a full run waits for it."""
+  future = concurrent.futures.Future()
+  future.set_result(fn(*args))
+  return future
 
 
 def table(options, results):
