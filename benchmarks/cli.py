@@ -2,12 +2,20 @@
 
 The parent runs one child process per replica count for the sections that
 run per count (every contender in the same process, interleaved round by
-round), then the sections that start processes of their own, then one
-process and one launch of 2 workers for the sections that compare them; it
+round), then one launch of 2 workers and one process for the sections that
+compare them, then the sections that start processes of their own; it
 prints the tables and writes the JSON. `--child section:spec` makes a
 process a child: it runs that one piece and prints its result as JSON.
+
+A full run runs one child at a time, so that nothing disturbs a timing.
+--quick checks that everything runs and agrees, not timings: its children
+for the replica counts (two for the most replicas) and its workers run side
+by side, and the parent runs the other children itself
+(`processes.child`).
 """
 
+import concurrent.futures
+import dataclasses
 import json
 import os
 import platform
@@ -62,29 +70,65 @@ def run_child(options):
     return {s.name: s.per_replicas(options, int(spec))
             for s in chosen(options) if s.per_replicas}
   if name == WORKERS:
-    return {s.name: s.on_workers(options)
-            for s in chosen(options) if s.on_workers}
+    return workers_child(options, spec)
   return REGISTRY[name].child(options, spec)
+
+
+def workers_child(options, spec):
+  """Every chosen section's `on_workers` result, by name, one after another."""
+  del spec
+  return {s.name: s.on_workers(options)
+          for s in chosen(options) if s.on_workers}
 
 
 def run(options):
   """Every chosen section's rows, by name."""
-  results = {name: [] for name in options.sections}
-  if any(s.per_replicas for s in chosen(options)):
-    for n in contenders.replica_counts():
-      for name, rows in processes.child(options, REPLICAS, n).items():
+  sections = chosen(options)
+  on_workers = [s for s in sections if s.on_workers]
+  with concurrent.futures.ThreadPoolExecutor() as pool:
+    start = pool.submit if options.quick else _done
+    per_count = [start(processes.fresh, child_options, REPLICAS, n)
+                 for n, child_options in _per_count_children(options)]
+    workers = (start(processes.on_two_workers, options, WORKERS)
+               if on_workers else None)
+    single = (processes.child(options, WORKERS, workers_child)
+              if on_workers else None)
+    fresh = {s.name: s.fresh(options) for s in sections if s.fresh}
+    results = {name: [] for name in options.sections}
+    for count in per_count:
+      for name, rows in count.result().items():
         results[name] += rows
-  for s in chosen(options):
-    if s.fresh:
-      results[s.name] += s.fresh(options)
-  on_workers = [s for s in chosen(options) if s.on_workers]
-  if on_workers:
-    single = processes.child(options, WORKERS)
-    workers = processes.on_two_workers(options, WORKERS)
+    for name, rows in fresh.items():
+      results[name] += rows
     for s in on_workers:
-      results[s.name] += s.workers_rows(options, single[s.name],
-                                        [w[s.name] for w in workers])
+      results[s.name] += s.workers_rows(
+          options, single[s.name], [w[s.name] for w in workers.result()])
   return results
+
+
+def _per_count_children(options):
+  """(replica count, options) of each child that runs per-count sections.
+
+  One child per count; --quick splits the most replicas' sections, most of
+  the work, over two children (every other section each), so that the run
+  does not wait on one long child.
+  """
+  per_count = tuple(s.name for s in chosen(options) if s.per_replicas)
+  if not per_count:
+    return []
+  if not options.quick:
+    return [(n, options) for n in contenders.replica_counts()]
+  *fewer, most = contenders.replica_counts()
+  return [(n, options) for n in fewer] + [
+      (most, dataclasses.replace(options, sections=part))
+      for part in (per_count[::2], per_count[1::2]) if part]
+
+
+def _done(fn, *args):
+  """`fn(*args)`, run now, as a finished future: a full run waits for it."""
+  future = concurrent.futures.Future()
+  future.set_result(fn(*args))
+  return future
 
 
 def table(options, results):

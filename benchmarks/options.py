@@ -19,6 +19,10 @@ SIZES = {  # name: (full run, --quick)
     "allreduce_many": ((200, 4096), (10, 256)),  # tensors, bytes each
     "allreduce_repeats": (15, 1),
     "reduce_scatter_mb": (16, 0.0625),
+    # The xla section's models. --quick compiles the MLP alone: the conv
+    # net's row (its replicated step compiled by XLA) took about 50 s of CPU,
+    # the quick run's longest piece; its other contenders run in fit.
+    "xla_models": (("mlp", "convnet"), ("mlp",)),
     "first_epoch_runs": (3, 1),  # fresh processes per contender
     # The memory-bound MLP: input, hidden width, hidden layers; 50.4 M
     # parameters in full (192 MiB a copy in float32).

@@ -52,7 +52,8 @@ def embedding_child(options, spec):
 
 def embedding_rows(options):
   n = contenders.replica_counts()[-1]
-  runs = {name: processes.child(options, SECTION.name, f"{name}:{n}")
+  runs = {name: processes.child(options, SECTION.name, embedding_child,
+                                f"{name}:{n}")
           for name in NAMES}
   rows, width = options.size["embedding"]
   row = {"replicas": n, "table_mb": rows * width * 4 / 2 ** 20,

@@ -36,7 +36,8 @@ def first_rows(options):
   runs = {name: [] for name in NAMES}
   for _ in range(options.size["first_epoch_runs"]):
     for name, results in runs.items():  # A fresh process each.
-      results.append(processes.child(options, SECTION.name, f"{name}:{n}"))
+      results.append(processes.child(options, SECTION.name, first_child,
+                                     f"{name}:{n}"))
   row = {"replicas": n, "runs": options.size["first_epoch_runs"]}
   for key in KEYS:
     row[key] = {name: statistics.median(r[key] for r in results)

@@ -81,7 +81,8 @@ def memory_child(options, spec):
 def memory_rows(options):
   """Fresh-process part: one child per contender, so peaks don't mix."""
   n = contenders.replica_counts()[-1]
-  runs = {name: processes.child(options, SECTION.name, f"{name}:{n}")
+  runs = {name: processes.child(options, SECTION.name, memory_child,
+                                f"{name}:{n}")
           for name in NAMES}
   params = runs["mirrored"]["params"]
   row = {"measure": "memory", "replicas": n, "params": params,

@@ -1,7 +1,8 @@
 """Keras fit step with `jit_compile=True` against without, per contender.
 
-At the most replicas, the MLP and conv net. MirroredStrategy cannot compile
-its replicated step with XLA: its failure is recorded, not raised.
+At the most replicas, the MLP and conv net (--quick: the MLP).
+MirroredStrategy cannot compile its replicated step with XLA: its failure is
+recorded, not raised.
 """
 
 from benchmarks import contenders
@@ -14,7 +15,8 @@ NAMES = tuple(f"{name}{xla}" for name in fit.NAMES for xla in ("", "+xla"))
 def xla_rows(options, n):
   if not contenders.at_most_replicas(n):
     return []
-  return fit.fit_rows(options, n, names=NAMES, section_name=SECTION.name)
+  return fit.fit_rows(options, n, model_names=options.size["xla_models"],
+                      names=NAMES, section_name=SECTION.name)
 
 
 def xla_table(options, rows):
