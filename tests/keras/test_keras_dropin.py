@@ -2,7 +2,8 @@
 
 Each case is a program a user already has (a Keras guide's, or a common
 pattern) run with no strategy and under the strategy on 1, 2 and 4 replicas,
-from the same weights on the same data.
+from the same weights on the same data. Each run with no strategy is made once
+and shared by the replica counts compared with it.
 """
 
 import contextlib
@@ -159,10 +160,15 @@ class CustomStepTest(unittest.TestCase):
       evaluated = model.evaluate(x, y, batch_size=16, verbose=0)
     return history, evaluated, model.get_weights()
 
+  @classmethod
+  @functools.cache
+  def one_device(cls):
+    return cls.run_model(None)
+
   @parameterized.expand(topology.NAMED_REPLICA_COUNTS)
   def test_the_guides_custom_steps_log_as_on_one_device(self, _, n):
     history, evaluated, weights = self.run_model(topology.strategy_over(n))
-    want_history, want_evaluated, want_weights = self.run_model(None)
+    want_history, want_evaluated, want_weights = self.one_device()
     np.testing.assert_allclose(history, want_history, rtol=RTOL)
     np.testing.assert_allclose(evaluated, want_evaluated, rtol=RTOL)
     for got, want in zip(weights, want_weights):
@@ -262,20 +268,22 @@ class AddLossTest(unittest.TestCase):
   """58 rows, batch 16: the last batch splits unevenly on 4 replicas."""
 
   @classmethod
-  def setUpClass(cls):
-    super().setUpClass()
-    cls.x, cls.y = regression_data(58)
+  @functools.cache
+  def one_device(cls, build):
+    return cls.fit(build, None)
 
-  def fit(self, build, strategy, run_eagerly=False):
+  @staticmethod
+  def fit(build, strategy, run_eagerly=False):
     keras.utils.set_random_seed(0)
     start = build().get_weights()
+    x, y = regression_data(58)
     with strategy.scope() if strategy else contextlib.nullcontext():
       model = build()
       model.set_weights(start)
       model.compile(keras.optimizers.SGD(0.1), "mse", jit_compile=False,
                     run_eagerly=run_eagerly)
-      losses = model.fit(self.x, self.y, batch_size=16, epochs=2,
-                         shuffle=False, verbose=0).history["loss"]
+      losses = model.fit(x, y, batch_size=16, epochs=2, shuffle=False,
+                         verbose=0).history["loss"]
     return losses, model.get_weights()
 
   @parameterized.expand(
@@ -286,7 +294,7 @@ class AddLossTest(unittest.TestCase):
       [("in_a_layer_4_replicas_run_eagerly", layer_loss_model, 4, True)])
   def test_add_loss_trains_as_on_one_device(self, _, build, n, run_eagerly):
     losses, weights = self.fit(build, topology.strategy_over(n), run_eagerly)
-    want_losses, want_weights = self.fit(build, None)
+    want_losses, want_weights = self.one_device(build)
     np.testing.assert_allclose(losses, want_losses, rtol=RTOL, atol=ATOL)
     for got, want in zip(weights, want_weights):
       np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL)
@@ -309,32 +317,52 @@ def image_data(rows):
           rng.normal(size=(rows, 3)).astype(np.float32))
 
 
+# name: (model, its data).
+_JIT_MODELS = {
+    "mlp": (layer_loss_model, lambda: regression_data(58)),
+    "conv_net_synchronized_batch_norm": (synchronized_conv_net,
+                                         lambda: image_data(48)),
+}
+
+
 class JitCompileTest(unittest.TestCase):
-  """`jit_compile=True`: every replica's step compiled with XLA on its own
+  """`jit_compile=True`: every replica's steps compiled with XLA on its own
   device, results as one device's XLA-compiled run."""
 
+  @classmethod
+  @functools.cache
+  def one_device(cls, model_name):
+    results, _ = cls.fit(model_name, None)
+    return results
+
   @staticmethod
-  def fit(build, data, strategy):
+  def fit(model_name, strategy):
+    """Fit, evaluate and predict: their results, and the XLA launches of all
+    three (TF's run metadata can keep launches made outside a count for the
+    next one: none is left out)."""
+    build, data = _JIT_MODELS[model_name]
     keras.utils.set_random_seed(0)
-    x, y = data
+    x, y = data()
     with strategy.scope() if strategy else contextlib.nullcontext():
       model = build()
       model.compile(keras.optimizers.Adam(0.01), "mse", jit_compile=True)
-      history, launches = tfi.xla_launches_by_device(
-          lambda: model.fit(x, y, batch_size=16, epochs=2, shuffle=False,
-                            verbose=0).history["loss"])
-      return (history, model.evaluate(x, y, verbose=0),
-              model.predict(x, verbose=0), model.get_weights(), launches)
+
+      def program():
+        history = model.fit(x, y, batch_size=16, epochs=2, shuffle=False,
+                            verbose=0).history["loss"]
+        return (history, model.evaluate(x, y, verbose=0),
+                model.predict(x, verbose=0), model.get_weights())
+
+      return tfi.xla_launches_by_device(program)
 
   @parameterized.expand(
-      [(f"mlp_{n}_replicas", layer_loss_model, regression_data(58), n)
-       for n in topology.REPLICA_COUNTS] +
+      [(f"mlp_{n}_replicas", "mlp", n) for n in topology.REPLICA_COUNTS] +
       [(f"conv_net_synchronized_batch_norm_{n}_replicas",
-        synchronized_conv_net, image_data(48), n) for n in (2, 4)])
-  def test_each_replica_runs_compiled_as_one_device(self, _, build, data, n):
+        "conv_net_synchronized_batch_norm", n) for n in (2, 4)])
+  def test_each_replica_runs_compiled_as_one_device(self, _, model_name, n):
     strategy = topology.strategy_over(n)
-    *got, launches = self.fit(build, data, strategy)
-    *want, _ = self.fit(build, data, None)
+    got, launches = self.fit(model_name, strategy)
+    want = self.one_device(model_name)
     for g, w in zip(got[:3], want[:3]):
       np.testing.assert_allclose(g, w, rtol=RTOL, atol=ATOL)
     for g, w in zip(got[3], want[3]):
