@@ -60,11 +60,19 @@ def fit(model, first, last):
 
 
 @functools.cache
+def trained(n, steps):
+  """A model fitted on the first `steps` steps on n replicas (None: none).
+
+  Tests share it: they save it, never change it.
+  """
+  model = compiled(over(n))
+  fit(model, 0, steps)
+  return model
+
+
 def uninterrupted(n):
   """Weights after STEPS steps on n replicas (None: no strategy)."""
-  model = compiled(over(n))
-  fit(model, 0, STEPS)
-  return tuple(model.get_weights())
+  return trained(n, STEPS).get_weights()
 
 
 def _save_weights(model, directory):
@@ -91,9 +99,7 @@ _FORMATS = {"weights_h5": _save_weights, "keras": _save_keras,
 
 
 def resumed(n, saved_after, save, directory):
-  model = compiled(over(n))
-  fit(model, 0, saved_after)
-  load = save(model, directory)
+  load = save(trained(n, saved_after), directory)
   fresh = compiled(over(n))
   load(fresh)
   fit(fresh, saved_after, STEPS)
@@ -124,8 +130,7 @@ class ResumeTest(unittest.TestCase):
 
   def test_every_replica_gets_its_own_accumulator_back(self):
     with tempfile.TemporaryDirectory() as directory:
-      model = compiled(topology.strategy_over(4))
-      fit(model, 0, 2)
+      model = trained(4, 2)
       saved = replica_copies(model.optimizer)
       self.assertTrue(any(np.any(c[0] != c[1]) for c in saved))
       for save in _FORMATS.values():
@@ -137,8 +142,7 @@ class ResumeTest(unittest.TestCase):
 
   def test_four_replicas_then_two_then_no_strategy(self):
     with tempfile.TemporaryDirectory() as directory:
-      on_four = compiled(topology.strategy_over(4))
-      fit(on_four, 0, 2)
+      on_four = trained(4, 2)
       on_two = compiled(topology.strategy_over(2))
       _save_weights(on_four, directory)(on_two)
       fit(on_two, 2, 4)
@@ -152,8 +156,7 @@ class ResumeTest(unittest.TestCase):
   def test_no_strategy_then_two_replicas(self, _, save):
     # The file has no replica values: the sum goes to the first replica.
     with tempfile.TemporaryDirectory() as directory:
-      alone = compiled(None)
-      fit(alone, 0, 4)
+      alone = trained(None, 4)
       on_two = compiled(topology.strategy_over(2))
       save(alone, directory)(on_two)
       fit(on_two, 4, STEPS)
@@ -163,8 +166,7 @@ class ResumeTest(unittest.TestCase):
   def test_a_preemption_checkpoint_resumes_exactly(self):
     strategy = topology.strategy_over(2)
     with tempfile.TemporaryDirectory() as directory:
-      model = compiled(strategy)
-      fit(model, 0, 4)
+      model = trained(2, 4)
       tf.train.CheckpointManager(
           tf.train.Checkpoint(model=model, optimizer=model.optimizer),
           directory, max_to_keep=1).save()
@@ -244,8 +246,7 @@ class StockKerasTest(unittest.TestCase):
   @classmethod
   def setUpClass(cls):
     super().setUpClass()
-    cls.saved = compiled(topology.strategy_over(2))
-    fit(cls.saved, 0, 4)
+    cls.saved = trained(2, 4)
     cls.sums = [a.numpy() for a in
                 cls.saved.optimizer._accumulated_gradients]  # pylint: disable=protected-access
 

@@ -137,6 +137,16 @@ def sharding(n):
   return topology.strategy_over(n, shard_optimizer_state=True)
 
 
+@functools.cache
+def fit_under(make_strategy, n, optimizer_name, steps_per_execution=1):
+  """`fit` under `make_strategy(n)`, run once: the tests that share it read it.
+
+  Returns the strategy, the model, its optimizer and the losses.
+  """
+  strategy = make_strategy(n)
+  return (strategy, *fit(optimizer_name, strategy, steps_per_execution))
+
+
 def slots(optimizer):
   return [v for v in optimizer.variables
           if isinstance(v.value, sharded_variables.ShardedVariable)]
@@ -259,9 +269,8 @@ class FitTest(unittest.TestCase):
       ("4_replicas_adam_spe3", 4, "adam", 3)])
   def test_fit_matches_no_strategy(self, _, n, optimizer_name,
                                    steps_per_execution=1):
-    strategy = sharding(n)
-    model, optimizer, losses = fit(optimizer_name, strategy,
-                                   steps_per_execution)
+    strategy, model, optimizer, losses = fit_under(sharding, n, optimizer_name,
+                                                   steps_per_execution)
     want_losses, want_weights, want_optimizer = reference_fit(optimizer_name)
 
     np.testing.assert_allclose(losses, want_losses, rtol=RTOL, atol=ATOL)
@@ -364,7 +373,7 @@ class SavingTest(unittest.TestCase):
   @classmethod
   def setUpClass(cls):
     super().setUpClass()
-    cls.model, cls.optimizer, _ = fit("adam", sharding(4))
+    _, cls.model, cls.optimizer, _ = fit_under(sharding, 4, "adam")
     cls.saved = [v.numpy() for v in cls.optimizer.variables]
     cls.directory = tempfile.mkdtemp()
 
@@ -450,7 +459,7 @@ class BackupAndRestoreTest(unittest.TestCase):
       fit_with([keras.callbacks.BackupAndRestore(backup_dir),
                 _InterruptAtSecondEpoch()])
     resumed = fit_with([keras.callbacks.BackupAndRestore(backup_dir)])
-    want, want_optimizer, _ = fit("adam", sharding(4))
+    _, want, want_optimizer, _ = fit_under(sharding, 4, "adam")
     for got, expected in zip(resumed.weights + resumed.optimizer.variables,
                              want.weights + want_optimizer.variables):
       np.testing.assert_allclose(got.numpy(), expected.numpy(), rtol=RTOL,

@@ -237,6 +237,12 @@ def fit_embedding(strategy):
             model.predict(ids, batch_size=BATCH, verbose=0))
 
 
+@functools.cache
+def one_device_embedding():
+  """`fit_embedding` with no strategy; callers must not change it."""
+  return fit_embedding(None)
+
+
 class EmbeddingTest(unittest.TestCase):
 
   @parameterized.expand([
@@ -260,8 +266,8 @@ class EmbeddingTest(unittest.TestCase):
 
     with mock.patch.object(sharded_variables, "gather_whole", recording):
       model, losses, evaluated, predicted = fit_embedding(strategy)
-    want_model, want_losses, want_evaluated, want_predicted = fit_embedding(
-        None)
+    want_model, want_losses, want_evaluated, want_predicted = (
+        one_device_embedding())
     table = model.layers[0].embeddings
     self.assertIsInstance(table.value, sharded_variables.ShardedVariable)
     self.assertNotIn((VOCABULARY, 4), gathered)  # Rows moved, not the table.
@@ -397,7 +403,8 @@ class SavingTest(unittest.TestCase):
   @classmethod
   def setUpClass(cls):
     super().setUpClass()
-    cls.model, cls.optimizer, _ = zero.fit("adam", every_kernel_sharded(4))
+    _, cls.model, cls.optimizer, _ = zero.fit_under(every_kernel_sharded, 4,
+                                                    "adam")
     cls.saved = [v.numpy() for v in cls.model.weights + cls.optimizer.variables]
     cls.directory = tempfile.mkdtemp()
 
