@@ -365,11 +365,10 @@ class JitCompileTest(unittest.TestCase):
 
       return tfi.xla_launches_by_device(program)
 
-  # Each replica's step is compiled the same way whatever their number
-  # (`keras.training.compiled_per_replica`): 2 and 4 replicas show it. The
-  # MLP on these rows runs on one replica in AddLossTest.
-  @parameterized.expand([(f"{name}_{n}_replicas", name, n)
-                         for name in _JIT_MODELS for n in (2, 4)])
+  @parameterized.expand(
+      [(f"mlp_{n}_replicas", "mlp", n) for n in topology.REPLICA_COUNTS] +
+      [(f"conv_net_synchronized_batch_norm_{n}_replicas",
+        "conv_net_synchronized_batch_norm", n) for n in (2, 4)])
   def test_each_replica_runs_compiled_as_one_device(self, _, model_name, n):
     strategy = topology.strategy_over(n)
     got, launches = self.fit(model_name, strategy)
