@@ -230,13 +230,6 @@ INPUTS = {
 }
 FITS = {"numpy": fit_numpy, "distributed_dataset": fit_distributed_dataset,
         **INPUTS}
-# One replica gets each batch whole: every input kind reaches it as `dataset`
-# does, so there it runs that one and, in a tf.while_loop,
-# `steps_per_execution`. What the others add under the strategy (the build
-# from the batch spec that draws no batch from a generator or a shuffled
-# PyDataset, validation, steps_per_epoch) does not depend on the count and
-# runs on 2 and 4 replicas.
-ONE_REPLICA_INPUTS = ("dataset", "steps_per_execution")
 
 
 def sparse(x):
@@ -294,8 +287,7 @@ class InputParityTest(unittest.TestCase):
     assert_same_results(self, got, one_device("mlp", encoding="sparse"))
 
   @parameterized.expand([(f"{name}_{n}_replicas", name, n)
-                         for name in INPUTS for n in topology.REPLICA_COUNTS
-                         if n > 1 or name in ONE_REPLICA_INPUTS])
+                         for name in INPUTS for n in topology.REPLICA_COUNTS])
   def test_every_input_kind(self, _, input_name, n):
     got = train_and_measure("mlp", topology.strategy_over(n), input_name)
     assert_same_results(self, got, one_device("mlp", input_name))
