@@ -7,7 +7,7 @@ Only the transfer and the sum are 16-bit: the optimizer updates its float32
 weights and slots from a float32 gradient, as without compression. With
 `shard_optimizer_state=True` the gradients' reduce-scatter travels so too;
 with `variable_partitioner`, the sharded weights' gradient exchange (see
-`sharded_variables`).
+`sharding/variables.py`).
 
 What it costs in precision: the sum of N replicas' gradients rounded to 16
 bits, a relative error of at most about N * 2**-8 for "bfloat16" (8-bit

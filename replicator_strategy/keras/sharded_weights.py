@@ -1,4 +1,4 @@
-"""Keras layers and optimizers over sharded weights (`sharded_variables`).
+"""Keras layers and optimizers over sharded weights (`sharding/variables.py`).
 
 With `ReplicatorStrategy(variable_partitioner=...)`, the weights the
 partitioner cuts are `ShardedVariable`s: inside a replica a layer reads the
@@ -17,7 +17,7 @@ fit Keras to that:
   in a replica, as Keras updates it from the weight's value; the optimizer
   must be one whose math is elementwise;
 - `Embedding.call`: a sharded table gives only the rows the batch asks for
-  (`sharded_variables.lookup`), never the whole table.
+  (`sharding/variables.py`'s `lookup`), never the whole table.
 
 >>> from replicator_strategy import ReplicatorStrategy
 >>> partitioner = tf.distribute.experimental.partitioners.FixedShardsPartitioner(4)
