@@ -279,7 +279,7 @@ def fewer_rows_than_replicas(strategy):
     for rows in (1, 3):
       predicted, evaluated, weights = (
           dropin.FewerRowsThanReplicasTest.run_model(kind, strategy, rows,
-                                                     train=True))
+                                                     train=True)[-1])
       results[f"{kind}_{rows}"] = {
           "predict": predicted.tolist(), "evaluate": evaluated,
           "weights": [w.tolist() for w in weights]}
