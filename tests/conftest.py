@@ -2,9 +2,16 @@
 
 Tests build strategies over 1, 2 or 4 of them with `strategy_over(n)`, so
 every multi-replica path runs on any machine.
+
+The quick loop (`pytest -m "not slow"`) runs each replica-count grid at
+2 replicas: a case whose name says 1 or 4 replicas is marked `slow` here, and
+runs with the rest of the suite.
 """
 
 import os
+import re
+
+import pytest
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
@@ -12,3 +19,11 @@ os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 import replicator_strategy as rs  # pylint: disable=g-import-not-at-top
 
 rs.split_cpu(4)
+
+_ONE_OR_FOUR_REPLICAS = re.compile(r"(?<![0-9])[14]_replicas")
+
+
+def pytest_collection_modifyitems(items):
+  for item in items:
+    if _ONE_OR_FOUR_REPLICAS.search(item.name):
+      item.add_marker(pytest.mark.slow)

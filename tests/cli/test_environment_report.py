@@ -8,6 +8,8 @@ import sys
 import unittest
 from unittest import mock
 
+import pytest
+
 from replicator_strategy.cli import environment_report
 from replicator_strategy.cli import launch
 
@@ -18,6 +20,7 @@ def tf_config(addresses, index=0):
 
 class EnvironmentReportTest(unittest.TestCase):
 
+  @pytest.mark.slow
   def test_the_command_prints_versions_devices_and_the_default_strategy(self):
     env = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
     done = subprocess.run([sys.executable, "-m", "replicator_strategy"],

@@ -51,6 +51,7 @@ class LongRunTest(unittest.TestCase):
     self.assert_flat(run_main("long_fit", 10000, 1000)["samples"])
 
 
+@pytest.mark.slow
 class StallAndMismatchTest(unittest.TestCase):
 
   def test_a_replica_left_waiting_fails_after_the_timeout_naming_it(self):

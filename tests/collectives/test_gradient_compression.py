@@ -11,6 +11,7 @@ import unittest
 import keras
 import numpy as np
 from parameterized import parameterized
+import pytest
 import tensorflow as tf
 
 import multi_worker_runs
@@ -82,6 +83,7 @@ class GradientCompressionTest(unittest.TestCase):
                          ("keras_fit", 2, "float16"),
                          ("embedding_fit", 4, "bfloat16"),
                          ("embedding_fit", 2, "float16")])
+  @pytest.mark.slow
   def test_sharded_variables_train_within_the_precision_of_one_device(
       self, run, n, wire):
     # Every weight sharded: the Dense kernels' gradient reduce-scatter and

@@ -13,6 +13,8 @@ import sys
 import tempfile
 import unittest
 
+import pytest
+
 import replicator_strategy as rs
 
 TESTS = pathlib.Path(__file__).resolve().parent.parent
@@ -20,6 +22,7 @@ TESTS = pathlib.Path(__file__).resolve().parent.parent
 
 class DocstringsTest(unittest.TestCase):
 
+  @pytest.mark.slow
   def test_every_example_runs(self):
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", KERAS_BACKEND="tensorflow",
                PYTHONPATH=str(TESTS.parent))

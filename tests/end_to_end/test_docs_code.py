@@ -57,6 +57,7 @@ class DocsCodeTest(unittest.TestCase):
   @parameterized.expand([(p.replace("/", "_").replace(".", "_"), p)
                          for p in PAGES
                          if python_blocks(p) and p not in MULTI_WORKER])
+  @pytest.mark.slow
   def test_runs_as_written(self, _, relative_path):
     self.run_page(relative_path)
 

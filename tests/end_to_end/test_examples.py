@@ -42,6 +42,7 @@ def reported(stdout, label):
 class ExamplesTest(unittest.TestCase):
 
   @parameterized.expand(["train_digits.py", "custom_loop_digits.py"])
+  @pytest.mark.slow
   def test_example_trains_and_reports(self, script):
     done = subprocess.run(
         [sys.executable, str(EXAMPLES / script), "--epochs", "2",
@@ -71,6 +72,7 @@ class ExamplesTest(unittest.TestCase):
 
   @parameterized.expand([(f"{w[0][:-3]}_{'_'.join(w[1]) or 'default'}",) + w
                          for w in WORKLOADS])
+  @pytest.mark.slow
   def test_quick_run_reports_and_writes_files(self, _, script, flags, label,
                                               files):
     with tempfile.TemporaryDirectory() as output_dir:

@@ -13,6 +13,7 @@ import unittest
 import keras
 import numpy as np
 from parameterized import parameterized
+import pytest
 import tensorflow as tf
 
 import topology
@@ -335,6 +336,7 @@ _JIT_MODELS = {
 }
 
 
+@pytest.mark.slow
 class JitCompileTest(unittest.TestCase):
   """`jit_compile=True`: every replica's steps compiled with XLA on its own
   device, results as one device's XLA-compiled run."""
