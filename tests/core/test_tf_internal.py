@@ -8,6 +8,7 @@ check is tested in test_keras_patches.)
 """
 
 import ast
+import functools
 import importlib
 import inspect
 import os
@@ -126,6 +127,7 @@ def _leaks(modules, ours, patched_privates):
   return found
 
 
+@functools.cache
 def _patched_privates():
   """`_names` the Keras classes that `PATCHES` wraps (and their bases) define or set."""
   return set().union(*(
@@ -156,11 +158,12 @@ def lookup_rows(call):
 
 class PrivateMembersTest(unittest.TestCase):
 
-  def setUp(self):
-    super().setUp()
-    self.modules = {p.relative_to(PACKAGE).as_posix(): ast.parse(p.read_text())
-                    for p in sorted(PACKAGE.rglob("*.py"))}
-    self.ours = _our_private_names(self.modules.values())
+  @classmethod
+  def setUpClass(cls):
+    super().setUpClass()
+    cls.modules = {p.relative_to(PACKAGE).as_posix(): ast.parse(p.read_text())
+                   for p in sorted(PACKAGE.rglob("*.py"))}
+    cls.ours = _our_private_names(cls.modules.values())
 
   def test_only_the_adapters_reach_private_members_of_tf_and_keras(self):
     outside = {name: tree for name, tree in self.modules.items()
@@ -207,16 +210,20 @@ class PrivateMembersTest(unittest.TestCase):
 
 def _private_names_of_foreign(classes):
   """`_names` that the classes outside this package among `classes` define or set."""
-  names = set()
-  for base in classes:
-    if base.__module__.startswith("replicator_strategy") or base is object:
-      continue
-    names |= set(vars(base))
-    try:
-      names |= set(re.findall(r"self\.(_\w+)", inspect.getsource(base)))
-    except (OSError, TypeError):
-      pass  # Built in: no source to read.
-  return {n for n in names if _private(n)}
+  return set().union(*map(_private_names_of_class, classes))
+
+
+@functools.cache
+def _private_names_of_class(cls):
+  """`_names` that `cls` defines or sets, unless it is ours (read once)."""
+  if cls.__module__.startswith("replicator_strategy") or cls is object:
+    return frozenset()
+  names = set(vars(cls))
+  try:
+    names |= set(re.findall(r"self\.(_\w+)", inspect.getsource(cls)))
+  except (OSError, TypeError):
+    pass  # Built in: no source to read.
+  return frozenset(n for n in names if _private(n))
 
 
 class OverriddenHooksTest(unittest.TestCase):

@@ -20,6 +20,7 @@ import warnings
 import keras
 import numpy as np
 from parameterized import parameterized
+import pytest
 import tensorflow as tf
 
 import models
@@ -117,6 +118,7 @@ def replica_copies(optimizer):
           for a in optimizer._accumulated_gradients]  # pylint: disable=protected-access
 
 
+@pytest.mark.slow  # Trains, saves or stops, then trains again.
 class ResumeTest(unittest.TestCase):
 
   @parameterized.expand([
@@ -194,6 +196,7 @@ class _InterruptAfter(keras.callbacks.Callback):
       raise _Interrupted()
 
 
+@pytest.mark.slow  # Trains, saves or stops, then trains again.
 class BackupAndRestoreTest(unittest.TestCase):
   """4 steps an epoch, an update every 3: backups hold pending steps."""
 

@@ -18,6 +18,7 @@ import unittest
 import keras
 import numpy as np
 from parameterized import parameterized
+import pytest
 import tensorflow as tf
 
 from assertions import assert_per_replica
@@ -286,6 +287,7 @@ _BACKUP_CASES = [
 ]
 
 
+@pytest.mark.slow  # Trains, saves or stops, then trains again.
 class BackupAndRestoreTest(TempDirMixin, SameValuesMixin, unittest.TestCase):
 
   @parameterized.expand(_BACKUP_CASES)

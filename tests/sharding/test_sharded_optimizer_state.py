@@ -17,6 +17,7 @@ from unittest import mock
 import keras
 import numpy as np
 from parameterized import parameterized
+import pytest
 import tensorflow as tf
 
 from assertions import assert_per_replica
@@ -441,6 +442,7 @@ class _InterruptAtSecondEpoch(keras.callbacks.Callback):
       raise RuntimeError("interrupted")
 
 
+@pytest.mark.slow  # Trains, saves or stops, then trains again.
 class BackupAndRestoreTest(unittest.TestCase):
 
   def test_resumed_fit_ends_as_an_uninterrupted_one(self):

@@ -17,6 +17,7 @@ from unittest import mock
 import keras
 import numpy as np
 from parameterized import parameterized
+import pytest
 import tensorflow as tf
 
 from assertions import assert_per_replica
@@ -317,6 +318,7 @@ class EmbeddingTest(unittest.TestCase):
         want.predict(ids, batch_size=BATCH, verbose=0), rtol=RTOL, atol=ATOL)
 
 
+@pytest.mark.slow
 class RecurrentTest(unittest.TestCase):
 
   def test_lstm_reads_its_sharded_kernels_inside_its_loop(self):
@@ -351,6 +353,7 @@ class RecurrentTest(unittest.TestCase):
                                  atol=ATOL, err_msg=v.path)
 
 
+@pytest.mark.slow
 class MixedPrecisionTest(unittest.TestCase):
 
   def test_mixed_float16_fit_matches_no_strategy(self):
@@ -457,6 +460,7 @@ class SavingTest(unittest.TestCase):
       np.testing.assert_array_equal(v.numpy(), want, err_msg=v.path)
 
 
+@pytest.mark.slow  # Trains, saves or stops, then trains again.
 class BackupAndRestoreTest(unittest.TestCase):
 
   def test_resumed_fit_ends_as_an_uninterrupted_one(self):
