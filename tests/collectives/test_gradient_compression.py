@@ -29,6 +29,12 @@ RUNS = {"custom_loop": multi_worker_runs.custom_loop,
         "embedding_fit": multi_worker_runs.embedding_fit}
 
 
+@functools.cache
+def on_one_replica(run):
+  """Run `run`'s results on one replica, uncompressed (once; read only)."""
+  return RUNS[run](topology.strategy_over(1))
+
+
 def every_weight_in(n):
   """A partitioner cutting every weight into `n` shards."""
   return tf.distribute.experimental.partitioners.FixedShardsPartitioner(n)
@@ -73,7 +79,7 @@ class GradientCompressionTest(unittest.TestCase):
                                    True))])
   def test_training_stays_within_the_precision_of_one_device(
       self, _, run, n, wire, shard_optimizer_state):
-    want = RUNS[run](topology.strategy_over(1))
+    want = on_one_replica(run)
     got = RUNS[run](topology.strategy_over(
         n, gradient_compression=wire,
         shard_optimizer_state=shard_optimizer_state))
@@ -88,7 +94,7 @@ class GradientCompressionTest(unittest.TestCase):
       self, run, n, wire):
     # Every weight sharded: the Dense kernels' gradient reduce-scatter and
     # the Embedding rows' gradient all-gather travel as `wire`.
-    want = trained(RUNS[run](topology.strategy_over(1)))
+    want = trained(on_one_replica(run))
     got = trained(RUNS[run](topology.strategy_over(
         n, gradient_compression=wire, variable_partitioner=every_weight_in(n))))
     assert_compressed_close(self, got, want, wire)
