@@ -15,6 +15,7 @@ import unittest
 import keras
 import numpy as np
 from parameterized import parameterized
+import pytest
 import tensorflow as tf
 
 import topology
@@ -281,6 +282,7 @@ class InputParityTest(unittest.TestCase):
     super().tearDownClass()
 
   @parameterized.expand(topology.NAMED_REPLICA_COUNTS)
+  @pytest.mark.slow
   def test_sparse_x(self, _, n):
     got = train_and_measure("mlp", topology.strategy_over(n),
                             encoding="sparse")
@@ -293,6 +295,7 @@ class InputParityTest(unittest.TestCase):
     assert_same_results(self, got, one_device("mlp", input_name))
 
   @parameterized.expand(topology.NAMED_REPLICA_COUNTS)
+  @pytest.mark.slow
   def test_zero_rows_do_what_they_do_without_a_strategy(self, _, n):
     want = one_device_zero_rows()
     # Without a strategy, fit and evaluate do nothing and return empty logs.
