@@ -17,6 +17,7 @@ import tensorflow as tf
 from replicator_strategy import _tf_internal as tfi
 from replicator_strategy.collectives import watchdog as collective_watchdog
 from replicator_strategy import global_batch_input
+from replicator_strategy.model_parallel import logical_devices
 from replicator_strategy.collectives import communicator as communicator_lib
 from replicator_strategy.collectives import packing
 from replicator_strategy.collectives import reduce_op as reduce_op_lib
@@ -46,10 +47,13 @@ class ReplicatorExtended(tfi.StrategyExtendedV1):
   def __init__(self, container_strategy, devices, all_reduce, cluster=None,
                timeout_seconds=collective_watchdog.DEFAULT_TIMEOUT_SECONDS,
                variable_partitioner=None):
+    """`devices`: one per replica, or a group of devices per replica."""
     super().__init__(container_strategy)
     self.variable_partitioner = variable_partitioner
+    groups = [(d,) if isinstance(d, str) else tuple(d) for d in devices]
+    self.logical_devices = logical_devices.LogicalDevices(groups)
     self.communicator = communicator_lib.for_topology(
-        devices, all_reduce, cluster, timeout_seconds)
+        [g[0] for g in groups], all_reduce, cluster, timeout_seconds)
     self._devices = self.communicator.devices
     tfi.set_default_device(self, self.communicator.default_device)
     # Partial final batches: a replica may get fewer (or no) examples.
@@ -125,8 +129,8 @@ class ReplicatorExtended(tfi.StrategyExtendedV1):
     sharded = sharding.create(strategy, next_creator, request, **kwargs)
     if sharded is not None:
       return sharded
-    return variables.create(strategy, self._devices, next_creator,
-                            replica_sum=replica_sum, **kwargs)
+    return variables.create(strategy, self.logical_devices.variable_devices(),
+                            next_creator, replica_sum=replica_sum, **kwargs)
 
   def _validate_colocate_with_variable(self, colocate_with_variable):
     _utils.validate_colocate_distributed_variable(colocate_with_variable, self)
@@ -299,7 +303,7 @@ class ReplicatorExtended(tfi.StrategyExtendedV1):
 
   @property
   def worker_devices_by_replica(self):
-    return [[d] for d in self._devices]
+    return [list(g) for g in self.logical_devices.groups]
 
   @property
   def parameter_devices(self):

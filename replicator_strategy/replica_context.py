@@ -305,6 +305,12 @@ class ReplicaContext(tfi.ThreadReplicaContext):
       self._batch_rows[graph] = rows
     return self._batch_rows[graph]
 
+  def logical_device(self, logical_device_id):
+    """Ops inside run on this replica's device `logical_device_id` (see
+    `replicator_strategy.model_parallel.logical_devices`)."""
+    return self.strategy.extended.logical_devices.on_device(
+        self.local_index, logical_device_id)
+
   @property
   def local_index(self):
     """This replica's index among this worker's replicas."""

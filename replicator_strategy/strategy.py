@@ -23,6 +23,7 @@ from replicator_strategy import extended as extended_lib
 from replicator_strategy.collectives import compression as compression_lib
 from replicator_strategy.collectives import reduce_op as reduce_op_lib
 from replicator_strategy.cluster import runtime as worker_runtime
+from replicator_strategy.model_parallel import logical_devices
 
 # TF turns the timeout into int64 microseconds (collective ops, through a
 # float32) and int64 nanoseconds of a clock (heartbeats), which overflow past
@@ -90,12 +91,16 @@ class ReplicatorStrategy(tf.distribute.Strategy):
       reduce-scatter is 16-bit so too; with `variable_partitioner`, the
       sharded weights' gradient exchange (a reduce-scatter, or for an
       `Embedding` table an all-gather of the looked-up rows' gradients).
+    devices_per_replica: how many of this worker's devices each replica
+      spans (model parallelism, see
+      `replicator_strategy.model_parallel.logical_devices`): replica r owns
+      devices r*k ... r*k+k-1, in order. Default 1.
   """
 
   def __init__(self, devices=None, all_reduce="auto", cluster_resolver=None,
                timeout_seconds=collective_watchdog.DEFAULT_TIMEOUT_SECONDS,
                shard_optimizer_state=False, variable_partitioner=None,
-               gradient_compression=None):
+               gradient_compression=None, devices_per_replica=1):
     _check_timeout(timeout_seconds)
     compression_lib.wire_dtype(gradient_compression)  # Checks the name.
     if not isinstance(shard_optimizer_state, bool):
@@ -125,11 +130,24 @@ class ReplicatorStrategy(tf.distribute.Strategy):
             "op gives n replicas on n logical CPU devices.")
     else:
       devices = devices_lib.resolve_devices(devices)
+    groups = logical_devices.group_by_replica(devices, devices_per_replica)
+    if len(groups[0]) > 1 and (shard_optimizer_state or variable_partitioner):
+      raise NotImplementedError(
+          "devices_per_replica > 1 does not combine with "
+          "shard_optimizer_state or variable_partitioner yet.")
     super().__init__(extended_lib.ReplicatorExtended(
-        self, devices, all_reduce, cluster, timeout_seconds,
+        self, groups, all_reduce, cluster, timeout_seconds,
         variable_partitioner))
     self.shard_optimizer_state = shard_optimizer_state
     self.gradient_compression = gradient_compression
+
+  def logical_device_for_variables(self, logical_device_id):
+    """Variables created inside live on each replica's `logical_device_id`.
+
+    See `replicator_strategy.model_parallel.logical_devices`; with one device
+    per replica only 0 is valid.
+    """
+    return self.extended.logical_devices.for_variables(logical_device_id)
 
   def reduce(self, reduce_op, value, axis):
     """`tf.distribute.Strategy.reduce`, also with "min" and "max".
