@@ -44,16 +44,17 @@ class ReplicatorExtended(tfi.StrategyExtendedV1):
   'add_on_one_device: devices share host memory'
   """
 
-  def __init__(self, container_strategy, devices, all_reduce, cluster=None,
+  def __init__(self, container_strategy, device_groups, all_reduce,
+               cluster=None,
                timeout_seconds=collective_watchdog.DEFAULT_TIMEOUT_SECONDS,
                variable_partitioner=None):
-    """`devices`: one per replica, or a group of devices per replica."""
+    """`device_groups`: each replica's devices (`group_by_replica`)."""
     super().__init__(container_strategy)
     self.variable_partitioner = variable_partitioner
-    groups = [(d,) if isinstance(d, str) else tuple(d) for d in devices]
-    self.logical_devices = logical_devices.LogicalDevices(groups)
+    self.logical_devices = logical_devices.LogicalDevices(device_groups)
     self.communicator = communicator_lib.for_topology(
-        [g[0] for g in groups], all_reduce, cluster, timeout_seconds)
+        [group[0] for group in self.logical_devices.groups], all_reduce,
+        cluster, timeout_seconds)
     self._devices = self.communicator.devices
     tfi.set_default_device(self, self.communicator.default_device)
     # Partial final batches: a replica may get fewer (or no) examples.
