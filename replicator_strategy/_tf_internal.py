@@ -8,7 +8,8 @@ TF versions it was written for, lists:
 - every import of a private `tensorflow.python.*` module, and the private
   classes the package subclasses or uses (`ThreadReplicaContext`, ...);
 - `DISTRIBUTED_VARIABLE_HOOKS`: the private methods of TF's
-  `DistributedVariable` that `ShardedVariable` overrides, each checked on
+  `DistributedVariable` that `ShardedVariable` and `SplitVariable` override,
+  each checked on
   import to exist still;
 - a named function for every private member of a TF object the package
   reads, calls or sets (at the end of this file).
@@ -58,6 +59,8 @@ from tensorflow.python.distribute import values_util
 from tensorflow.python.eager import context
 from tensorflow.python.eager import def_function
 from tensorflow.python.eager import record
+from tensorflow.python.framework import composite_tensor
+from tensorflow.python.framework import composite_tensor_gradient
 from tensorflow.python.framework import func_graph
 from tensorflow.python.framework import kernels
 from tensorflow.python.ops import collective_ops
@@ -81,11 +84,12 @@ WHILE_LOOP_GRAPHS = (control_flow_v2_func_graphs.WhileBodyFuncGraph,
                      control_flow_v2_func_graphs.WhileCondFuncGraph)
 
 # The private methods of TF's `DistributedVariable` that
-# `sharding.variables.ShardedVariable` overrides: TF reads, updates and saves
-# a distributed variable through them.
+# `sharding.variables.ShardedVariable` and
+# `model_parallel.split_variables.SplitVariable` override: TF reads, updates
+# and saves a distributed variable through them.
 DISTRIBUTED_VARIABLE_HOOKS = (
     "_as_graph_element", "_get", "_get_cross_replica",
-    "_get_on_device_or_primary", "_restore_from_tensors",
+    "_get_on_device_or_primary", "_get_replica", "_restore_from_tensors",
     "_serialize_to_tensors", "_update_cross_replica", "_update_replica")
 
 
@@ -103,6 +107,35 @@ def _check_hooks(base, hooks):
 
 
 _check_hooks(values.DistributedVariable, DISTRIBUTED_VARIABLE_HOOKS)
+
+
+class _GradientOfPartsProtocol(
+    composite_tensor_gradient.CompositeTensorGradient):
+
+  def get_gradient_components(self, value):
+    return list(value.handles)
+
+  def replace_gradient_components(self, value, component_grads):
+    return value.combine(component_grads)
+
+
+class GradientOfParts(composite_tensor.CompositeTensor):
+  """A handle a gradient tape differentiates as several variables' handles.
+
+  `tf.GradientTape.gradient` expands a composite source into
+  `handles` and gives back `combine(their gradients)`, so a variable held in
+  parts gets one gradient of its whole shape.
+  """
+
+  __composite_gradient__ = _GradientOfPartsProtocol()
+
+  def __init__(self, handles, combine):
+    self.handles = tuple(handles)
+    self.combine = combine
+
+  @property
+  def _type_spec(self):
+    raise NotImplementedError("A GradientOfParts is a gradient source only.")
 
 
 def one_replica_spec(spec):

@@ -17,7 +17,9 @@ import tensorflow as tf
 from replicator_strategy import _tf_internal as tfi
 from replicator_strategy.collectives import watchdog as collective_watchdog
 from replicator_strategy import global_batch_input
+from replicator_strategy.model_parallel import layouts
 from replicator_strategy.model_parallel import logical_devices
+from replicator_strategy.model_parallel import split_variables
 from replicator_strategy.collectives import communicator as communicator_lib
 from replicator_strategy.collectives import packing
 from replicator_strategy.collectives import reduce_op as reduce_op_lib
@@ -47,10 +49,12 @@ class ReplicatorExtended(tfi.StrategyExtendedV1):
   def __init__(self, container_strategy, device_groups, all_reduce,
                cluster=None,
                timeout_seconds=collective_watchdog.DEFAULT_TIMEOUT_SECONDS,
-               variable_partitioner=None):
-    """`device_groups`: each replica's devices (`group_by_replica`)."""
+               variable_partitioner=None, model_layouts=None):
+    """`device_groups`: each replica's devices (`group_by_replica`);
+    `model_layouts`: a `layouts.ModelLayouts`, or None."""
     super().__init__(container_strategy)
     self.variable_partitioner = variable_partitioner
+    self.model_layouts = model_layouts
     self.logical_devices = logical_devices.LogicalDevices(device_groups)
     self.communicator = communicator_lib.for_topology(
         [group[0] for group in self.logical_devices.groups], all_reduce,
@@ -87,6 +91,8 @@ class ReplicatorExtended(tfi.StrategyExtendedV1):
   # Replica execution.
 
   def _call_for_each_replica(self, fn, args, kwargs):
+    if self.model_layouts is not None:
+      self.model_layouts.warn_unmatched_keys()
     return replica_runner.call_for_each_replica(
         tfi.container_strategy(self), fn, args, kwargs)
 
@@ -109,6 +115,8 @@ class ReplicatorExtended(tfi.StrategyExtendedV1):
     # its own component and the components stay identical. Distributed
     # variables read inside read as that component (a sharded one: its shard).
     local_index = tf.distribute.get_replica_context().local_index
+    if isinstance(var, split_variables.SplitVariable):
+      return split_variables.update_replica(var, local_index, fn, args, kwargs)
     if isinstance(var, tfi.values.DistributedVariable):
       var = tfi.component(var, local_index)
     with tf.device(var.device), tfi.UpdateContext(local_index), tf.name_scope(
@@ -130,8 +138,24 @@ class ReplicatorExtended(tfi.StrategyExtendedV1):
     sharded = sharding.create(strategy, next_creator, request, **kwargs)
     if sharded is not None:
       return sharded
+    axis = self._split_axis(kwargs)
+    if axis is not None:
+      return split_variables.create(strategy, next_creator, axis, **kwargs)
     return variables.create(strategy, self.logical_devices.variable_devices(),
                             next_creator, replica_sum=replica_sum, **kwargs)
+
+  def _split_axis(self, kwargs):
+    """Where the model axis splits the new variable (a slot: as its weight)."""
+    colocate_with = kwargs.get("colocate_with")
+    if isinstance(colocate_with, split_variables.SplitVariable):
+      return colocate_with.axis
+    if (self.model_layouts is None or colocate_with is not None or
+        kwargs.get("synchronization") == tf.VariableSynchronization.ON_READ):
+      return None
+    keras_variable = layouts.variable_being_created()
+    if keras_variable is None:
+      return None
+    return self.model_layouts.split_axis(*keras_variable)
 
   def _validate_colocate_with_variable(self, colocate_with_variable):
     _utils.validate_colocate_distributed_variable(colocate_with_variable, self)
@@ -142,7 +166,10 @@ class ReplicatorExtended(tfi.StrategyExtendedV1):
     return tf.identity(tfi.current_component(replica_local_var))
 
   def value_container(self, val):
-    return _utils.value_container(val)
+    container = _utils.value_container(val)
+    if isinstance(container, split_variables.SplitVariable):
+      return val  # A part: a gradient tape watches each part by its handle.
+    return container
 
   def _update(self, var, fn, args, kwargs, group):
     if not isinstance(var, tfi.values.DistributedVariable):
@@ -154,6 +181,9 @@ class ReplicatorExtended(tfi.StrategyExtendedV1):
           f"model = ...; model.compile(...)`, then `model.fit(...)` (a model "
           f"loaded or built outside can be rebuilt inside and given its "
           f"weights with `set_weights`).")
+    if isinstance(var, split_variables.SplitVariable):
+      return _utils.update_regroup(
+          self, split_variables.update(var, fn, args, kwargs), group)
     return self._update_per_device(
         [(v.device, v) for v in var.values], fn, args, kwargs, group)
 

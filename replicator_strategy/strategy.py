@@ -23,6 +23,7 @@ from replicator_strategy import extended as extended_lib
 from replicator_strategy.collectives import compression as compression_lib
 from replicator_strategy.collectives import reduce_op as reduce_op_lib
 from replicator_strategy.cluster import runtime as worker_runtime
+from replicator_strategy.model_parallel import layouts
 from replicator_strategy.model_parallel import logical_devices
 
 # TF turns the timeout into int64 microseconds (collective ops, through a
@@ -95,12 +96,20 @@ class ReplicatorStrategy(tf.distribute.Strategy):
       spans (model parallelism, see
       `replicator_strategy.model_parallel.logical_devices`): replica r owns
       devices r*k ... r*k+k-1, in order. Default 1.
+    layout_map: a `keras.distribution.LayoutMap` over a 2-D
+      `keras.distribution.DeviceMesh` of this worker's devices: its batch
+      axis the replicas, its other axis each replica's devices; the weights
+      it matches are split over them (see docs/model-parallel.md and
+      `replicator_strategy.model_parallel.layouts`). Replaces `devices`.
+    batch_dim_name: the mesh axis of `layout_map` that is the replicas.
+      Default: the mesh's first axis.
   """
 
   def __init__(self, devices=None, all_reduce="auto", cluster_resolver=None,
                timeout_seconds=collective_watchdog.DEFAULT_TIMEOUT_SECONDS,
                shard_optimizer_state=False, variable_partitioner=None,
-               gradient_compression=None, devices_per_replica=1):
+               gradient_compression=None, devices_per_replica=1,
+               layout_map=None, batch_dim_name=None):
     _check_timeout(timeout_seconds)
     compression_lib.wire_dtype(gradient_compression)  # Checks the name.
     if not isinstance(shard_optimizer_state, bool):
@@ -119,6 +128,16 @@ class ReplicatorStrategy(tf.distribute.Strategy):
                cluster_lib.from_environment())
     if cluster:
       worker_runtime.start(cluster, timeout_seconds)
+    model_layouts = None
+    if layout_map is not None:
+      model_layouts = layouts.ModelLayouts(layout_map, batch_dim_name)
+      devices, devices_per_replica = _mesh_devices(
+          model_layouts, devices, devices_per_replica)
+    elif batch_dim_name is not None:
+      raise ValueError(
+          f"`batch_dim_name={batch_dim_name!r}` names an axis of a layout "
+          f"map's mesh, but no `layout_map` was given. Pass `layout_map=...`, "
+          f"or leave batch_dim_name out.")
     if devices is None:
       if devices_lib.tpu_present():
         raise NotImplementedError(devices_lib.tpu_not_supported_message())
@@ -131,13 +150,15 @@ class ReplicatorStrategy(tf.distribute.Strategy):
     else:
       devices = devices_lib.resolve_devices(devices)
     groups = logical_devices.group_by_replica(devices, devices_per_replica)
-    if len(groups[0]) > 1 and (shard_optimizer_state or variable_partitioner):
+    if len(groups[0]) > 1 and (shard_optimizer_state or variable_partitioner
+                               or cluster):
       raise NotImplementedError(
-          "devices_per_replica > 1 does not combine with "
-          "shard_optimizer_state or variable_partitioner yet.")
+          "A replica over several devices (devices_per_replica > 1 or "
+          "layout_map) does not combine with shard_optimizer_state, "
+          "variable_partitioner or several workers yet.")
     super().__init__(extended_lib.ReplicatorExtended(
         self, groups, all_reduce, cluster, timeout_seconds,
-        variable_partitioner))
+        variable_partitioner, model_layouts))
     self.shard_optimizer_state = shard_optimizer_state
     self.gradient_compression = gradient_compression
 
@@ -226,3 +247,25 @@ def _check_timeout(timeout_seconds):
         f"(0, {MAX_TIMEOUT_SECONDS}]. Received: timeout_seconds="
         f"{timeout_seconds!r}. For a timeout that never fires in practice, "
         f"pass timeout_seconds={MAX_TIMEOUT_SECONDS} (about 31 years).")
+
+
+def _mesh_devices(model_layouts, devices, devices_per_replica):
+  """The devices and devices per replica that a layout map's mesh gives."""
+  if devices is not None:
+    raise ValueError(
+        "Pass either `devices` or `layout_map`: the layout map's mesh lists "
+        "the devices. Received both.")
+  k = model_layouts.devices_per_replica
+  if devices_per_replica not in (1, k):
+    raise ValueError(
+        f"The layout map's mesh gives each replica {k} devices (its model "
+        f"axis {model_layouts.model_axis!r}), but devices_per_replica="
+        f"{devices_per_replica!r}. Leave devices_per_replica out.")
+  flat = [d for group in model_layouts.device_groups for d in group]
+  try:
+    return devices_lib.resolve_devices(flat), k
+  except ValueError as e:
+    raise ValueError(
+        f"The layout map's mesh must list this worker's devices, as "
+        f"keras.distribution.list_devices() names them. {e}") from None
+

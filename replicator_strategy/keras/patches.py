@@ -25,6 +25,7 @@ import keras
 from replicator_strategy.keras import _internal as ki
 from replicator_strategy.keras import accumulators
 from replicator_strategy.keras import chief_writes
+from replicator_strategy.keras import model_parallel
 from replicator_strategy.keras import training
 from replicator_strategy.keras import preemption_saves
 from replicator_strategy.keras import random_layers
@@ -102,6 +103,11 @@ PATCHES = (
           _SHARDED + " and the optimizer clips"),
     Patch(_OPTIMIZER, "add_variable_from_reference",
           sharded_weights.average_reads_whole, _SHARDED),
+    Patch(keras.Variable, "_initialize", model_parallel.variable_paths,
+          "in the scope of a ReplicatorStrategy(layout_map=...)"),
+    Patch(keras.layers.Dense, "call", model_parallel.megatron_dense,
+          "a ReplicatorStrategy(layout_map=...) replica runs a Dense whose "
+          "kernel the layout splits"),
     Patch(keras.layers.Embedding, "call", sharded_weights.lookup_rows,
           _SHARDED + ": the Embedding's table"),
     Patch(_MODEL, "_make_function", training.compiled_per_replica,

@@ -301,6 +301,7 @@ def compiled_per_replica(make_function):
     if not (self.jit_compile and isinstance(self.distribute_strategy,
                                             strategy_lib.ReplicatorStrategy)):
       return make_function(self, step_function)
+    _refuse_xla_over_several_devices(self.distribute_strategy)
     self.jit_compile = False  # For the function around strategy.run.
     try:
       return make_function(self, tf.function(
@@ -321,11 +322,23 @@ def xla_on_accelerators(resolve_auto_jit_compile):
     if not isinstance(self.distribute_strategy,
                       strategy_lib.ReplicatorStrategy):
       return resolve_auto_jit_compile(self)
+    if self.distribute_strategy.extended.logical_devices.per_replica > 1:
+      return False  # XLA compiles for one device; see below.
     accelerated = any(device.device_type != "CPU"
                       for device in tf.config.list_physical_devices())
     return accelerated and ki.supports_jit(self)
 
   return wrapper
+
+
+def _refuse_xla_over_several_devices(strategy):
+  k = strategy.extended.logical_devices.per_replica
+  if k > 1:
+    raise ValueError(
+        f"jit_compile=True compiles each replica's step with XLA for one "
+        f"device, but each replica of this strategy spans {k} devices "
+        f"(devices_per_replica or layout_map). Compile with "
+        f"jit_compile=False (or \"auto\", which then turns XLA off).")
 
 
 def split_batch(strategy, batch):

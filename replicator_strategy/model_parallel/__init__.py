@@ -3,7 +3,10 @@
 Owns the logical devices of each replica (`logical_devices`): grouping this
 worker's devices `devices_per_replica` at a time, placing variables on a
 replica's i-th device (`strategy.logical_device_for_variables(i)`) and ops
-(`ReplicaContext.logical_device(i)`).
+(`ReplicaContext.logical_device(i)`). Owns Keras's layout map read on
+TensorFlow (`layouts`), the weights it splits over a replica's devices
+(`split_variables`) and Megatron-LM's column/row-parallel matmuls over them
+(`megatron`).
 
 May import: `replicator_strategy._tf_internal` and its own modules; nothing
 from `collectives`, `sharding`, `cluster`, `cli` or `keras`.

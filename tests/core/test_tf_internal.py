@@ -21,6 +21,7 @@ import tensorflow as tf
 
 from replicator_strategy import _tf_internal
 from replicator_strategy.keras import patches as keras_patches
+from replicator_strategy.model_parallel import split_variables
 from replicator_strategy.sharding import variables as sharded_variables
 
 
@@ -228,11 +229,13 @@ def _private_names_of_class(cls):
 
 class OverriddenHooksTest(unittest.TestCase):
 
-  def test_the_listed_hooks_are_what_sharded_variable_overrides(self):
-    cls = sharded_variables.ShardedVariable
-    tf_names = _private_names_of_foreign(cls.__mro__[1:])
-    overridden = {name for name, value in vars(cls).items()
-                  if inspect.isfunction(value) and name in tf_names}
+  def test_the_listed_hooks_are_what_our_distributed_variables_override(self):
+    overridden = set()
+    for cls in (sharded_variables.ShardedVariable,
+                split_variables.SplitVariable):
+      tf_names = _private_names_of_foreign(cls.__mro__[1:])
+      overridden |= {name for name, value in vars(cls).items()
+                     if inspect.isfunction(value) and name in tf_names}
     self.assertEqual(overridden, set(_tf_internal.DISTRIBUTED_VARIABLE_HOOKS))
 
   def test_a_tf_without_a_listed_hook_is_refused(self):

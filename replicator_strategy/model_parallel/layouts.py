@@ -1,0 +1,151 @@
+"""Keras's `LayoutMap` read on TensorFlow: which weights split, along what.
+
+`ReplicatorStrategy(layout_map=...)` takes a `keras.distribution.LayoutMap`
+over a 2-D `DeviceMesh`: its batch axis (`batch_dim_name`, default the
+mesh's first) is the replicas, its other axis (the model axis) each
+replica's logical devices. A variable whose Keras path a key matches (as
+Keras matches them: the exact key, else one `re.fullmatch`) and whose layout
+names the model axis in one dimension is a `split_variables.SplitVariable`
+split along that dimension; every other variable is replicated over the
+model axis.
+
+>>> import keras
+>>> import replicator_strategy as rs
+>>> mesh = keras.distribution.DeviceMesh((2, 2), ("batch", "model"),
+...                                      rs.split_cpu(4))
+>>> layout_map = keras.distribution.LayoutMap(mesh)
+>>> layout_map["dense.*kernel"] = (None, "model")
+>>> layouts = ModelLayouts(layout_map)
+>>> layouts.split_axis("dense_1/kernel", (4, 6))
+1
+>>> layouts.split_axis("dense_1/bias", (6,)) is None
+True
+"""
+
+import contextlib
+import threading
+
+from absl import logging
+import numpy as np
+import tensorflow as tf
+
+_creating = threading.local()  # .variable: (path, shape) being created.
+
+
+@contextlib.contextmanager
+def creating(path, shape):
+  """Marks the variable created inside as a Keras variable's (`path`)."""
+  previous = getattr(_creating, "variable", None)
+  _creating.variable = (path, tuple(shape))
+  try:
+    yield
+  finally:
+    _creating.variable = previous
+
+
+def variable_being_created():
+  """(path, shape) of the Keras variable being created, or None."""
+  return getattr(_creating, "variable", None)
+
+
+class ModelLayouts:
+  """A `keras.distribution.LayoutMap`, as the replicas' device groups."""
+
+  def __init__(self, layout_map, batch_dim_name=None):
+    mesh = getattr(layout_map, "device_mesh", None)
+    if mesh is None or not hasattr(mesh, "axis_names"):
+      raise ValueError(
+          f"Expected `layout_map` to be a keras.distribution.LayoutMap over a "
+          f"keras.distribution.DeviceMesh. Received: {layout_map!r}.")
+    names = list(mesh.axis_names)
+    if len(names) != 2:
+      raise ValueError(
+          f"ReplicatorStrategy(layout_map=...) takes a 2-D DeviceMesh: a batch "
+          f"axis (the replicas) and a model axis (each replica's devices). "
+          f"Received a mesh of shape {tuple(mesh.shape)} with axes {names}. "
+          f"Build it as DeviceMesh((replicas, k), ('batch', 'model'), devices).")
+    batch = names[0] if batch_dim_name is None else batch_dim_name
+    if batch not in names:
+      raise ValueError(
+          f"`batch_dim_name={batch_dim_name!r}` names no axis of the layout "
+          f"map's mesh, whose axes are {names}. Pass one of them, or None for "
+          f"the first.")
+    self.layout_map = layout_map
+    self.batch_axis = batch
+    self.model_axis = names[1 - names.index(batch)]
+    devices = np.asarray(mesh.devices)
+    if names.index(batch) == 1:
+      devices = devices.T
+    self.device_groups = tuple(
+        tuple(_device_name(d) for d in row) for row in devices)
+    self.devices_per_replica = len(self.device_groups[0])
+    self.matched_keys = set()
+    self._warned_keys = set()
+
+  def split_axis(self, path, shape):
+    """The dimension the model axis splits the variable at `path`, or None."""
+    if path is None:
+      return None
+    layout = self.layout_map[path]
+    if layout is None:
+      return None
+    self.matched_keys.update(
+        key for key in self.layout_map if self.layout_map[key] is layout)
+    axes = tuple(layout.axes)
+    shape = tuple(shape)
+    if len(axes) != len(shape):
+      raise ValueError(
+          f"The layout {axes} for the variable {path!r} has {len(axes)} "
+          f"dimension(s), but the variable has {len(shape)} (shape "
+          f"{list(shape)}). Give the layout one entry per dimension, None "
+          f"where it is not split.")
+    if self.batch_axis in axes:
+      raise ValueError(
+          f"The layout {axes} for {path!r} splits a weight over the batch axis "
+          f"{self.batch_axis!r}. ReplicatorStrategy holds weights whole on the "
+          f"batch axis; to shard them over the replicas use "
+          f"`shard_optimizer_state=True` or `variable_partitioner`.")
+    unknown = [a for a in axes if a not in (None, self.model_axis)]
+    if unknown:
+      raise ValueError(
+          f"The layout {axes} for {path!r} names {unknown}, which is not an "
+          f"axis of the mesh (batch {self.batch_axis!r}, model "
+          f"{self.model_axis!r}).")
+    split = [d for d, a in enumerate(axes) if a == self.model_axis]
+    if not split:
+      return None
+    if len(split) > 1:
+      raise ValueError(
+          f"The layout {axes} for {path!r} splits {len(split)} dimensions over "
+          f"the model axis {self.model_axis!r}; split one.")
+    axis = split[0]
+    k = self.devices_per_replica
+    if shape[axis] is None or shape[axis] % k:
+      raise ValueError(
+          f"The layout {axes} for {path!r} splits dimension {axis} (size "
+          f"{shape[axis]}, shape {list(shape)}) over the model axis "
+          f"{self.model_axis!r} of size {k}, which does not divide it. Pick "
+          f"sizes divisible by {k} (for attention: heads, and key/value heads), "
+          f"or leave that dimension None.")
+    return axis
+
+
+  def warn_unmatched_keys(self):
+    """Warns, once per key, of layout keys no variable has matched so far.
+
+    A renamed layer otherwise leaves its weights silently replicated.
+    """
+    unmatched = [key for key in self.layout_map
+                 if key not in self.matched_keys | self._warned_keys]
+    for key in unmatched:
+      logging.warning(
+          "ReplicatorStrategy: the layout map key %r matches no variable "
+          "created in the strategy's scope, so nothing is split by it. Keys "
+          "match a variable's full path (`variable.path`, e.g. "
+          "'sequential/dense/kernel') with re.fullmatch: start the key with "
+          "'.*' to match any model name.", key)
+    self._warned_keys.update(unmatched)
+
+
+def _device_name(device):
+  return tf.DeviceSpec.from_string(str(device)).to_string()

@@ -1,0 +1,286 @@
+"""Weights split over each replica's logical devices (a layout's model axis).
+
+A `SplitVariable` is one distributed variable of the whole shape. Replica r
+holds it in k parts, part i (slice i of the whole along `axis`) on the
+replica's logical device i; every replica holds the same parts (data
+parallel). Each device holds 1/k of the weight, and of its optimizer slots,
+which are split the same way. How it reads depends on where:
+
+- in cross-replica context (outside `strategy.run`, saving, `numpy()`): the
+  whole, from the first replica's parts; a whole-shaped assignment sets every
+  part of every replica;
+- inside the update of replica r's part i (the optimizer's step, which
+  `ReplicatorExtended` runs once per part, on the part's device): part i, so
+  an optimizer's elementwise math runs on parts unchanged;
+- inside replica r (`strategy.run`): the whole, concatenated on the replica's
+  logical device 0, so every layer reads it correctly. The layers of
+  `replicator_strategy.keras.model_parallel_layers` compute on `parts()`
+  instead, each part on its own device.
+
+A gradient taken inside a replica flows to the replica's parts; the tape
+hands the optimizer their concatenation, the gradient of the whole.
+
+>>> import keras
+>>> import replicator_strategy as rs
+>>> mesh = keras.distribution.DeviceMesh((2, 2), ("batch", "model"),
+...                                      rs.split_cpu(4))
+>>> layout_map = keras.distribution.LayoutMap(mesh)
+>>> layout_map["dense/kernel"] = (None, "model")
+>>> strategy = rs.ReplicatorStrategy(layout_map=layout_map)
+>>> with strategy.scope():
+...   dense = keras.layers.Dense(6, name="dense")
+...   dense.build((None, 3))
+>>> [(p.shape.as_list(), p.device[-5:]) for p in dense.kernel.value.values]
+[([3, 3], 'CPU:0'), ([3, 3], 'CPU:1'), ([3, 3], 'CPU:2'), ([3, 3], 'CPU:3')]
+"""
+
+import functools
+import threading
+
+from absl import logging
+import numpy as np
+import tensorflow as tf
+
+from replicator_strategy import _tf_internal as tfi
+
+_updating = threading.local()  # .part: the part an update step runs for.
+
+
+class SplitVariable(tfi.values.DistributedVariable):
+  """A variable split in `num_parts` along `axis` on each replica's devices.
+
+  `values` lists replica 0's parts, then replica 1's, ...: component
+  `r * num_parts + i` is replica r's part i.
+  """
+
+  def __init__(self, strategy, values, aggregation, axis, shape):
+    self.axis = axis
+    self._whole_shape = tf.TensorShape(shape)
+    self.num_parts = len(strategy.extended.logical_devices.groups[0])
+    self._logged_whole_read = False
+    super().__init__(strategy, values, aggregation)
+
+  @property
+  def shape(self):
+    return self._whole_shape
+
+  def get_shape(self):
+    return self.shape
+
+  def parts(self, local_replica):
+    """Replica `local_replica`'s parts, in order (part i on device i)."""
+    k = self.num_parts
+    return self.values[local_replica * k:(local_replica + 1) * k]
+
+  def read_parts(self, local_replica):
+    """Replica `local_replica`'s parts, each read on its device."""
+    reads = []
+    for part in self.parts(local_replica):
+      with tf.device(part.device):
+        reads.append(part.read_value())
+    return reads
+
+  def _whole(self, local_replica):
+    reads = self.read_parts(local_replica)
+    with tf.device(self.parts(local_replica)[0].device):
+      return tf.concat(reads, self.axis)
+
+  def _get_cross_replica(self):
+    return self._whole(0)
+
+  def _get(self):
+    replica = tfi.distribute_lib.get_update_replica_id()
+    if replica is not None:
+      part = getattr(_updating, "part", None)
+      if part is None:
+        return self._whole(replica)
+      return self.parts(replica)[part]
+    ctx = tf.distribute.get_replica_context()
+    if ctx is None or ctx.strategy is not self.distribute_strategy:
+      return self._get_cross_replica()
+    if not self._logged_whole_read:
+      self._logged_whole_read = True
+      logging.warning(
+          "ReplicatorStrategy: %s is split over each replica's %d devices, and "
+          "its layer reads it whole (assembled on logical device 0 each "
+          "step). Only Dense layers compute on the parts; see "
+          "docs/model-parallel.md.", self.name, self.num_parts)
+    return self._whole(ctx.local_index)
+
+  def _get_replica(self, replica_id):
+    part = getattr(_updating, "part", None)
+    if part is None:
+      raise NotImplementedError(
+          f"{self.name} is split over each replica's devices; an update step "
+          f"of another variable cannot assign it whole. Assign it outside "
+          f"`strategy.run`, or in its own optimizer step.")
+    return self.parts(replica_id)[part]
+
+  def _get_on_device_or_primary(self):
+    return self._get()
+
+  def value(self):
+    return tf.convert_to_tensor(self._get())
+
+  def __array__(self, dtype=None, copy=None):
+    del copy  # A read is a copy already.
+    return np.asarray(self.numpy(), dtype=dtype)
+
+  def _as_graph_element(self):
+    return None  # No single graph element holds the whole value.
+
+  @property
+  def handle(self):
+    """Inside a replica, its parts' handles: what a gradient tape differentiates."""
+    replica = tfi.distribute_lib.get_update_replica_id()
+    part = getattr(_updating, "part", None)
+    if replica is not None and part is not None:
+      return self.parts(replica)[part].handle
+    ctx = tf.distribute.get_replica_context()
+    if ctx is None or ctx.strategy is not self.distribute_strategy:
+      raise ValueError(
+          f"{self.name} is split over each replica's devices: it has a handle "
+          f"per part, inside `strategy.run` only.")
+    local = ctx.local_index if replica is None else replica
+    return tfi.GradientOfParts(
+        [p.handle for p in self.parts(local)],
+        lambda grads: _concat_gradients(grads, self.parts(local), self.axis))
+
+  def _split(self, value):
+    return tf.split(value, self.num_parts, axis=self.axis)
+
+  def _update_cross_replica(self, update_fn, value, **kwargs):
+    value = tf.convert_to_tensor(value, dtype=self.dtype)
+    pieces = self._split(value)
+    updates = []
+    for index, component in enumerate(self.values):
+      with tf.device(component.device):
+        updates.append(
+            update_fn(component, pieces[index % self.num_parts], **kwargs))
+    return tf.group(updates)
+
+  def _update_replica(self, update_fn, value, **kwargs):
+    replica = tfi.distribute_lib.get_update_replica_id()
+    part = getattr(_updating, "part", None)
+    if replica is not None and part is not None:
+      return update_fn(self.parts(replica)[part], value, **kwargs)
+    if replica is None:
+      replica = tf.distribute.get_replica_context().local_index
+    value = tf.convert_to_tensor(value, dtype=self.dtype)
+    return tf.group([
+        update_fn(p, piece, **kwargs)
+        for p, piece in zip(self.parts(replica), self._split(value))])
+
+  def _serialize_to_tensors(self):
+    return {tfi.VARIABLE_VALUE_KEY: self._get_cross_replica()}
+
+  def _restore_from_tensors(self, restored_tensors):
+    return self.assign(restored_tensors[tfi.VARIABLE_VALUE_KEY])
+
+
+def _concat_gradients(grads, parts, axis):
+  if all(g is None for g in grads):
+    return None
+  grads = [tf.zeros_like(p) if g is None else tf.convert_to_tensor(g)
+           for g, p in zip(grads, parts)]
+  return tf.concat(grads, axis)
+
+
+def update(var, fn, args, kwargs):
+  """Runs `fn` once per replica and part, on the part's device.
+
+  Arguments of the variable's whole shape are split to the part's slice;
+  others (a learning rate) go whole. Returns, per replica, its parts'
+  updates grouped (None where `fn` returns nothing).
+  """
+  select = tfi.distribute_utils.select_replica
+  return [update_replica(var, r, fn, select(r, args), select(r, kwargs))
+          for r in range(len(var.values) // var.num_parts)]
+
+
+def update_replica(var, replica, fn, args, kwargs):
+  """`update` for one replica, given its own `args` and `kwargs`."""
+  split_args, split_kwargs = tf.nest.map_structure(
+      lambda a: _split_if_whole(a, var.shape.as_list(), var.num_parts,
+                                var.axis), (args, kwargs))
+  results = []
+  for part, component in enumerate(var.parts(replica)):
+    part_args, part_kwargs = tf.nest.map_structure(
+        functools.partial(_piece, part=part), (split_args, split_kwargs))
+    with tf.device(component.device), tfi.UpdateContext(replica), \
+        _updating_part(part), tf.name_scope(f"update_{replica}_{part}"):
+      result = fn(component, *part_args, **part_kwargs)
+    if result is not None:
+      results.append(result)
+  return tf.group(results) if results else None
+
+
+class _Pieces:
+  """A whole-shaped argument, split per part (a leaf to `tf.nest`)."""
+
+  def __init__(self, pieces):
+    self.pieces = pieces
+
+
+def _piece(value, part):
+  return value.pieces[part] if isinstance(value, _Pieces) else value
+
+
+def _split_if_whole(value, whole, k, axis):
+  if isinstance(value, tf.IndexedSlices):
+    value = tf.convert_to_tensor(value)
+  if (isinstance(value, (tf.Tensor, tf.Variable)) and
+      value.shape.as_list() == whole):
+    with tf.device(value.device):
+      return _Pieces(tf.split(value, k, axis=axis))
+  return value
+
+
+class _updating_part:  # pylint: disable=invalid-name
+  def __init__(self, part):
+    self._part = part
+
+  def __enter__(self):
+    self._previous = getattr(_updating, "part", None)
+    _updating.part = self._part
+
+  def __exit__(self, *exc):
+    _updating.part = self._previous
+
+
+def create(strategy, next_creator, axis, **kwargs):
+  """A `SplitVariable`: parts of the whole initial value, on every replica."""
+  kwargs.pop("colocate_with", None)
+  kwargs.pop("shape", None)
+  communicator = strategy.extended.communicator
+  groups = strategy.extended.logical_devices.groups
+  k = len(groups[0])
+  with tf.init_scope(), tf.device(groups[0][0]):
+    initial_value = communicator.initial_value(kwargs["initial_value"],
+                                               kwargs.get("dtype"))
+    whole = tf.convert_to_tensor(
+        initial_value() if callable(initial_value) else initial_value,
+        dtype=kwargs.get("dtype"))
+    pieces = tf.split(whole, k, axis=axis)
+
+  def create_parts(**kwargs):
+    parts = []
+    for replica, group in enumerate(groups):
+      for part, device in enumerate(group):
+        with tf.device(device):
+          kwargs["initial_value"] = tf.identity(pieces[part])
+          if parts:
+            kwargs["name"] = "{}/replica_{:d}/part_{:d}/".format(
+                parts[0].name.split(":")[0], replica, part)
+          with tfi.context.device_policy(tfi.context.DEVICE_PLACEMENT_SILENT):
+            with tfi.record.stop_recording():
+              parts.append(next_creator(**kwargs))
+    return parts
+
+  def split_variable(strategy, values, aggregation):
+    return SplitVariable(strategy, values, aggregation, axis, whole.shape)
+
+  return tfi.distribute_utils.create_mirrored_variable(
+      strategy, create_parts,
+      {tf.VariableSynchronization.ON_WRITE: split_variable},
+      tfi.distribute_utils.VARIABLE_POLICY_MAPPING, **kwargs)

@@ -1,0 +1,365 @@
+"""`ReplicatorStrategy(layout_map=...)`: Keras's LayoutMap on TensorFlow.
+
+A Megatron MLP (a column-parallel Dense, then a row-parallel one) trains with
+`fit`, `evaluate`, `predict` and a custom loop as on one device, on a (2, 2)
+and a (1, 4) mesh of 4 logical CPUs; each split weight and its optimizer
+slots hold 1/k of their bytes on each of a replica's devices; the traced
+step combines activations once forward and once backward; checkpoints move
+between a split model and a plain one; bad layouts are refused.
+"""
+
+import os
+import tempfile
+import unittest
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+import replicator_strategy as rs
+from replicator_strategy.model_parallel import split_variables
+
+ROWS, FEATURES, HIDDEN, OUT = 48, 8, 16, 4
+BATCH = 6  # The traced step's rows: no weight has a dimension of 6.
+
+
+def data():
+  rng = np.random.default_rng(0)
+  return (rng.normal(size=(ROWS, FEATURES)).astype(np.float32),
+          rng.normal(size=(ROWS, OUT)).astype(np.float32))
+
+
+def mesh(replicas):
+  return keras.distribution.DeviceMesh(
+      (replicas, 4 // replicas), ("batch", "model"),
+      keras.distribution.list_devices()[:4])
+
+
+def megatron_layout(replicas):
+  layout_map = keras.distribution.LayoutMap(mesh(replicas))
+  layout_map[".*up/kernel"] = (None, "model")  # Column-parallel.
+  layout_map[".*up/bias"] = ("model",)
+  layout_map[".*down/kernel"] = ("model", None)  # Row-parallel.
+  return layout_map
+
+
+def mlp():
+  keras.utils.set_random_seed(7)
+  model = keras.Sequential([
+      keras.Input((FEATURES,)),
+      keras.layers.Dense(FEATURES, activation="tanh", name="embed"),
+      keras.layers.Dense(HIDDEN, activation="relu", name="up"),
+      keras.layers.Dense(OUT, name="down"),
+  ])
+  model.compile(keras.optimizers.Adam(0.01), "mse", steps_per_execution=3)
+  return model
+
+
+def train(model):
+  x, y = data()
+  history = model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+  return {"loss": history.history["loss"],
+          "evaluate": model.evaluate(x, y, batch_size=8, verbose=0),
+          "predict": model.predict(x, batch_size=8, verbose=0),
+          "weights": model.get_weights()}
+
+
+def split_mlp(replicas):
+  strategy = rs.ReplicatorStrategy(layout_map=megatron_layout(replicas))
+  with strategy.scope():
+    model = mlp()
+  return strategy, model
+
+
+class MegatronMlpTest(unittest.TestCase):
+
+  @classmethod
+  def setUpClass(cls):
+    cls.one_device = train(mlp())
+
+  def check_fit(self, replicas):
+    strategy, model = split_mlp(replicas)
+    self.assertEqual(strategy.num_replicas_in_sync, replicas)
+    got = train(model)
+    np.testing.assert_allclose(got["loss"], self.one_device["loss"], rtol=1e-5)
+    np.testing.assert_allclose(got["evaluate"], self.one_device["evaluate"],
+                               rtol=1e-5)
+    np.testing.assert_allclose(got["predict"], self.one_device["predict"],
+                               rtol=1e-5, atol=1e-6)
+    for want, have in zip(self.one_device["weights"], got["weights"]):
+      np.testing.assert_allclose(have, want, rtol=1e-5, atol=1e-6)
+    return model
+
+  def check_bytes_per_device(self, model, replicas):
+    k = 4 // replicas
+    split = [v for v in model.weights + model.optimizer.variables
+             if isinstance(v.value, split_variables.SplitVariable)]
+    # up/kernel, up/bias, down/kernel and their two Adam slots each.
+    self.assertEqual(len(split), 9)
+    for variable in split:
+      whole = np.prod(variable.shape) * variable.value.dtype.size
+      by_device = {}
+      for part in variable.value.values:
+        by_device[part.device] = by_device.get(part.device, 0) + (
+            np.prod(part.shape) * part.dtype.size)
+      self.assertEqual(len(by_device), 4, variable.path)
+      self.assertEqual(set(by_device.values()), {whole // k}, variable.path)
+
+  def test_fit_evaluate_predict_on_a_2_by_2_mesh_equal_one_device(self):
+    model = self.check_fit(2)
+    self.check_bytes_per_device(model, 2)
+
+  def test_fit_evaluate_predict_on_a_1_by_4_mesh_equal_one_device(self):
+    model = self.check_fit(1)
+    self.check_bytes_per_device(model, 1)
+
+  def test_unsplit_weights_are_mirrored_over_the_replicas(self):
+    strategy, model = split_mlp(2)
+    embed = model.get_layer("embed").kernel.value
+    self.assertNotIsInstance(embed, split_variables.SplitVariable)
+    self.assertEqual([c.device[-5:] for c in embed.values], ["CPU:0", "CPU:2"])
+    del strategy
+
+
+def custom_loop_weights(strategy, steps=3):
+  x, y = data()
+  scope = strategy.scope() if strategy else tf.distribute.get_strategy().scope()
+  with scope:
+    model = mlp()
+    optimizer = keras.optimizers.SGD(0.1)
+    optimizer.build(model.trainable_variables)
+
+  def replica_step(x, y):
+    with tf.GradientTape() as tape:
+      loss = tf.reduce_sum((model(x) - y) ** 2) / ROWS
+    grads = tape.gradient(loss, model.trainable_variables)
+    optimizer.apply_gradients(zip(grads, model.trainable_variables))
+
+  if strategy is None:
+    step = tf.function(replica_step)
+    for _ in range(steps):
+      step(x, y)
+    return model.get_weights()
+  dataset = strategy.experimental_distribute_dataset(
+      tf.data.Dataset.from_tensor_slices((x, y)).batch(ROWS))
+  batch = next(iter(dataset))
+
+  @tf.function
+  def step(batch):
+    strategy.run(replica_step, batch)
+
+  for _ in range(steps):
+    step(batch)
+  return model.get_weights()
+
+
+class CustomLoopTest(unittest.TestCase):
+
+  def test_a_custom_loop_on_a_2_by_2_mesh_trains_as_one_device(self):
+    want = custom_loop_weights(None)
+    have = custom_loop_weights(
+        rs.ReplicatorStrategy(layout_map=megatron_layout(2)))
+    for w, h in zip(want, have):
+      np.testing.assert_allclose(h, w, rtol=1e-5, atol=1e-6)
+
+
+def _device_index(op):
+  return tf.DeviceSpec.from_string(op.device).device_index if op.device else None
+
+
+class CombinesTest(unittest.TestCase):
+  """What the traced step exchanges between a replica's devices."""
+
+  def test_a_column_row_pair_combines_once_forward_and_once_backward(self):
+    strategy, model = split_mlp(1)
+    optimizer = model.optimizer
+    with strategy.scope():
+      optimizer.build(model.trainable_variables)
+    x, y = (tf.constant(a[:BATCH]) for a in data())
+
+    @tf.function
+    def step(x, y):
+      def replica_step(x, y):
+        with tf.GradientTape() as tape:
+          loss = tf.reduce_mean((model(x) - y) ** 2)
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+      strategy.run(replica_step, (x, y))
+
+    graph = step.get_concrete_function(x, y).graph
+    combines = [
+        op for op in graph.get_operations()
+        if len({_device_index(t.op) for t in op.inputs
+                if t.dtype != tf.resource} - {None}) > 1 and
+        op.type in ("AddN", "AddV2", "ConcatV2", "Sum") and
+        op.outputs[0].consumers()]
+    activations = [op for op in combines
+                   if op.outputs[0].shape.as_list()[:1] == [BATCH]]
+    # Forward: the row layer's sum of its 4 products. Backward: the column
+    # layer's input gradient, summed from its 4 devices.
+    self.assertEqual([(op.type, len(op.inputs)) for op in activations],
+                     [("AddN", 4), ("AddN", 4)],
+                     [op.name for op in combines])
+    # The other combines assemble the 3 split weights' gradients (whole on
+    # logical device 0, for Keras's optimizer).
+    self.assertEqual(
+        sorted(op.outputs[0].shape.as_list() for op in combines
+               if op not in activations),
+        [[FEATURES, HIDDEN], [HIDDEN], [HIDDEN, OUT]])
+    # The column layer's output, assembled, feeds nothing: TF prunes it.
+    assembled = [op for op in graph.get_operations()
+                 if op.type == "ConcatV2" and "/up" in op.name]
+    self.assertEqual(len(assembled), 1)
+    self.assertEqual(assembled[0].outputs[0].consumers(), [])
+    # Each part's matmuls, forward and backward, run on its own device.
+    matmul_devices = {_device_index(op) for op in graph.get_operations()
+                      if op.type == "MatMul" and "embed" not in op.name}
+    self.assertEqual(matmul_devices, {0, 1, 2, 3})
+
+
+class WarningsTest(unittest.TestCase):
+
+  def test_a_key_matching_no_variable_is_warned_at_the_first_run(self):
+    layout_map = megatron_layout(2)
+    layout_map["renamed/kernel"] = (None, "model")
+    strategy = rs.ReplicatorStrategy(layout_map=layout_map)
+    with strategy.scope():
+      model = mlp()
+    x, _ = data()
+    with self.assertLogs(level="WARNING") as logs:
+      model.predict(x, batch_size=8, verbose=0)
+    self.assertRegex("\n".join(logs.output),
+                     r"key 'renamed/kernel' matches no variable")
+    self.assertNotRegex("\n".join(logs.output), r"key '\.\*up")
+
+  def test_a_layer_reading_a_split_weight_whole_is_logged_once(self):
+    layout_map = keras.distribution.LayoutMap(mesh(2))
+    layout_map[".*table/embeddings"] = (None, "model")
+    strategy = rs.ReplicatorStrategy(layout_map=layout_map)
+    with strategy.scope():
+      model = keras.Sequential([keras.Input((3,), dtype="int32"),
+                                keras.layers.Embedding(10, 4, name="table")])
+    ids = np.arange(24).reshape(8, 3) % 10
+    with self.assertLogs(level="WARNING") as logs:
+      got = model.predict(ids, batch_size=4, verbose=0)
+      model.predict(ids, batch_size=4, verbose=0)
+    whole = [line for line in logs.output if "reads it whole" in line]
+    self.assertEqual(len(whole), 1, logs.output)
+    self.assertIn("table/embeddings", whole[0])
+    np.testing.assert_allclose(
+        got, np.take(model.get_layer("table").embeddings.numpy(), ids, axis=0))
+
+
+class CheckpointTest(unittest.TestCase):
+
+  def test_weights_files_move_between_a_split_model_and_a_plain_one(self):
+    directory = tempfile.mkdtemp()
+    _, split = split_mlp(2)
+    train(split)
+    path = os.path.join(directory, "split.weights.h5")
+    split.save_weights(path)
+    plain = mlp()
+    plain.load_weights(path)
+    for want, have in zip(split.get_weights(), plain.get_weights()):
+      np.testing.assert_array_equal(have, want)
+    # And back, into a mesh of another shape.
+    plain.layers[1].kernel.assign(plain.layers[1].kernel + 1.0)
+    plain.save_weights(os.path.join(directory, "plain.weights.h5"))
+    _, other = split_mlp(1)
+    other.load_weights(os.path.join(directory, "plain.weights.h5"))
+    for want, have in zip(plain.get_weights(), other.get_weights()):
+      np.testing.assert_array_equal(have, want)
+
+  def test_a_keras_file_loads_without_a_strategy_and_into_a_split_one(self):
+    directory = tempfile.mkdtemp()
+    _, split = split_mlp(2)
+    train(split)
+    path = os.path.join(directory, "model.keras")
+    split.save(path)
+    plain = keras.models.load_model(path)
+    for want, have in zip(split.get_weights(), plain.get_weights()):
+      np.testing.assert_array_equal(have, want)
+    strategy = rs.ReplicatorStrategy(layout_map=megatron_layout(1))
+    with strategy.scope():
+      again = keras.models.load_model(path)
+    self.assertIsInstance(again.get_layer("up").kernel.value,
+                          split_variables.SplitVariable)
+    for want, have in zip(split.get_weights(), again.get_weights()):
+      np.testing.assert_array_equal(have, want)
+    x, _ = data()
+    np.testing.assert_allclose(again.predict(x, verbose=0),
+                               plain.predict(x, verbose=0), rtol=1e-5, atol=1e-6)
+
+  def test_a_tf_checkpoint_restores_into_another_mesh_shape(self):
+    directory = tempfile.mkdtemp()
+    _, split = split_mlp(2)
+    train(split)
+    path = tf.train.Checkpoint(model=split).save(os.path.join(directory, "c"))
+    _, other = split_mlp(1)
+    tf.train.Checkpoint(model=other).restore(path).assert_existing_objects_matched()
+    for want, have in zip(split.get_weights(), other.get_weights()):
+      np.testing.assert_array_equal(have, want)
+
+
+class BadLayoutTest(unittest.TestCase):
+
+  def build(self, key, layout, units=HIDDEN, replicas=2):
+    layout_map = keras.distribution.LayoutMap(mesh(replicas))
+    layout_map[key] = layout
+    strategy = rs.ReplicatorStrategy(layout_map=layout_map)
+    with strategy.scope():
+      keras.Sequential([keras.Input((FEATURES,)),
+                        keras.layers.Dense(units, name="up")])
+
+  def test_an_axis_that_does_not_divide_the_dimension_is_refused(self):
+    with self.assertRaisesRegex(
+        ValueError, r"(?s)'sequential.*/up/kernel'.*size 5.*does not divide.*"
+        r"divisible by 2"):
+      self.build(".*up/kernel", (None, "model"), units=5)
+
+  def test_a_rank_mismatch_is_refused(self):
+    with self.assertRaisesRegex(
+        ValueError, r"(?s)layout \('model',\).*up/kernel.*1 dimension.*has 2"):
+      self.build(".*up/kernel", ("model",))
+
+  def test_splitting_a_weight_over_the_batch_axis_is_refused(self):
+    with self.assertRaisesRegex(ValueError,
+                                r"batch axis 'batch'.*shard_optimizer_state"):
+      self.build(".*up/kernel", ("batch", None))
+
+  def test_a_mesh_of_other_devices_is_refused(self):
+    layout_map = keras.distribution.LayoutMap(keras.distribution.DeviceMesh(
+        (2, 2), ("batch", "model"), ["cpu:0", "cpu:1", "cpu:2", "cpu:9"]))
+    with self.assertRaisesRegex(ValueError,
+                                r"(?s)mesh must list this worker's devices.*9"):
+      rs.ReplicatorStrategy(layout_map=layout_map)
+
+  def test_a_mesh_that_is_not_2_d_is_refused(self):
+    layout_map = keras.distribution.LayoutMap(keras.distribution.DeviceMesh(
+        (4,), ("model",), keras.distribution.list_devices()[:4]))
+    with self.assertRaisesRegex(ValueError, r"takes a 2-D DeviceMesh"):
+      rs.ReplicatorStrategy(layout_map=layout_map)
+
+  def test_devices_beside_a_layout_map_are_refused(self):
+    with self.assertRaisesRegex(ValueError, r"either `devices` or `layout_map`"):
+      rs.ReplicatorStrategy(devices=["cpu:0"], layout_map=megatron_layout(2))
+
+  def test_xla_is_refused_over_several_devices_and_auto_turns_it_off(self):
+    strategy, model = split_mlp(2)
+    x, y = data()
+    with strategy.scope():
+      model.compile("sgd", "mse", jit_compile="auto")
+    self.assertFalse(model.jit_compile)
+    with strategy.scope():
+      model.compile("sgd", "mse", jit_compile=True)
+    with self.assertRaisesRegex(ValueError, r"spans 2 devices.*jit_compile=False"):
+      model.fit(x, y, batch_size=8, verbose=0)
+
+  def test_an_unknown_batch_dim_name_is_refused(self):
+    with self.assertRaisesRegex(ValueError, r"batch_dim_name='rows'.*names no"):
+      rs.ReplicatorStrategy(layout_map=megatron_layout(2),
+                            batch_dim_name="rows")
+
+
+if __name__ == "__main__":
+  unittest.main()
