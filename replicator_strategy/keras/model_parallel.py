@@ -1,7 +1,13 @@
 """Keras layers on a `ReplicatorStrategy(layout_map=...)`.
 
 - `variable_paths`: a Keras variable created in the strategy's scope tells
-  the strategy its path and shape, which the layout map is looked up by.
+  the strategy its path and shape, which the layout map is looked up by;
+- `megatron_dense`, `megatron_einsum_dense`: a `Dense` or `EinsumDense`
+  whose kernel the layout splits runs column- or row-parallel
+  (`model_parallel.megatron`), decided by where its einsum puts the split
+  letter: in the output (column) or contracted (row);
+- `attention_per_head_group`: `MultiHeadAttention` attends on each device
+  over its heads when query, key and value come in parts by heads.
 """
 
 import functools
@@ -45,40 +51,119 @@ def _cast_parts(parts, dtype, devices):
   return cast
 
 
+def _matmul(x, kernel):
+  if x.shape.rank == 2:
+    return tf.matmul(x, kernel)
+  return tf.tensordot(x, kernel, axes=1)
+
+
+def _split_kind(equation, kernel_axis):
+  """("column", output axis) or ("row", input axis) for an einsum whose
+  kernel is split along `kernel_axis`; axes count from the end."""
+  operands, output = equation.replace("...", "").split("->")
+  x_spec, kernel_spec = operands.split(",")
+  letter = kernel_spec[kernel_axis]
+  if letter in output:
+    return "column", output.index(letter) - len(output)
+  return "row", x_spec.index(letter) - len(x_spec)
+
+
+def _parallel(layer, inputs, equation, product, bias_letters):
+  """`layer` (a Dense or EinsumDense) run in parts, or None where it can't."""
+  ctx = tf.distribute.get_replica_context()
+  if (layer.lora_enabled or layer.quantization_mode or
+      not isinstance(ctx, replica_context.ReplicaContext)):
+    return None
+  kernel = _split(layer.kernel)
+  if kernel is None:
+    return None
+  local = ctx.local_index
+  devices = [p.device for p in kernel.parts(local)]
+  k = len(devices)
+  dtype = layer.compute_dtype
+  kind, axis = _split_kind(equation, kernel.axis)
+  kernel_parts = _cast_parts(kernel.read_parts(local), dtype, devices)
+  if kind == "column":
+    bias_parts = None
+    if layer.bias is not None:
+      bias = _split(layer.bias)
+      if bias is not None:
+        bias_parts = _cast_parts(bias.read_parts(local), dtype, devices)
+      elif equation.split("->")[1][axis] in bias_letters:
+        with tf.device(devices[0]):
+          bias_parts = tf.split(tf.cast(layer.bias, dtype), k, axis=axis)
+      else:
+        bias_parts = [tf.cast(layer.bias, dtype)] * k
+
+    def part(x, w, *bias):
+      y = product(x, w)
+      if bias:
+        y = y + bias[0]
+      return y if layer.activation is None else layer.activation(y)
+
+    outputs = megatron.column_parallel(
+        part, inputs, kernel_parts, devices,
+        None if bias_parts is None else [(b,) for b in bias_parts])
+    return megatron.assembled(outputs, devices, axis)
+  x = megatron.row_parallel(
+      product, megatron.split(inputs, k, axis, devices), kernel_parts, devices)
+  if layer.bias is not None:
+    x = x + tf.cast(layer.bias, dtype)
+  return x if layer.activation is None else layer.activation(x)
+
+
 def megatron_dense(call):
   """A `Dense` whose kernel the layout splits computes in parts (Megatron)."""
 
   @functools.wraps(call)
   def wrapper(self, inputs, *args, **kwargs):
+    out = _parallel(self, inputs, "...a,ab->...b", _matmul, "b")
+    return call(self, inputs, *args, **kwargs) if out is None else out
+
+  return wrapper
+
+
+def megatron_einsum_dense(call):
+  """An `EinsumDense` (attention's projections) whose kernel the layout
+  splits computes in parts: split by heads, query/key/value are
+  column-parallel and the output projection row-parallel."""
+
+  @functools.wraps(call)
+  def wrapper(self, inputs, *args, **kwargs):
+    out = _parallel(self, inputs, self.equation,
+                    lambda x, w: tf.einsum(self.equation, x, w),
+                    self.bias_axes or "")
+    return call(self, inputs, *args, **kwargs) if out is None else out
+
+  return wrapper
+
+
+def attention_per_head_group(compute_attention):
+  """`MultiHeadAttention`'s attention, run per device on its heads when the
+  query, key and value projections left their outputs in parts by heads."""
+
+  @functools.wraps(compute_attention)
+  def wrapper(self, query, key, value, attention_mask=None, training=None,
+              return_attention_scores=False, **kwargs):
     ctx = tf.distribute.get_replica_context()
-    plain = not (self.lora_enabled or self.quantization_mode)
-    kernel = _split(self.kernel) if plain else None
-    if kernel is None or not isinstance(ctx, replica_context.ReplicaContext):
-      return call(self, inputs, *args, **kwargs)
-    local = ctx.local_index
-    devices = [p.device for p in kernel.parts(local)]
-    dtype = self.compute_dtype
-    kernel_parts = _cast_parts(kernel.read_parts(local), dtype, devices)
-    k = len(devices)
-    if kernel.axis == 1:  # Column-parallel: the output in parts.
-      bias_parts = None
-      if self.bias is not None:
-        bias = _split(self.bias)
-        if bias is not None:
-          bias_parts = _cast_parts(bias.read_parts(local), dtype, devices)
-        else:
-          with tf.device(devices[0]):
-            bias_parts = tf.split(tf.cast(self.bias, dtype), k)
-      outputs = megatron.column_parallel(inputs, kernel_parts, bias_parts,
-                                         self.activation, devices)
-      return megatron.assembled(outputs, devices)
-    x_parts = megatron.parts_of(inputs, k)
-    if x_parts is None:
-      with tf.device(devices[0]):
-        x_parts = tf.split(inputs, k, axis=-1)
-    x = megatron.row_parallel(x_parts, kernel_parts, devices)
-    if self.bias is not None:
-      x = x + tf.cast(self.bias, dtype)
-    return x if self.activation is None else self.activation(x)
+    if return_attention_scores or not isinstance(
+        ctx, replica_context.ReplicaContext):
+      return compute_attention(self, query, key, value, attention_mask,
+                               training, return_attention_scores, **kwargs)
+    logical = ctx.strategy.extended.logical_devices
+    k = logical.per_replica
+    parts = [megatron.parts_of(t, k, -2) for t in (query, key, value)]
+    if k == 1 or any(p is None for p in parts):
+      return compute_attention(self, query, key, value, attention_mask,
+                               training, return_attention_scores, **kwargs)
+    devices = logical.groups[ctx.local_index]
+
+    def heads(q, k_, v):
+      return compute_attention(self, q, k_, v, attention_mask, training,
+                               False, **kwargs)[0]
+
+    outputs = [megatron.on_device(d, heads, q, k_, v)
+               for d, q, k_, v in zip(devices, *parts)]
+    return megatron.assembled(outputs, devices, -2), None
 
   return wrapper

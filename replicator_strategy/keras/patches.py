@@ -50,6 +50,8 @@ _NON_CHIEF = "on a non-chief worker of a ReplicatorStrategy cluster"
 _PREEMPTIBLE = "a ReplicatorStrategy cluster is running (SIGTERM agreed)"
 _SHARDING = "the strategy is a ReplicatorStrategy(shard_optimizer_state=True)"
 _SHARDED = "a weight is sharded by ReplicatorStrategy(variable_partitioner=...)"
+_SPLIT_KERNEL = ("a ReplicatorStrategy(layout_map=...) replica runs the layer, "
+                 "its kernel split by the layout")
 _ROWS = "a ReplicatorStrategy replica (of several) runs the layer on a batch"
 _IN_ROW_LAYER = ("in a random layer's call that _ROWS marked, for draws of "
                  "rank 1 or more")
@@ -106,8 +108,13 @@ PATCHES = (
     Patch(keras.Variable, "_initialize", model_parallel.variable_paths,
           "in the scope of a ReplicatorStrategy(layout_map=...)"),
     Patch(keras.layers.Dense, "call", model_parallel.megatron_dense,
-          "a ReplicatorStrategy(layout_map=...) replica runs a Dense whose "
-          "kernel the layout splits"),
+          _SPLIT_KERNEL),
+    Patch(keras.layers.EinsumDense, "call",
+          model_parallel.megatron_einsum_dense, _SPLIT_KERNEL),
+    Patch(keras.layers.MultiHeadAttention, "_compute_attention",
+          model_parallel.attention_per_head_group,
+          "a ReplicatorStrategy(layout_map=...) replica attends with query, "
+          "key and value split by heads"),
     Patch(keras.layers.Embedding, "call", sharded_weights.lookup_rows,
           _SHARDED + ": the Embedding's table"),
     Patch(_MODEL, "_make_function", training.compiled_per_replica,

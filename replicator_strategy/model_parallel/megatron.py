@@ -1,26 +1,28 @@
-"""Megatron-LM's column- and row-parallel matmuls, over a replica's devices.
+"""Megatron-LM's column- and row-parallel layers, over a replica's devices.
 
-A column-parallel matmul multiplies the whole input by each part of a kernel
-split by output features (`SplitVariable` axis -1), part i on logical device
-i: its output stays in parts, one per device. A row-parallel matmul
-multiplies input part i by kernel part i (split by input features, axis 0)
-on device i and sums the products on logical device 0: one combine forward.
-Fed a column layer's parts, it takes them as they are, so a column/row pair
-never assembles the hidden activation. Backward, each part's gradient is
-computed on its own device; the column layer's input gradient is the one
-combine backward.
+A column-parallel layer computes part i of its output from the whole input
+and kernel part i (split by output features), on logical device i: its
+output stays in parts, one per device. A row-parallel layer computes
+`input part i x kernel part i` (split by input features) on device i and
+sums the products on logical device 0: one combine forward. Fed a column
+layer's parts, it takes them as they are, so a column/row pair never
+assembles the activation between them. Backward, each part's gradient is
+computed on its own device, from the forward's own record; the column
+layer's input gradient is the one combine backward.
 
-Outputs in parts are recorded per graph (`parts_of`), so the next layer finds
-them; a layer that is not row-parallel reads the assembled output.
+Outputs in parts are recorded per graph with the axis they split (`parts_of`),
+so the next layer finds them; a layer that takes no parts reads the
+assembled output.
 
 >>> import replicator_strategy as rs
 >>> rs.split_cpu(4)
 >>> x, w = tf.ones([2, 3]), tf.ones([3, 4])
->>> parts = column_parallel(x, tf.split(w, 2, axis=1), None, None,
+>>> parts = column_parallel(tf.matmul, x, tf.split(w, 2, axis=1),
 ...                         ["/cpu:0", "/cpu:1"])
 >>> [p.device[-5:] for p in parts]
 ['CPU:0', 'CPU:1']
->>> row_parallel(tf.split(x, 3, axis=1), tf.split(w, 3), ["/cpu:0"] * 3).numpy()
+>>> row_parallel(tf.matmul, tf.split(x, 3, axis=1), tf.split(w, 3),
+...              ["/cpu:0"] * 3).numpy()
 array([[3., 3., 3., 3.],
        [3., 3., 3., 3.]], dtype=float32)
 """
@@ -29,23 +31,25 @@ import weakref
 
 import tensorflow as tf
 
-_outputs_in_parts = weakref.WeakKeyDictionary()  # graph -> {ref: parts}
+_outputs_in_parts = weakref.WeakKeyDictionary()  # graph -> {ref: (parts, axis)}
 
 
 def on_device(device, fn, *args):
-  """`fn(*args)` on `device`, its gradient computed on `device` too."""
+  """`fn(*args)` on `device`, its gradient computed on `device` too.
+
+  The gradient comes from the forward's own record, so a random op inside
+  (dropout) is differentiated with the values it drew.
+  """
 
   @tf.custom_gradient
   def placed(*args):
-    with tf.device(device):
+    with tf.device(device), tf.GradientTape() as tape:
+      tape.watch(args)
       out = fn(*args)
 
     def grad(dy):
       with tf.device(device):
-        with tf.GradientTape() as tape:
-          tape.watch(args)
-          again = fn(*args)
-        return tape.gradient(again, args, output_gradients=dy)
+        return tape.gradient(out, args, output_gradients=dy)
 
     return out, grad
 
@@ -53,50 +57,49 @@ def on_device(device, fn, *args):
     return placed(*args)
 
 
-def assembled(parts, devices):
-  """The parts concatenated on the first device; recorded as in parts."""
-  with tf.device(devices[0]):
-    whole = tf.concat(parts, axis=-1)
-  if not tf.executing_eagerly():
-    graph = tf.compat.v1.get_default_graph()
-    _outputs_in_parts.setdefault(graph, {})[whole.ref()] = tuple(parts)
-  return whole
+def column_parallel(fn, x, kernel_parts, devices, extra_parts=None):
+  """`[fn(x, kernel_parts[i], *extra_parts[i]) on devices[i]]`."""
+  return [on_device(d, fn, x, w, *(extra_parts[i] if extra_parts else ()))
+          for i, (d, w) in enumerate(zip(devices, kernel_parts))]
 
 
-def parts_of(tensor, k):
-  """The parts `tensor` was assembled from (k of them), or None."""
-  if tf.executing_eagerly() or not isinstance(tensor, tf.Tensor):
-    return None
-  recorded = _outputs_in_parts.get(tf.compat.v1.get_default_graph(), {})
-  parts = recorded.get(tensor.ref())
-  return parts if parts is not None and len(parts) == k else None
-
-
-def column_parallel(x, kernel_parts, bias_parts, activation, devices):
-  """`activation(x @ kernel + bias)` in parts, part i on `devices[i]`."""
-
-  def part(x, kernel, *bias):
-    y = tf.matmul(x, kernel) if x.shape.rank == 2 else tf.tensordot(
-        x, kernel, axes=1)
-    if bias:
-      y = y + bias[0]
-    return y if activation is None else activation(y)
-
-  outputs = []
-  for i, device in enumerate(devices):
-    bias = () if bias_parts is None else (bias_parts[i],)
-    outputs.append(on_device(device, part, x, kernel_parts[i], *bias))
-  return outputs
-
-
-def row_parallel(x_parts, kernel_parts, devices):
-  """`concat(x_parts) @ concat(kernel_parts)`, summed on `devices[0]`."""
-
-  def part(x, kernel):
-    return tf.matmul(x, kernel) if x.shape.rank == 2 else tf.tensordot(
-        x, kernel, axes=1)
-
-  products = [on_device(d, part, x, w)
+def row_parallel(fn, x_parts, kernel_parts, devices):
+  """The sum over i of `fn(x_parts[i], kernel_parts[i])` (each on
+  `devices[i]`), on `devices[0]`."""
+  products = [on_device(d, fn, x, w)
               for d, x, w in zip(devices, x_parts, kernel_parts)]
   with tf.device(devices[0]):
     return tf.add_n(products)
+
+
+def assembled(parts, devices, axis):
+  """The parts concatenated along `axis` on the first device, recorded as
+  in parts (nothing computes the concatenation unless a layer reads it)."""
+  with tf.device(devices[0]):
+    whole = tf.concat(parts, axis=axis)
+  if not tf.executing_eagerly():
+    graph = tf.compat.v1.get_default_graph()
+    _outputs_in_parts.setdefault(graph, {})[whole.ref()] = (tuple(parts), axis)
+  return whole
+
+
+def parts_of(tensor, k, axis):
+  """The k parts `tensor` was assembled from along `axis`, or None."""
+  if tf.executing_eagerly() or not isinstance(tensor, tf.Tensor):
+    return None
+  recorded = _outputs_in_parts.get(tf.compat.v1.get_default_graph(), {})
+  parts, parts_axis = recorded.get(tensor.ref(), ((), None))
+  rank = tensor.shape.rank
+  if len(parts) != k or rank is None or parts_axis % rank != axis % rank:
+    return None
+  return parts
+
+
+def split(tensor, k, axis, devices):
+  """`tensor` in k parts along `axis`: a recorded split, else cut on
+  `devices[0]`."""
+  parts = parts_of(tensor, k, axis)
+  if parts is None:
+    with tf.device(devices[0]):
+      parts = tf.split(tensor, k, axis=axis)
+  return parts

@@ -179,11 +179,46 @@ class SplitVariable(tfi.values.DistributedVariable):
 
 
 def _concat_gradients(grads, parts, axis):
+  """The whole's gradient from its parts': sparse (an Embedding's) stays
+  sparse, as one device's optimizer gets it."""
   if all(g is None for g in grads):
     return None
+  if all(isinstance(g, tf.IndexedSlices) for g in grads):
+    return _concat_sparse(grads, parts, axis)
   grads = [tf.zeros_like(p) if g is None else tf.convert_to_tensor(g)
            for g, p in zip(grads, parts)]
   return tf.concat(grads, axis)
+
+
+def _concat_sparse(grads, parts, axis):
+  shape = [int(d) for d in parts[0].shape]
+  shape[axis] *= len(parts)
+  if axis:  # The same rows in every part: their columns side by side.
+    return tf.IndexedSlices(tf.concat([g.values for g in grads], axis),
+                            grads[0].indices, tf.constant(shape))
+  offsets = np.cumsum([0] + [int(p.shape[0]) for p in parts[:-1]])
+  return tf.IndexedSlices(
+      tf.concat([g.values for g in grads], 0),
+      tf.concat([tf.cast(g.indices, tf.int64) + o
+                 for g, o in zip(grads, offsets)], 0), tf.constant(shape))
+
+
+def _split_sparse(value, k, axis, whole):
+  """A sparse gradient of the whole, as k sparse gradients of the parts."""
+  part_shape = list(whole)
+  part_shape[axis] //= k
+  if axis:
+    return [tf.IndexedSlices(v, value.indices, tf.constant(part_shape))
+            for v in tf.split(value.values, k, axis=axis)]
+  rows = part_shape[0]
+  indices = tf.cast(value.indices, tf.int64)
+  pieces = []
+  for i in range(k):
+    mine = tf.where((indices >= i * rows) & (indices < (i + 1) * rows))[:, 0]
+    pieces.append(tf.IndexedSlices(tf.gather(value.values, mine),
+                                   tf.gather(indices, mine) - i * rows,
+                                   tf.constant(part_shape)))
+  return pieces
 
 
 def update(var, fn, args, kwargs):
@@ -227,8 +262,9 @@ def _piece(value, part):
 
 
 def _split_if_whole(value, whole, k, axis):
-  if isinstance(value, tf.IndexedSlices):
-    value = tf.convert_to_tensor(value)
+  if isinstance(value, tf.IndexedSlices):  # A gradient of the whole.
+    with tf.device(value.values.device):
+      return _Pieces(_split_sparse(value, k, axis, whole))
   if (isinstance(value, (tf.Tensor, tf.Variable)) and
       value.shape.as_list() == whole):
     with tf.device(value.device):

@@ -121,6 +121,74 @@ class MegatronMlpTest(unittest.TestCase):
     del strategy
 
 
+VOCAB, SEQ, WIDTH, HEADS = 12, 5, 16, 4
+
+
+def transformer_layout(replicas):
+  layout_map = keras.distribution.LayoutMap(mesh(replicas))
+  layout_map[".*tokens/embeddings"] = (None, "model")  # Read whole.
+  layout_map[".*attention/(query|key|value)/kernel"] = (None, "model", None)
+  layout_map[".*attention/(query|key|value)/bias"] = ("model", None)
+  layout_map[".*attention/attention_output/kernel"] = ("model", None, None)
+  layout_map[".*up/kernel"] = (None, "model")
+  layout_map[".*up/bias"] = ("model",)
+  layout_map[".*down/kernel"] = ("model", None)
+  return layout_map
+
+
+def transformer():
+  """A transformer block: heads split by device, then a Megatron MLP."""
+  keras.utils.set_random_seed(3)
+  ids = keras.Input((SEQ,), dtype="int32")
+  x = keras.layers.Embedding(VOCAB, WIDTH, name="tokens")(ids)
+  attended = keras.layers.MultiHeadAttention(
+      HEADS, WIDTH // HEADS, name="attention")(x, x, use_causal_mask=True)
+  x = keras.layers.LayerNormalization()(x + attended)
+  hidden = keras.layers.Dense(4 * WIDTH, activation="gelu", name="up")(x)
+  x = x + keras.layers.Dense(WIDTH, name="down")(hidden)
+  model = keras.Model(ids, keras.layers.Dense(VOCAB, name="logits")(x))
+  model.compile(keras.optimizers.Adam(0.01),
+                keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+  return model
+
+
+def train_transformer(model):
+  ids = np.random.default_rng(4).integers(0, VOCAB, size=(32, SEQ + 1))
+  history = model.fit(ids[:, :-1], ids[:, 1:], batch_size=8, epochs=2,
+                      shuffle=False, verbose=0)
+  return history.history["loss"], model.get_weights()
+
+
+class TransformerBlockTest(unittest.TestCase):
+
+  def test_a_block_with_heads_split_on_a_2_by_2_mesh_trains_as_one_device(self):
+    want_loss, want = train_transformer(transformer())
+    strategy = rs.ReplicatorStrategy(layout_map=transformer_layout(2))
+    with strategy.scope():
+      model = transformer()
+    split = [v.path for v in model.weights
+             if isinstance(v.value, split_variables.SplitVariable)]
+    # The table; query, key and value kernels and biases; the attention
+    # output kernel; up's kernel and bias; down's kernel.
+    self.assertEqual(len(split), 11, split)
+    ids = tf.constant(np.arange(2 * SEQ).reshape(2, SEQ) % VOCAB)
+    graph = traced_step(strategy, model, ids, ids)
+    # Each device attends over its heads, forward and backward.
+    self.assertEqual({_device_index(op) for op in graph.get_operations()
+                      if op.type in ("Softmax", "SoftmaxGrad")}, {0, 1, 2, 3})
+    # Query, key, value and the attention, assembled, feed nothing: TF
+    # prunes them.
+    assembled = [op for op in graph.get_operations()
+                 if op.type == "ConcatV2" and "attention" in op.name and
+                 op.outputs[0].shape.rank == 4]
+    self.assertEqual(len(assembled), 8)  # 4 per replica.
+    self.assertTrue(all(not op.outputs[0].consumers() for op in assembled))
+    have_loss, have = train_transformer(model)
+    np.testing.assert_allclose(have_loss, want_loss, rtol=1e-5)
+    for w, h in zip(want, have):
+      np.testing.assert_allclose(h, w, rtol=1e-5, atol=1e-5)
+
+
 def custom_loop_weights(strategy, steps=3):
   x, y = data()
   scope = strategy.scope() if strategy else tf.distribute.get_strategy().scope()
@@ -167,26 +235,31 @@ def _device_index(op):
   return tf.DeviceSpec.from_string(op.device).device_index if op.device else None
 
 
+def traced_step(strategy, model, x, y):
+  """The graph of a training step of `model` on (x, y), one replica."""
+  optimizer = model.optimizer
+  with strategy.scope():
+    optimizer.build(model.trainable_variables)
+
+  @tf.function
+  def step(x, y):
+    def replica_step(x, y):
+      with tf.GradientTape() as tape:
+        loss = tf.reduce_mean(model.compute_loss(x, y, model(x)))
+      grads = tape.gradient(loss, model.trainable_variables)
+      optimizer.apply_gradients(zip(grads, model.trainable_variables))
+    strategy.run(replica_step, (x, y))
+
+  return step.get_concrete_function(x, y).graph
+
+
 class CombinesTest(unittest.TestCase):
   """What the traced step exchanges between a replica's devices."""
 
   def test_a_column_row_pair_combines_once_forward_and_once_backward(self):
     strategy, model = split_mlp(1)
-    optimizer = model.optimizer
-    with strategy.scope():
-      optimizer.build(model.trainable_variables)
-    x, y = (tf.constant(a[:BATCH]) for a in data())
-
-    @tf.function
-    def step(x, y):
-      def replica_step(x, y):
-        with tf.GradientTape() as tape:
-          loss = tf.reduce_mean((model(x) - y) ** 2)
-        grads = tape.gradient(loss, model.trainable_variables)
-        optimizer.apply_gradients(zip(grads, model.trainable_variables))
-      strategy.run(replica_step, (x, y))
-
-    graph = step.get_concrete_function(x, y).graph
+    graph = traced_step(strategy, model,
+                        *(tf.constant(a[:BATCH]) for a in data()))
     combines = [
         op for op in graph.get_operations()
         if len({_device_index(t.op) for t in op.inputs
