@@ -25,6 +25,7 @@ from replicator_strategy.collectives import reduce_op as reduce_op_lib
 from replicator_strategy.cluster import runtime as worker_runtime
 from replicator_strategy.model_parallel import layouts
 from replicator_strategy.model_parallel import logical_devices
+from replicator_strategy.model_parallel import tpu_names
 
 # TF turns the timeout into int64 microseconds (collective ops, through a
 # float32) and int64 nanoseconds of a clock (heartbeats), which overflow past
@@ -169,6 +170,24 @@ class ReplicatorStrategy(tf.distribute.Strategy):
     per replica only 0 is valid.
     """
     return self.extended.logical_devices.for_variables(logical_device_id)
+
+  def experimental_assign_to_logical_device(self, tensor, logical_device_id):
+    """TPUStrategy's name: `tensor`, copied to this replica's device
+    `logical_device_id` (inside `strategy.run`)."""
+    return tpu_names.assign_to_logical_device(self, tensor, logical_device_id)
+
+  def experimental_replicate_to_logical_devices(self, tensor):
+    """TPUStrategy's name: `tensor`, read whole on every logical device (each
+    reading op gets its copy, as TensorFlow copies across devices)."""
+    return tpu_names.replicate_to_logical_devices(self, tensor)
+
+  def experimental_split_to_logical_devices(self, tensor, partition_dimensions):
+    """TPUStrategy's name: `tensor` held in parts, one per logical device,
+    along the one dimension `partition_dimensions` splits (inside
+    `strategy.run`). A row-parallel layer then takes the parts as they are;
+    any other op reads the whole."""
+    return tpu_names.split_to_logical_devices(self, tensor,
+                                              partition_dimensions)
 
   def reduce(self, reduce_op, value, axis):
     """`tf.distribute.Strategy.reduce`, also with "min" and "max".

@@ -11,6 +11,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+import replicator_strategy as rs
 import topology
 
 ROWS = 8
@@ -98,6 +99,93 @@ class LogicalDevicesTest(unittest.TestCase):
 
     with self.assertRaisesRegex(ValueError, r"in \[0, 2\)"):
       strategy.run(replica_fn)
+
+
+class TpuNamesTest(unittest.TestCase):
+  """TPUStrategy's three logical-device calls, placing tensors themselves."""
+
+  @classmethod
+  def setUpClass(cls):
+    cls.strategy = topology.strategy_over(4, devices_per_replica=2)
+
+  def graph_of(self, replica_fn):
+    step = tf.function(lambda: self.strategy.run(replica_fn))
+    return step, step.get_concrete_function().graph
+
+  def test_assign_copies_to_the_replicas_logical_device(self):
+    strategy = self.strategy
+
+    def replica_fn():
+      x = tf.constant([1.0, 2.0])
+      return strategy.experimental_assign_to_logical_device(x * 2, 1)
+
+    step, graph = self.graph_of(replica_fn)
+    for part in strategy.experimental_local_results(step()):
+      np.testing.assert_array_equal(part.numpy(), [2.0, 4.0])
+    copies = sorted(op.device[-5:] for op in graph.get_operations()
+                    if op.type == "Identity" and op.inputs and
+                    op.inputs[0].op.type == "Mul")
+    self.assertEqual(copies, ["CPU:1", "CPU:3"])
+
+  def test_replicate_gives_the_tensor(self):
+    strategy = self.strategy
+    got = strategy.run(lambda: strategy.experimental_replicate_to_logical_devices(
+        tf.constant([3.0])))
+    for part in strategy.experimental_local_results(got):
+      np.testing.assert_array_equal(part.numpy(), [3.0])
+
+  def test_split_parts_go_to_each_device_and_a_row_parallel_layer_takes_them(
+      self):
+    mesh = keras.distribution.DeviceMesh(
+        (2, 2), ("batch", "model"), keras.distribution.list_devices()[:4])
+    layout_map = keras.distribution.LayoutMap(mesh)
+    layout_map[".*row/kernel"] = ("model", None)
+    strategy = rs.ReplicatorStrategy(layout_map=layout_map)
+    with strategy.scope():
+      layer = keras.layers.Dense(3, name="row", use_bias=False)
+      layer.build((None, 4))
+    x = np.arange(8, dtype=np.float32).reshape(2, 4)
+
+    def replica_fn():
+      halves = strategy.experimental_split_to_logical_devices(
+          tf.constant(x), [1, 2])
+      return layer(halves)
+
+    step = tf.function(lambda: strategy.run(replica_fn))
+    for part in strategy.experimental_local_results(step()):
+      np.testing.assert_allclose(part.numpy(), x @ layer.kernel.numpy(),
+                                 rtol=1e-6)
+    graph = step.get_concrete_function().graph
+    halves = [op for op in graph.get_operations() if op.type == "Identity" and
+              op.inputs and op.inputs[0].op.type == "Split"]
+    self.assertEqual(sorted(op.device[-5:] for op in halves),
+                     ["CPU:0", "CPU:1", "CPU:2", "CPU:3"])
+    assembled = [op for op in graph.get_operations() if op.type == "ConcatV2"]
+    self.assertEqual(len(assembled), 2)  # One per replica, feeding nothing.
+    self.assertTrue(all(not op.outputs[0].consumers() for op in assembled))
+
+  def test_bad_calls_are_refused_as_tpu_strategy_refuses_them(self):
+    strategy = self.strategy
+    x = tf.ones([2, 4])
+    cases = [
+        (lambda: strategy.experimental_split_to_logical_devices(x, [2]),
+         ValueError, r"rank of `tensor` \(2\)"),
+        (lambda: strategy.experimental_split_to_logical_devices(x, [1, 4]),
+         ValueError, r"product is the number of logical devices per replica "
+         r"\(2\)"),
+        (lambda: strategy.experimental_split_to_logical_devices(
+            tf.ones([3, 3]), [2, 1]), ValueError, r"size 3.*into 2 parts"),
+        (lambda: strategy.experimental_assign_to_logical_device(x, 2),
+         ValueError, r"in \[0, 2\)"),
+    ]
+    for call, error, message in cases:
+      with self.subTest(message), self.assertRaisesRegex(error, message):
+        strategy.run(call)
+    with self.assertRaisesRegex(ValueError, "inside `strategy.run`"):
+      strategy.experimental_assign_to_logical_device(x, 1)
+    four = topology.strategy_over(4, devices_per_replica=4)
+    with self.assertRaisesRegex(NotImplementedError, "along one dimension"):
+      four.run(lambda: four.experimental_split_to_logical_devices(x, [2, 2]))
 
 
 if __name__ == "__main__":
