@@ -221,6 +221,21 @@ def custom_loop_weights(strategy, steps=3):
   return model.get_weights()
 
 
+class MixedPrecisionTest(unittest.TestCase):
+
+  def setUp(self):
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    self.addCleanup(keras.mixed_precision.set_global_policy, "float32")
+
+  def test_mixed_float16_on_a_2_by_2_mesh_trains_as_one_device(self):
+    want = train(mlp())
+    _, model = split_mlp(2)
+    got = train(model)
+    np.testing.assert_allclose(got["loss"], want["loss"], rtol=1e-3)
+    for w, h in zip(want["weights"], got["weights"]):
+      np.testing.assert_allclose(h, w, rtol=1e-3, atol=1e-3)
+
+
 class CustomLoopTest(unittest.TestCase):
 
   def test_a_custom_loop_on_a_2_by_2_mesh_trains_as_one_device(self):
@@ -362,6 +377,43 @@ class CheckpointTest(unittest.TestCase):
     x, _ = data()
     np.testing.assert_allclose(again.predict(x, verbose=0),
                                plain.predict(x, verbose=0), rtol=1e-5, atol=1e-6)
+
+  def test_weights_move_between_a_split_model_and_mirrored_strategy(self):
+    directory = tempfile.mkdtemp()
+    _, split = split_mlp(2)
+    train(split)
+    split.save_weights(os.path.join(directory, "split.weights.h5"))
+    mirrored = tf.distribute.MirroredStrategy(
+        keras.distribution.list_devices()[:2])
+    with mirrored.scope():
+      model = mlp()
+    model.load_weights(os.path.join(directory, "split.weights.h5"))
+    for want, have in zip(split.get_weights(), model.get_weights()):
+      np.testing.assert_array_equal(have, want)
+    with mirrored.scope():
+      model.layers[1].kernel.assign(model.layers[1].kernel + 1.0)
+    model.save_weights(os.path.join(directory, "mirrored.weights.h5"))
+    _, back = split_mlp(1)
+    back.load_weights(os.path.join(directory, "mirrored.weights.h5"))
+    for want, have in zip(model.get_weights(), back.get_weights()):
+      np.testing.assert_array_equal(have, want)
+
+  def test_backup_and_restore_resumes_on_another_mesh_shape(self):
+    directory = tempfile.mkdtemp()
+    x, y = data()
+    _, split = split_mlp(2)
+    split.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0, callbacks=[
+        keras.callbacks.BackupAndRestore(directory, delete_checkpoint=False)])
+    _, resumed = split_mlp(1)
+    # The backup says epoch 1 is done: only the second epoch runs.
+    history = resumed.fit(x, y, batch_size=8, epochs=2, shuffle=False,
+                          verbose=0, callbacks=[
+        keras.callbacks.BackupAndRestore(directory)])
+    self.assertEqual(len(history.history["loss"]), 1)
+    straight = mlp()
+    straight.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    for want, have in zip(straight.get_weights(), resumed.get_weights()):
+      np.testing.assert_allclose(have, want, rtol=1e-5, atol=1e-6)
 
   def test_a_tf_checkpoint_restores_into_another_mesh_shape(self):
     directory = tempfile.mkdtemp()
