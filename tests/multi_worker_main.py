@@ -7,7 +7,6 @@ OUT_DIR/worker_<index>.json as {spec: results}. A run that takes a working
 directory gets OUT_DIR/<spec>.
 """
 
-import functools
 import json
 import os
 import pathlib
@@ -30,10 +29,16 @@ rs.split_cpu(int(_COUNTS[json.loads(os.environ["TF_CONFIG"])["task"]["index"]]))
 _TIMEOUT = float(sys.argv[3]) if len(sys.argv) > 3 else 300
 
 
-@functools.cache
-def strategy(options=()):
-  """The strategy with `options`, sorted (keyword, value) pairs."""
-  return rs.ReplicatorStrategy(timeout_seconds=_TIMEOUT, **dict(options))
+_strategies = {}  # A run spec's option names ("bfloat16+4_shards") -> strategy.
+
+
+def strategy(option_names="", options=None):
+  """The strategy a run spec's options (`options`, named `option_names`) ask
+  for, made once."""
+  if option_names not in _strategies:
+    _strategies[option_names] = rs.ReplicatorStrategy(
+        timeout_seconds=_TIMEOUT, **(options or {}))
+  return _strategies[option_names]
 
 
 strategy()  # Joins the cluster before any TensorFlow op; the others follow.
@@ -51,7 +56,7 @@ def main(runs, out_dir, timeout=None):
       extra = (pathlib.Path(out_dir, spec),)
       extra[0].mkdir(exist_ok=True)
     results[spec] = multi_worker_runs.RUNS[name](
-        strategy(tuple(sorted(options.items()))), *extra)
+        strategy(spec.partition("@")[2], options), *extra)
   index = strategy().extended.cluster.worker_index
   path = pathlib.Path(out_dir) / f"worker_{index}.json"
   path.write_text(json.dumps(results))

@@ -25,8 +25,23 @@ from replicator_strategy.cluster import scratch
 from replicator_strategy.keras import training as keras_training
 
 GLOBAL_BATCH = 16
+
+
+def _row_parallel_layout():
+  """Every kernel row-parallel over a worker's 2 devices, one replica each.
+
+  The mesh names devices as strings: listing them through TensorFlow would
+  start its runtime before the strategy joins the cluster.
+  """
+  layout_map = keras.distribution.LayoutMap(keras.distribution.DeviceMesh(
+      (1, 2), ("batch", "model"), ["cpu:0", "cpu:1"]))
+  layout_map[".*kernel"] = ("model", None)
+  return layout_map
+
+
 # The strategy options a run spec may name.
 STRATEGY_OPTIONS = {
+    "row_parallel": {"layout_map": _row_parallel_layout()},
     "shard_optimizer_state": {"shard_optimizer_state": True},
     "bfloat16": {"gradient_compression": "bfloat16"},
     "4_shards": {"variable_partitioner": (

@@ -310,6 +310,21 @@ class ShardedOptimizerStateTest(RunsOnWorkers, unittest.TestCase):
 
 
 @pytest.mark.slow
+class LayoutMapTest(RunsOnWorkers, unittest.TestCase):
+  """A layout map's model axis inside each worker: 2 workers x (1 replica
+  over 2 devices) train as one device."""
+  RUNS = ("custom_loop", "keras_fit")
+  OPTIONS = "@row_parallel"
+
+  def test_training_equals_one_device(self):
+    for run in self.RUNS:
+      want = in_one_process(run, 1)
+      for index, worker in enumerate(self.workers):
+        with self.subTest(run=run, worker=index):
+          assert_close_nested(self, worker[run], want)
+
+
+@pytest.mark.slow
 class GradientCompressionTest(RunsOnWorkers, unittest.TestCase):
   """gradient_compression="bfloat16" across workers: 16-bit collective sums."""
   RUNS = ("custom_loop", "keras_fit")
