@@ -185,7 +185,8 @@ def _concat_gradients(grads, parts, axis):
     return None
   if all(isinstance(g, tf.IndexedSlices) for g in grads):
     return _concat_sparse(grads, parts, axis)
-  grads = [tf.zeros_like(p) if g is None else tf.convert_to_tensor(g)
+  grads = [tf.zeros_like(p) if g is None else
+           tf.ensure_shape(tf.convert_to_tensor(g), p.shape)
            for g, p in zip(grads, parts)]
   return tf.concat(grads, axis)
 
@@ -266,7 +267,7 @@ def _split_if_whole(value, whole, k, axis):
     with tf.device(value.values.device):
       return _Pieces(_split_sparse(value, k, axis, whole))
   if (isinstance(value, (tf.Tensor, tf.Variable)) and
-      value.shape.as_list() == whole):
+      value.shape.rank == len(whole) and value.shape.is_compatible_with(whole)):
     with tf.device(value.device):
       return _Pieces(tf.split(value, k, axis=axis))
   return value

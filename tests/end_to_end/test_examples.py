@@ -58,7 +58,23 @@ class ExamplesTest(unittest.TestCase):
     accuracy = float(done.stdout.rsplit("test accuracy:", 1)[1].split()[0])
     self.assertGreater(accuracy, 0.5)  # 2 epochs; chance is 0.1.
 
-  @parameterized.expand(["train_digits.py", "custom_loop_digits.py"])
+  @pytest.mark.slow
+  def test_the_transformer_trains_with_its_heads_split(self):
+    done = subprocess.run(
+        [sys.executable, str(EXAMPLES / "transformer_digits.py"), "--epochs",
+         "3"], capture_output=True, text=True, timeout=300, check=False,
+        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
+    self.assertEqual(done.returncode, 0, done.stderr[-3000:])
+    lines = done.stdout.splitlines()
+    self.assertRegex(lines[0], r"^ReplicatorStrategy\(2 replicas: .*CPU:0.*CPU:2")
+    self.assertEqual(lines[1], "up/kernel [32, 128] in 2 parts of [32, 64], on "
+                     "device:CPU:0, device:CPU:1, device:CPU:2, device:CPU:3")
+    self.assertRegex(lines[-1], r"^wall time: \d+\.\d s$")
+    accuracy = float(done.stdout.rsplit("test accuracy:", 1)[1].split()[0])
+    self.assertGreater(accuracy, 0.5)  # 3 epochs; chance is 0.1.
+
+  @parameterized.expand(["train_digits.py", "custom_loop_digits.py",
+                         "transformer_digits.py"])
   def test_help_answers_without_importing_tensorflow(self, script):
     # -X importtime lists every module imported, on stderr.
     done = subprocess.run(
