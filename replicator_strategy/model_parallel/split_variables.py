@@ -185,10 +185,12 @@ def _concat_gradients(grads, parts, axis):
     return None
   if all(isinstance(g, tf.IndexedSlices) for g in grads):
     return _concat_sparse(grads, parts, axis)
-  grads = [tf.zeros_like(p) if g is None else
-           tf.ensure_shape(tf.convert_to_tensor(g), p.shape)
-           for g, p in zip(grads, parts)]
-  return tf.concat(grads, axis)
+  dense = []
+  for g, part in zip(grads, parts):
+    with tf.device(part.device):  # Known shapes: a dynamic batch loses them.
+      dense.append(tf.zeros_like(part) if g is None else
+                   tf.ensure_shape(tf.convert_to_tensor(g), part.shape))
+  return tf.concat(dense, axis)
 
 
 def _concat_sparse(grads, parts, axis):
