@@ -6,14 +6,19 @@ and a (1, 4) mesh of 4 logical CPUs; each split weight and its optimizer
 slots hold 1/k of their bytes on each of a replica's devices; the traced
 step combines activations once forward and once backward; checkpoints move
 between a split model and a plain one; bad layouts are refused.
+
+Marked `slow` (the quick loop leaves them out): the (1, 4) mesh, the
+transformer block, mixed precision, the `.keras` file and BackupAndRestore.
 """
 
+import functools
 import os
 import tempfile
 import unittest
 
 import keras
 import numpy as np
+import pytest
 import tensorflow as tf
 
 import replicator_strategy as rs
@@ -71,6 +76,14 @@ def split_mlp(replicas):
   return strategy, model
 
 
+@functools.cache
+def trained_split_mlp(replicas):
+  """(model, `train`'s results) of the split MLP on a (replicas, 4 //
+  replicas) mesh: trained once, read by several tests."""
+  _, model = split_mlp(replicas)
+  return model, train(model)
+
+
 class MegatronMlpTest(unittest.TestCase):
 
   @classmethod
@@ -78,9 +91,8 @@ class MegatronMlpTest(unittest.TestCase):
     cls.one_device = train(mlp())
 
   def check_fit(self, replicas):
-    strategy, model = split_mlp(replicas)
-    self.assertEqual(strategy.num_replicas_in_sync, replicas)
-    got = train(model)
+    model, got = trained_split_mlp(replicas)
+    self.assertEqual(model.distribute_strategy.num_replicas_in_sync, replicas)
     np.testing.assert_allclose(got["loss"], self.one_device["loss"], rtol=1e-5)
     np.testing.assert_allclose(got["evaluate"], self.one_device["evaluate"],
                                rtol=1e-5)
@@ -109,6 +121,7 @@ class MegatronMlpTest(unittest.TestCase):
     model = self.check_fit(2)
     self.check_bytes_per_device(model, 2)
 
+  @pytest.mark.slow
   def test_fit_evaluate_predict_on_a_1_by_4_mesh_equal_one_device(self):
     model = self.check_fit(1)
     self.check_bytes_per_device(model, 1)
@@ -161,6 +174,7 @@ def train_transformer(model):
 
 class TransformerBlockTest(unittest.TestCase):
 
+  @pytest.mark.slow
   def test_a_block_with_heads_split_on_a_2_by_2_mesh_trains_as_one_device(self):
     want_loss, want = train_transformer(transformer())
     strategy = rs.ReplicatorStrategy(layout_map=transformer_layout(2))
@@ -227,6 +241,7 @@ class MixedPrecisionTest(unittest.TestCase):
     keras.mixed_precision.set_global_policy("mixed_float16")
     self.addCleanup(keras.mixed_precision.set_global_policy, "float32")
 
+  @pytest.mark.slow
   def test_mixed_float16_on_a_2_by_2_mesh_trains_as_one_device(self):
     want = train(mlp())
     _, model = split_mlp(2)
@@ -342,8 +357,7 @@ class CheckpointTest(unittest.TestCase):
 
   def test_weights_files_move_between_a_split_model_and_a_plain_one(self):
     directory = tempfile.mkdtemp()
-    _, split = split_mlp(2)
-    train(split)
+    split, _ = trained_split_mlp(2)
     path = os.path.join(directory, "split.weights.h5")
     split.save_weights(path)
     plain = mlp()
@@ -358,10 +372,10 @@ class CheckpointTest(unittest.TestCase):
     for want, have in zip(plain.get_weights(), other.get_weights()):
       np.testing.assert_array_equal(have, want)
 
+  @pytest.mark.slow
   def test_a_keras_file_loads_without_a_strategy_and_into_a_split_one(self):
     directory = tempfile.mkdtemp()
-    _, split = split_mlp(2)
-    train(split)
+    split, _ = trained_split_mlp(2)
     path = os.path.join(directory, "model.keras")
     split.save(path)
     plain = keras.models.load_model(path)
@@ -380,8 +394,7 @@ class CheckpointTest(unittest.TestCase):
 
   def test_weights_move_between_a_split_model_and_mirrored_strategy(self):
     directory = tempfile.mkdtemp()
-    _, split = split_mlp(2)
-    train(split)
+    split, _ = trained_split_mlp(2)
     split.save_weights(os.path.join(directory, "split.weights.h5"))
     mirrored = tf.distribute.MirroredStrategy(
         keras.distribution.list_devices()[:2])
@@ -398,6 +411,7 @@ class CheckpointTest(unittest.TestCase):
     for want, have in zip(model.get_weights(), back.get_weights()):
       np.testing.assert_array_equal(have, want)
 
+  @pytest.mark.slow
   def test_backup_and_restore_resumes_on_another_mesh_shape(self):
     directory = tempfile.mkdtemp()
     x, y = data()
@@ -417,8 +431,7 @@ class CheckpointTest(unittest.TestCase):
 
   def test_a_tf_checkpoint_restores_into_another_mesh_shape(self):
     directory = tempfile.mkdtemp()
-    _, split = split_mlp(2)
-    train(split)
+    split, _ = trained_split_mlp(2)
     path = tf.train.Checkpoint(model=split).save(os.path.join(directory, "c"))
     _, other = split_mlp(1)
     tf.train.Checkpoint(model=other).restore(path).assert_existing_objects_matched()
