@@ -151,11 +151,10 @@ class ReplicatorStrategy(tf.distribute.Strategy):
     else:
       devices = devices_lib.resolve_devices(devices)
     groups = logical_devices.group_by_replica(devices, devices_per_replica)
-    if len(groups[0]) > 1 and (shard_optimizer_state or variable_partitioner):
+    if len(groups[0]) > 1 and variable_partitioner:
       raise NotImplementedError(
           "A replica over several devices (devices_per_replica > 1 or "
-          "layout_map) does not combine with shard_optimizer_state or "
-          "variable_partitioner yet.")
+          "layout_map) does not combine with variable_partitioner yet.")
     super().__init__(extended_lib.ReplicatorExtended(
         self, groups, all_reduce, cluster, timeout_seconds,
         variable_partitioner, model_layouts))

@@ -45,6 +45,7 @@ import keras
 import tensorflow as tf
 
 from replicator_strategy import replica_context
+from replicator_strategy.model_parallel import split_variables
 from replicator_strategy.sharding import creation
 from replicator_strategy.sharding import optimizer_state as sharded
 from replicator_strategy.sharding import variables as sharded_variables
@@ -85,7 +86,8 @@ def shard_slots(add_variable_from_reference):
       return add_variable_from_reference(self, reference_variable, name=name,
                                          initializer=initializer)
     check_supported(self, "shard_optimizer_state=True")
-    if name in _KEPT_WHOLE:
+    if name in _KEPT_WHOLE or _split(reference_variable):
+      # A split weight's slots are split as it is (a 1/k part per device).
       return add_variable_from_reference(self, reference_variable, name=name,
                                          initializer=initializer)
     with creation.requesting(flat=True):
@@ -104,11 +106,12 @@ def decay_in_shards(apply_weight_decay):
     if _sharding_strategy() is None:
       return apply_weight_decay(self, variables)
     # Sharded weights (variable_partitioner) decay shard by shard in Keras's
-    # own update already.
+    # own update already, split ones (a layout map) part by part.
     return apply_weight_decay(self, [
         v for v in variables if isinstance(
             v.value if isinstance(v, keras.Variable) else v,
-            sharded_variables.ShardedVariable)])
+            (sharded_variables.ShardedVariable,
+             split_variables.SplitVariable))])
 
   return wrapper
 
@@ -133,6 +136,15 @@ def sharded_update_step(backend_update_step):
                                  learning_rate)
     weights = [v.value if isinstance(v, keras.Variable) else v
                for v in trainable_variables]
+    split = [i for i, w in enumerate(weights) if _split(w)]
+    if split:  # Keras's own step, part by part; the others' state sharded.
+      backend_update_step(self, [grads[i] for i in split],
+                          [trainable_variables[i] for i in split],
+                          learning_rate)
+      grads = [g for i, g in enumerate(grads) if i not in split]
+      weights = [w for i, w in enumerate(weights) if i not in split]
+      if not weights:
+        return None
     update = functools.partial(_update_shard, self)
     ctx = tf.distribute.get_replica_context()
     if ctx is None:  # Called in cross-replica context: the gradients are global.
@@ -153,6 +165,11 @@ def sharded_update_step(backend_update_step):
     return ctx.merge_call(merge_fn, args=(list(grads), learning_rate))
 
   return wrapper
+
+
+def _split(variable):
+  value = variable.value if isinstance(variable, keras.Variable) else variable
+  return isinstance(value, split_variables.SplitVariable)
 
 
 def _update_shard(optimizer, weight, gradient, shard, learning_rate):

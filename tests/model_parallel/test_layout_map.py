@@ -126,6 +126,23 @@ class MegatronMlpTest(unittest.TestCase):
     model = self.check_fit(1)
     self.check_bytes_per_device(model, 1)
 
+  def test_with_sharded_optimizer_state_equals_one_device(self):
+    # Split weights keep their slots split over a replica's devices; the
+    # others' slots are sharded over the replicas (the batch axis).
+    strategy = rs.ReplicatorStrategy(layout_map=megatron_layout(2),
+                                     shard_optimizer_state=True)
+    with strategy.scope():
+      model = mlp()
+    got = train(model)
+    np.testing.assert_allclose(got["loss"], self.one_device["loss"], rtol=1e-5)
+    for want, have in zip(self.one_device["weights"], got["weights"]):
+      np.testing.assert_allclose(have, want, rtol=1e-5, atol=1e-6)
+    kinds = {v.path: type(v.value).__name__ for v in model.optimizer.variables}
+    up = [kind for path, kind in kinds.items() if "up_kernel" in path]
+    embed = [kind for path, kind in kinds.items() if "embed_kernel" in path]
+    self.assertEqual(up, ["SplitVariable"] * 2)  # Adam's momentum, velocity.
+    self.assertEqual(embed, ["ShardedVariable"] * 2)
+
   def test_unsplit_weights_are_mirrored_over_the_replicas(self):
     strategy, model = split_mlp(2)
     embed = model.get_layer("embed").kernel.value
