@@ -5,6 +5,7 @@ logical device 1 trains as on one device, and each variable and op sits where
 it was placed.
 """
 
+import contextlib
 import unittest
 
 import keras
@@ -80,6 +81,43 @@ class LogicalDevicesTest(unittest.TestCase):
                     step.get_concrete_function(batch).graph.get_operations()
                     if op.name.endswith("second_layer"))
     self.assertEqual(placed, ["CPU:1", "CPU:3"])
+
+  def test_adam_with_sharded_optimizer_state_trains_as_one_device(self):
+
+    def three_steps(strategy):
+      start0, start1 = initial()
+      scope = strategy.scope() if strategy else contextlib.nullcontext()
+      with scope:
+        w0 = tf.Variable(start0)
+        place = (strategy.logical_device_for_variables(1) if strategy
+                 else contextlib.nullcontext())
+        with place:
+          w1 = tf.Variable(start1)
+        optimizer = keras.optimizers.Adam(0.1)
+        optimizer.build([w0, w1])
+
+      def step(x):
+        with tf.GradientTape() as tape:
+          loss = tf.reduce_sum(tf.matmul(tf.tanh(tf.matmul(x, w0)), w1) ** 2)
+          scaled = loss / ROWS
+        grads = tape.gradient(scaled, [w0, w1])
+        optimizer.apply_gradients(zip(grads, [w0, w1]))
+
+      if strategy is None:
+        run, batch = tf.function(step), data()
+      else:
+        run = tf.function(lambda b: strategy.run(step, (b,)))
+        batch = next(iter(strategy.experimental_distribute_dataset(
+            tf.data.Dataset.from_tensor_slices(data()).batch(ROWS))))
+      for _ in range(3):
+        run(batch)
+      return w0.numpy(), w1.numpy()
+
+    want = three_steps(None)
+    have = three_steps(topology.strategy_over(
+        4, devices_per_replica=2, shard_optimizer_state=True))
+    for w, h in zip(want, have):
+      np.testing.assert_allclose(h, w, rtol=1e-5, atol=1e-6)
 
   def test_a_device_count_it_does_not_divide_is_refused(self):
     with self.assertRaisesRegex(ValueError, r"devices_per_replica=3.*4"):
