@@ -7,7 +7,10 @@
   (`model_parallel.megatron`), decided by where its einsum puts the split
   letter: in the output (column) or contracted (row);
 - `attention_per_head_group`: `MultiHeadAttention` attends on each device
-  over its heads when query, key and value come in parts by heads.
+  over its heads when query, key and value come in parts by heads;
+- `output_layouts`: a layer whose `<path>/output` key the layout map has
+  returns its output in parts along the dimension the layout splits, one
+  part per logical device, for a row-parallel layer after it.
 """
 
 import functools
@@ -167,3 +170,31 @@ def attention_per_head_group(compute_attention):
     return megatron.assembled(outputs, devices, -2), None
 
   return wrapper
+
+
+def output_layouts(layer_call):
+  """`Layer.__call__`, its output in parts where `<path>/output` says so."""
+
+  @functools.wraps(layer_call)
+  def wrapper(self, *args, **kwargs):
+    outputs = layer_call(self, *args, **kwargs)
+    model_layouts = _model_layouts()
+    ctx = tf.distribute.get_replica_context()
+    if (model_layouts is None or not isinstance(outputs, tf.Tensor) or
+        not isinstance(ctx, replica_context.ReplicaContext)):
+      return outputs
+    axis = model_layouts.split_axis(f"{self.path}/output",
+                                    outputs.shape.as_list())
+    if axis is None:
+      return outputs
+    logical = ctx.strategy.extended.logical_devices
+    devices = logical.groups[ctx.local_index]
+    parts = []
+    for device, part in zip(devices, megatron.split(
+        outputs, logical.per_replica, axis, devices)):
+      with tf.device(device):
+        parts.append(tf.identity(part))
+    return megatron.assembled(parts, devices, axis)
+
+  return wrapper
+

@@ -115,6 +115,9 @@ PATCHES = (
           model_parallel.attention_per_head_group,
           "a ReplicatorStrategy(layout_map=...) replica attends with query, "
           "key and value split by heads"),
+    Patch(keras.Layer, "__call__", model_parallel.output_layouts,
+          "a ReplicatorStrategy(layout_map=...) replica runs a layer whose "
+          "<path>/output key the layout map has"),
     Patch(keras.layers.Embedding, "call", sharded_weights.lookup_rows,
           _SHARDED + ": the Embedding's table"),
     Patch(_MODEL, "_make_function", training.compiled_per_replica,

@@ -120,7 +120,7 @@ class ModelLayouts:
           f"the model axis {self.model_axis!r}; split one.")
     axis = split[0]
     k = self.devices_per_replica
-    if shape[axis] is None or shape[axis] % k:
+    if shape[axis] is None or shape[axis] % k:  # A batch axis is None.
       raise ValueError(
           f"The layout {axes} for {path!r} splits dimension {axis} (size "
           f"{shape[axis]}, shape {list(shape)}) over the model axis "
@@ -136,7 +136,8 @@ class ModelLayouts:
     A renamed layer otherwise leaves its weights silently replicated.
     """
     unmatched = [key for key in self.layout_map
-                 if key not in self.matched_keys | self._warned_keys]
+                 if key not in self.matched_keys | self._warned_keys and
+                 not key.endswith("/output")]  # Those match tensors.
     for key in unmatched:
       logging.warning(
           "ReplicatorStrategy: the layout map key %r matches no variable "

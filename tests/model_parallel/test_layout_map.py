@@ -337,6 +337,31 @@ class CombinesTest(unittest.TestCase):
     self.assertEqual(matmul_devices, {0, 1, 2, 3})
 
 
+class OutputLayoutTest(unittest.TestCase):
+
+  def test_an_output_key_hands_a_row_parallel_layer_its_parts(self):
+    layout_map = keras.distribution.LayoutMap(mesh(2))
+    layout_map[".*embed/output"] = (None, "model")
+    layout_map[".*down/kernel"] = ("model", None)
+    strategy = rs.ReplicatorStrategy(layout_map=layout_map)
+    with strategy.scope():
+      model = keras.Sequential([
+          keras.Input((FEATURES,)),
+          keras.layers.Dense(HIDDEN, activation="tanh", name="embed"),
+          keras.layers.Dense(OUT, name="down")])
+    x = tf.constant(data()[0][:BATCH])
+    step = tf.function(lambda x: strategy.run(model, (x,)))
+    want = np.tanh(x.numpy() @ model.layers[0].kernel.numpy() +
+                   model.layers[0].bias.numpy()) @ model.layers[1].kernel.numpy()
+    for part in strategy.experimental_local_results(step(x)):
+      np.testing.assert_allclose(part.numpy(), want + model.layers[1].bias.numpy(),
+                                 rtol=1e-5, atol=1e-5)
+    graph = step.get_concrete_function(x).graph
+    # One split per replica, the relayout's: the row layer splits nothing.
+    splits = [op for op in graph.get_operations() if op.type == "Split"]
+    self.assertEqual(len(splits), 2)
+
+
 class WarningsTest(unittest.TestCase):
 
   def test_a_key_matching_no_variable_is_warned_at_the_first_run(self):
