@@ -8,6 +8,10 @@
   letter: in the output (column) or contracted (row);
 - `attention_per_head_group`: `MultiHeadAttention` attends on each device
   over its heads when query, key and value come in parts by heads;
+- `megatron_embedding`: an `Embedding` whose table the layout splits looks
+  up on each device: by columns, its output stays in parts; by rows (the
+  vocabulary, Megatron's vocab-parallel embedding), each device looks up
+  the ids in its rows and the parts are summed;
 - `output_layouts`: a layer whose `<path>/output` key the layout map has
   returns its output in parts along the dimension the layout splits, one
   part per logical device, for a row-parallel layer after it.
@@ -197,4 +201,46 @@ def output_layouts(layer_call):
     return megatron.assembled(parts, devices, axis)
 
   return wrapper
+
+
+def megatron_embedding(call):
+  """An `Embedding` whose table the layout splits looks up in parts."""
+
+  @functools.wraps(call)
+  def wrapper(self, inputs, *args, **kwargs):
+    ctx = tf.distribute.get_replica_context()
+    table = _split(self.embeddings) if not (
+        self.lora_enabled or self.quantization_mode) else None
+    if table is None or not isinstance(ctx, replica_context.ReplicaContext):
+      return call(self, inputs, *args, **kwargs)
+    local = ctx.local_index
+    devices = [p.device for p in table.parts(local)]
+    ids = tf.cast(inputs, tf.int32) if inputs.dtype not in (
+        tf.int32, tf.int64) else inputs
+    parts = table.read_parts(local)
+    if table.axis == 1:  # Columns: each device its slice of every row.
+      outputs = [megatron.on_device(d, lambda t: tf.gather(t, ids), part)
+                 for d, part in zip(devices, parts)]
+      outputs = [tf.cast(o, self.compute_dtype) for o in outputs]
+      return megatron.assembled(outputs, devices, -1)
+    rows = int(parts[0].shape[0])
+    outputs = [megatron.on_device(d, functools.partial(
+        _rows_here, ids=ids, first=i * rows, rows=rows), part)
+               for i, (d, part) in enumerate(zip(devices, parts))]
+    with tf.device(devices[0]):
+      return tf.cast(tf.add_n(outputs), self.compute_dtype)
+
+  return wrapper
+
+
+def _rows_here(table, ids, first, rows):
+  """The rows of `ids` that `table` (rows first ... first+rows-1) holds,
+  zeros for the others; only those ids are looked up, so the gradient
+  touches only them (as one device's sparse gradient does)."""
+  local = tf.cast(ids, tf.int64) - first
+  here = tf.where((local >= 0) & (local < rows))
+  found = tf.gather(table, tf.gather_nd(local, here))
+  shape = tf.concat([tf.shape(ids, out_type=tf.int64),
+                     tf.shape(table, out_type=tf.int64)[1:]], 0)
+  return tf.scatter_nd(here, found, shape)
 

@@ -115,6 +115,9 @@ PATCHES = (
           model_parallel.attention_per_head_group,
           "a ReplicatorStrategy(layout_map=...) replica attends with query, "
           "key and value split by heads"),
+    Patch(keras.layers.Embedding, "call", model_parallel.megatron_embedding,
+          "a ReplicatorStrategy(layout_map=...) replica looks up an "
+          "Embedding whose table the layout splits"),
     Patch(keras.Layer, "__call__", model_parallel.output_layouts,
           "a ReplicatorStrategy(layout_map=...) replica runs a layer whose "
           "<path>/output key the layout map has"),
