@@ -38,9 +38,9 @@ SIZES = {  # name: (full run, --quick)
     # The model_parallel transformer: vocabulary, sequence, width, heads,
     # blocks (52.5 M parameters in full); global batch; steps, the first of
     # which traces and is not timed.
-    "transformer": ((512, 16, 1024, 8, 4), (32, 4, 16, 4, 2)),
+    "transformer": ((512, 16, 1024, 8, 4), (32, 4, 16, 4, 1)),
     "transformer_batch": (8, 8),
-    "transformer_steps": (6, 3),
+    "transformer_steps": (6, 2),
 }
 
 
