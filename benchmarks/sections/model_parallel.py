@@ -103,13 +103,16 @@ def model_parallel_child(options, spec):
           "loss": history.history["loss"]}
 
 
-def model_parallel_rows(options):
-  """Fresh-process part: one child per contender, so peaks don't mix."""
+def model_parallel_rows(options, names=NAMES):
+  """Fresh-process part: one child per contender, so peaks don't mix.
+
+  `names`: the contenders, k=1 first (the tests run a few of them).
+  """
   if len(contenders.devices()) < DEVICES:
     return []
   runs = {name: processes.child(options, SECTION.name, model_parallel_child,
                                 name)
-          for name in NAMES}
+          for name in names}
   params = runs["k=1"]["params"]
   row = {"devices": DEVICES, "params": params,
          "adam_slot_mb": params * 4 / 2 ** 20,
@@ -132,26 +135,28 @@ def model_parallel_table(options, rows):
   size = options.size
   vocab, seq, width, heads, blocks = size["transformer"]
   lines = []
-  header = (f"{'':22} " + " ".join(f"{n:>9}" for n in NAMES) +
-            " " + " ".join(f"{n + '/k=1':>10}" for n in NAMES[1:]))
   for r in rows:
+    names = list(r["ms"])
     lines += ["", f"Model parallel (layout_map, k devices a replica) against "
               f"zero3: transformer, {blocks} blocks, width {width}, {heads} "
               f"heads, vocabulary {vocab}, sequence {seq} "
               f"({r['params'] / 1e6:.1f} M parameters), Adam, "
               f"{r['devices']} devices, global batch "
               f"{size['transformer_batch']}, MB (each in a fresh process; "
-              f"one Adam slot = {r['adam_slot_mb']:.1f} MB)", header]
+              f"one Adam slot = {r['adam_slot_mb']:.1f} MB)",
+              f"{'':22} " + " ".join(f"{n:>9}" for n in names) + " " +
+              " ".join(f"{n + '/k=1':>10}" for n in names[1:])]
     for key, label in MEMORY_ROWS:
-      lines.append(_line(label, r[key], ".1f"))
-    lines.append(_line("fit step (ms, median)", r["ms"], ".2f") +
+      lines.append(_line(label, r[key], names, ".1f"))
+    lines.append(_line("fit step (ms, median)", r["ms"], names, ".2f") +
                  f"  losses agree {r['agree']}")
   return lines
 
 
-def _line(label, values, fmt):
-  return (f"{label:22} {tables.cells(values, NAMES, 9, fmt)} " +
-          " ".join(f"{values[n] / values['k=1']:>10.2f}" for n in NAMES[1:]))
+def _line(label, values, names, fmt):
+  """One measure: each contender's value, then its ratio to k=1's."""
+  return (f"{label:22} {tables.cells(values, names, 9, fmt)} " +
+          " ".join(f"{values[n] / values['k=1']:>10.2f}" for n in names[1:]))
 
 
 SECTION = section.Section(
