@@ -40,7 +40,7 @@ SIZES = {  # name: (full run, --quick)
     # which traces and is not timed.
     "transformer": ((512, 16, 1024, 8, 4), (32, 4, 16, 4, 1)),
     "transformer_batch": (8, 8),
-    "transformer_steps": (6, 2),
+    "transformer_steps": (8, 2),
 }
 
 
