@@ -100,6 +100,7 @@ def model_parallel_child(options, spec):
           "optimizer_bytes": models.bytes_by_device(model.optimizer.variables),
           "peak_rss_mb": processes.peak_rss_mb(),
           "ms": timing.median_ms(timer.times[1:]),  # The first step traces.
+          "step_ms": [1000 * t for t in timer.times[1:]],
           "loss": history.history["loss"]}
 
 
@@ -119,6 +120,7 @@ def model_parallel_rows(options, names=NAMES):
          "split_weights": {n: r["split_weights"] for n, r in runs.items()},
          "agree": timing.agree([r["loss"] for r in runs.values()], rtol=1e-4),
          "ms": {n: r["ms"] for n, r in runs.items()},
+         "step_ms": {n: r["step_ms"] for n, r in runs.items()},
          "peak_rss_mb": {n: r["peak_rss_mb"] for n, r in runs.items()}}
   for key in ("optimizer_bytes", "weight_bytes"):
     row[key.replace("bytes", "mb_per_device_max")] = {
