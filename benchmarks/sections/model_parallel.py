@@ -14,6 +14,7 @@ import keras
 import numpy as np
 
 import replicator_strategy as rs
+from replicator_strategy.model_parallel import split_variables
 from benchmarks import contenders
 from benchmarks import models
 from benchmarks import processes
@@ -93,8 +94,8 @@ def model_parallel_child(options, spec):
   timer = timing.StepTimer()
   history = model.fit(ids[:, :-1], ids[:, 1:], batch_size=batch, epochs=1,
                       shuffle=False, verbose=0, callbacks=[timer])
-  split = [v.path for v in model.weights
-           if type(v.value).__name__ == "SplitVariable"]
+  split = [v for v in model.weights
+           if isinstance(v.value, split_variables.SplitVariable)]
   return {"params": model.count_params(), "split_weights": len(split),
           "weight_bytes": models.bytes_by_device(model.weights),
           "optimizer_bytes": models.bytes_by_device(model.optimizer.variables),
@@ -107,14 +108,14 @@ def model_parallel_child(options, spec):
 def model_parallel_rows(options, names=NAMES):
   """Fresh-process part: one child per contender, so peaks don't mix.
 
-  `names`: the contenders, k=1 first (the tests run a few of them).
+  `names`: the contenders (the tests run one); ratios are to k=1's.
   """
   if len(contenders.devices()) < DEVICES:
     return []
   runs = {name: processes.child(options, SECTION.name, model_parallel_child,
                                 name)
           for name in names}
-  params = runs["k=1"]["params"]
+  params = next(iter(runs.values()))["params"]
   row = {"devices": DEVICES, "params": params,
          "adam_slot_mb": params * 4 / 2 ** 20,
          "split_weights": {n: r["split_weights"] for n, r in runs.items()},
@@ -139,6 +140,7 @@ def model_parallel_table(options, rows):
   lines = []
   for r in rows:
     names = list(r["ms"])
+    ratios = [n for n in names if n != "k=1"] if "k=1" in names else []
     lines += ["", f"Model parallel (layout_map, k devices a replica) against "
               f"zero3: transformer, {blocks} blocks, width {width}, {heads} "
               f"heads, vocabulary {vocab}, sequence {seq} "
@@ -147,18 +149,18 @@ def model_parallel_table(options, rows):
               f"{size['transformer_batch']}, MB (each in a fresh process; "
               f"one Adam slot = {r['adam_slot_mb']:.1f} MB)",
               f"{'':22} " + " ".join(f"{n:>9}" for n in names) + " " +
-              " ".join(f"{n + '/k=1':>10}" for n in names[1:])]
+              " ".join(f"{n + '/k=1':>10}" for n in ratios)]
     for key, label in MEMORY_ROWS:
-      lines.append(_line(label, r[key], names, ".1f"))
-    lines.append(_line("fit step (ms, median)", r["ms"], names, ".2f") +
+      lines.append(_line(label, r[key], names, ratios, ".1f"))
+    lines.append(_line("fit step (ms, median)", r["ms"], names, ratios, ".2f") +
                  f"  losses agree {r['agree']}")
   return lines
 
 
-def _line(label, values, names, fmt):
-  """One measure: each contender's value, then its ratio to k=1's."""
+def _line(label, values, names, ratios, fmt):
+  """One measure: each contender's value, then `ratios`' to k=1's."""
   return (f"{label:22} {tables.cells(values, names, 9, fmt)} " +
-          " ".join(f"{values[n] / values['k=1']:>10.2f}" for n in names[1:]))
+          " ".join(f"{values[n] / values['k=1']:>10.2f}" for n in ratios))
 
 
 SECTION = section.Section(
