@@ -142,8 +142,8 @@ def model_parallel_table(options, rows):
     names = list(r["ms"])
     ratios = [n for n in names if n != "k=1"] if "k=1" in names else []
     lines += ["", f"Model parallel (layout_map, k devices a replica) against "
-              f"zero3: transformer, {blocks} blocks, width {width}, {heads} "
-              f"heads, vocabulary {vocab}, sequence {seq} "
+              f"zero3: transformer, {blocks} block{'s' * (blocks > 1)}, "
+              f"width {width}, {heads} heads, vocabulary {vocab}, sequence {seq} "
               f"({r['params'] / 1e6:.1f} M parameters), Adam, "
               f"{r['devices']} devices, global batch "
               f"{size['transformer_batch']}, MB (each in a fresh process; "
