@@ -35,6 +35,12 @@ SIZES = {  # name: (full run, --quick)
     "embedding_ids": (8, 4),
     "embedding_batch": (256, 32),
     "embedding_steps": (20, 3),
+    # The model_parallel transformer: vocabulary, sequence, width, heads,
+    # blocks (51.4 M parameters in full); global batch; steps, the first of
+    # which traces and is not timed.
+    "transformer": ((512, 16, 1024, 8, 4), (32, 4, 16, 4, 1)),
+    "transformer_batch": (8, 8),
+    "transformer_steps": (8, 2),
 }
 
 
