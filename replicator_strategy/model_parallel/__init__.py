@@ -8,6 +8,7 @@ TensorFlow (`layouts`), the weights it splits over a replica's devices
 (`split_variables`) and Megatron-LM's column/row-parallel matmuls over them
 (`megatron`).
 
-May import: `replicator_strategy._tf_internal` and its own modules; nothing
-from `collectives`, `sharding`, `cluster`, `cli` or `keras`.
+May import: `replicator_strategy._tf_internal`, `sharding.variables` (the
+`PiecewiseVariable` base a split variable shares with a sharded one) and its
+own modules; nothing from `collectives`, `cluster`, `cli` or `keras`.
 """

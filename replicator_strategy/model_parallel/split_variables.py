@@ -42,11 +42,12 @@ import numpy as np
 import tensorflow as tf
 
 from replicator_strategy import _tf_internal as tfi
+from replicator_strategy.sharding import variables as sharded_variables
 
 _updating = threading.local()  # .part: the part an update step runs for.
 
 
-class SplitVariable(tfi.values.DistributedVariable):
+class SplitVariable(sharded_variables.PiecewiseVariable):
   """A variable split in `num_parts` along `axis` on each replica's devices.
 
   `values` lists replica 0's parts, then replica 1's, ...: component
@@ -55,17 +56,10 @@ class SplitVariable(tfi.values.DistributedVariable):
 
   def __init__(self, strategy, values, aggregation, axis, shape):
     self.axis = axis
-    self._whole_shape = tf.TensorShape(shape)
+    self.whole_shape = tf.TensorShape(shape)
     self.num_parts = len(strategy.extended.logical_devices.groups[0])
     self._logged_whole_read = False
     super().__init__(strategy, values, aggregation)
-
-  @property
-  def shape(self):
-    return self._whole_shape
-
-  def get_shape(self):
-    return self.shape
 
   def parts(self, local_replica):
     """Replica `local_replica`'s parts, in order (part i on device i)."""
@@ -115,19 +109,6 @@ class SplitVariable(tfi.values.DistributedVariable):
           f"of another variable cannot assign it whole. Assign it outside "
           f"`strategy.run`, or in its own optimizer step.")
     return self.parts(replica_id)[part]
-
-  def _get_on_device_or_primary(self):
-    return self._get()
-
-  def value(self):
-    return tf.convert_to_tensor(self._get())
-
-  def __array__(self, dtype=None, copy=None):
-    del copy  # A read is a copy already.
-    return np.asarray(self.numpy(), dtype=dtype)
-
-  def _as_graph_element(self):
-    return None  # No single graph element holds the whole value.
 
   @property
   def handle(self):

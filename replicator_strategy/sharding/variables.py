@@ -40,7 +40,41 @@ from replicator_strategy.collectives import compression as compression_lib
 from replicator_strategy.collectives import per_replica
 
 
-class ShardedVariable(tfi.values.DistributedVariable):
+class PiecewiseVariable(tfi.values.DistributedVariable):
+  """A distributed variable whose components are pieces of one whole.
+
+  It has the whole's shape (`whole_shape`), and reads, converts and prints as
+  what its subclass's `_get` gives where it is read. `ShardedVariable` and
+  `model_parallel.split_variables.SplitVariable` are the two kinds.
+  """
+
+  whole_shape = ()
+
+  @property
+  def shape(self):
+    return tf.TensorShape(self.whole_shape)
+
+  def get_shape(self):
+    return self.shape
+
+  def _get(self):
+    raise NotImplementedError("Each kind reads the pieces its own way.")
+
+  def _get_on_device_or_primary(self):
+    return self._get()
+
+  def value(self):
+    return tf.convert_to_tensor(self._get())
+
+  def __array__(self, dtype=None, copy=None):
+    del copy  # A read is a copy already.
+    return np.asarray(self.numpy(), dtype=dtype)
+
+  def _as_graph_element(self):
+    return None  # No single graph element holds the whole value.
+
+
+class ShardedVariable(PiecewiseVariable):
   """A variable whose component r is shard `first_shard + r`, on device r.
 
   `layout` is a `layout.Layout`; `replica_reads` is "whole", "shard" or None
@@ -50,16 +84,10 @@ class ShardedVariable(tfi.values.DistributedVariable):
   def __init__(self, strategy, values, aggregation, layout, first_shard,
                replica_reads):
     self.layout = layout
+    self.whole_shape = layout.shape
     self.first_shard = first_shard
     self.replica_reads = replica_reads
     super().__init__(strategy, values, aggregation)
-
-  @property
-  def shape(self):
-    return tf.TensorShape(self.layout.shape)
-
-  def get_shape(self):
-    return self.shape
 
   @property
   def shard_devices(self):
@@ -96,19 +124,6 @@ class ShardedVariable(tfi.values.DistributedVariable):
     return ctx.outside_loops(lambda: gather_whole(
         ctx, self.layout, self.values[local].read_value(),
         self.first_shard + local))
-
-  def _get_on_device_or_primary(self):
-    return self._get()
-
-  def value(self):
-    return tf.convert_to_tensor(self._get())
-
-  def __array__(self, dtype=None, copy=None):
-    del copy  # A read is a copy already.
-    return np.asarray(self.numpy(), dtype=dtype)
-
-  def _as_graph_element(self):
-    return None  # No single graph element holds the whole value.
 
   def _update_cross_replica(self, update_fn, value, **kwargs):
     value = tf.convert_to_tensor(value, dtype=self.dtype)

@@ -231,7 +231,8 @@ class OverriddenHooksTest(unittest.TestCase):
 
   def test_the_listed_hooks_are_what_our_distributed_variables_override(self):
     overridden = set()
-    for cls in (sharded_variables.ShardedVariable,
+    for cls in (sharded_variables.PiecewiseVariable,
+                sharded_variables.ShardedVariable,
                 split_variables.SplitVariable):
       tf_names = _private_names_of_foreign(cls.__mro__[1:])
       overridden |= {name for name, value in vars(cls).items()

@@ -434,6 +434,11 @@ class EmbeddingTest(unittest.TestCase):
     self.check(("model", None))
 
 
+def assert_same_weights(model, want):
+  for w, h in zip(want.get_weights(), model.get_weights(), strict=True):
+    np.testing.assert_array_equal(h, w)
+
+
 class CheckpointTest(unittest.TestCase):
 
   def test_weights_files_move_between_a_split_model_and_a_plain_one(self):
@@ -443,15 +448,13 @@ class CheckpointTest(unittest.TestCase):
     split.save_weights(path)
     plain = mlp()
     plain.load_weights(path)
-    for want, have in zip(split.get_weights(), plain.get_weights()):
-      np.testing.assert_array_equal(have, want)
+    assert_same_weights(plain, split)
     # And back, into a mesh of another shape.
     plain.layers[1].kernel.assign(plain.layers[1].kernel + 1.0)
     plain.save_weights(os.path.join(directory, "plain.weights.h5"))
     _, other = split_mlp(1)
     other.load_weights(os.path.join(directory, "plain.weights.h5"))
-    for want, have in zip(plain.get_weights(), other.get_weights()):
-      np.testing.assert_array_equal(have, want)
+    assert_same_weights(other, plain)
 
   @pytest.mark.slow
   def test_a_keras_file_loads_without_a_strategy_and_into_a_split_one(self):
@@ -460,15 +463,13 @@ class CheckpointTest(unittest.TestCase):
     path = os.path.join(directory, "model.keras")
     split.save(path)
     plain = keras.models.load_model(path)
-    for want, have in zip(split.get_weights(), plain.get_weights()):
-      np.testing.assert_array_equal(have, want)
+    assert_same_weights(plain, split)
     strategy = rs.ReplicatorStrategy(layout_map=megatron_layout(1))
     with strategy.scope():
       again = keras.models.load_model(path)
     self.assertIsInstance(again.get_layer("up").kernel.value,
                           split_variables.SplitVariable)
-    for want, have in zip(split.get_weights(), again.get_weights()):
-      np.testing.assert_array_equal(have, want)
+    assert_same_weights(again, split)
     x, _ = data()
     np.testing.assert_allclose(again.predict(x, verbose=0),
                                plain.predict(x, verbose=0), rtol=1e-5, atol=1e-6)
@@ -482,15 +483,13 @@ class CheckpointTest(unittest.TestCase):
     with mirrored.scope():
       model = mlp()
     model.load_weights(os.path.join(directory, "split.weights.h5"))
-    for want, have in zip(split.get_weights(), model.get_weights()):
-      np.testing.assert_array_equal(have, want)
+    assert_same_weights(model, split)
     with mirrored.scope():
       model.layers[1].kernel.assign(model.layers[1].kernel + 1.0)
     model.save_weights(os.path.join(directory, "mirrored.weights.h5"))
     _, back = split_mlp(1)
     back.load_weights(os.path.join(directory, "mirrored.weights.h5"))
-    for want, have in zip(model.get_weights(), back.get_weights()):
-      np.testing.assert_array_equal(have, want)
+    assert_same_weights(back, model)
 
   @pytest.mark.slow
   def test_backup_and_restore_resumes_on_another_mesh_shape(self):
@@ -516,8 +515,7 @@ class CheckpointTest(unittest.TestCase):
     path = tf.train.Checkpoint(model=split).save(os.path.join(directory, "c"))
     _, other = split_mlp(1)
     tf.train.Checkpoint(model=other).restore(path).assert_existing_objects_matched()
-    for want, have in zip(split.get_weights(), other.get_weights()):
-      np.testing.assert_array_equal(have, want)
+    assert_same_weights(other, split)
 
 
 class BadLayoutTest(unittest.TestCase):
