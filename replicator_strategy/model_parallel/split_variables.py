@@ -34,6 +34,7 @@ hands the optimizer their concatenation, the gradient of the whole.
 [([3, 3], 'CPU:0'), ([3, 3], 'CPU:1'), ([3, 3], 'CPU:2'), ([3, 3], 'CPU:3')]
 """
 
+import contextlib
 import functools
 import threading
 
@@ -256,16 +257,14 @@ def _split_if_whole(value, whole, k, axis):
   return value
 
 
-class _updating_part:  # pylint: disable=invalid-name
-  def __init__(self, part):
-    self._part = part
-
-  def __enter__(self):
-    self._previous = getattr(_updating, "part", None)
-    _updating.part = self._part
-
-  def __exit__(self, *exc):
-    _updating.part = self._previous
+@contextlib.contextmanager
+def _updating_part(part):
+  """Reads and assignments of split variables inside go to their `part`."""
+  previous, _updating.part = getattr(_updating, "part", None), part
+  try:
+    yield
+  finally:
+    _updating.part = previous
 
 
 def create(strategy, next_creator, axis, **kwargs):
