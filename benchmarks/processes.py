@@ -28,8 +28,10 @@ def _env():
 
 
 def _command(options, kind, spec, devices=None):
-  return ([sys.executable, "-m", "benchmarks", "--child", f"{kind}:{spec}"]
-          + options.child_flags(devices))
+  # -X faulthandler: a child that crashes in native code (a SIGSEGV) prints
+  # every thread's Python stack to the stderr it shares with the parent.
+  return ([sys.executable, "-X", "faulthandler", "-m", "benchmarks", "--child",
+           f"{kind}:{spec}"] + options.child_flags(devices))
 
 
 def child(options, kind, run, spec=""):
