@@ -19,6 +19,7 @@
 
 import functools
 
+import keras
 import tensorflow as tf
 
 from replicator_strategy import replica_context
@@ -45,8 +46,10 @@ def variable_paths(initialize):
   return wrapper
 
 
-def _split(weight):
-  value = getattr(weight, "value", None) if weight is not None else None
+def split_variable(variable):
+  """The `SplitVariable` behind `variable` (a Keras variable, its value, or
+  None), or None."""
+  value = variable.value if isinstance(variable, keras.Variable) else variable
   return value if isinstance(value, split_variables.SplitVariable) else None
 
 
@@ -81,7 +84,7 @@ def _parallel(layer, inputs, equation, product, bias_letters):
   if (layer.lora_enabled or layer.quantization_mode or
       not isinstance(ctx, replica_context.ReplicaContext)):
     return None
-  kernel = _split(layer.kernel)
+  kernel = split_variable(layer.kernel)
   if kernel is None:
     return None
   local = ctx.local_index
@@ -93,7 +96,7 @@ def _parallel(layer, inputs, equation, product, bias_letters):
   if kind == "column":
     bias_parts = None
     if layer.bias is not None:
-      bias = _split(layer.bias)
+      bias = split_variable(layer.bias)
       if bias is not None:
         bias_parts = _cast_parts(bias.read_parts(local), dtype, devices)
       elif equation.split("->")[1][axis] in bias_letters:
@@ -209,7 +212,7 @@ def megatron_embedding(call):
   @functools.wraps(call)
   def wrapper(self, inputs, *args, **kwargs):
     ctx = tf.distribute.get_replica_context()
-    table = _split(self.embeddings) if not (
+    table = split_variable(self.embeddings) if not (
         self.lora_enabled or self.quantization_mode) else None
     if table is None or not isinstance(ctx, replica_context.ReplicaContext):
       return call(self, inputs, *args, **kwargs)

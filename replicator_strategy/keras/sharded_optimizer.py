@@ -51,6 +51,7 @@ from replicator_strategy.sharding import optimizer_state as sharded
 from replicator_strategy.sharding import variables as sharded_variables
 from replicator_strategy import strategy as strategy_lib
 from replicator_strategy.keras import _internal as ki
+from replicator_strategy.keras import model_parallel
 from replicator_strategy.keras import step_context
 
 # Keras's optimizers whose `update_step` is elementwise on the weight, its
@@ -86,7 +87,7 @@ def shard_slots(add_variable_from_reference):
       return add_variable_from_reference(self, reference_variable, name=name,
                                          initializer=initializer)
     check_supported(self, "shard_optimizer_state=True")
-    if name in _KEPT_WHOLE or _split(reference_variable):
+    if name in _KEPT_WHOLE or model_parallel.split_variable(reference_variable):
       # A split weight's slots are split as it is (a 1/k part per device).
       return add_variable_from_reference(self, reference_variable, name=name,
                                          initializer=initializer)
@@ -136,7 +137,7 @@ def sharded_update_step(backend_update_step):
                                  learning_rate)
     weights = [v.value if isinstance(v, keras.Variable) else v
                for v in trainable_variables]
-    split = [i for i, w in enumerate(weights) if _split(w)]
+    split = [i for i, w in enumerate(weights) if model_parallel.split_variable(w)]
     if split:  # Keras's own step, part by part; the others' state sharded.
       backend_update_step(self, [grads[i] for i in split],
                           [trainable_variables[i] for i in split],
@@ -165,11 +166,6 @@ def sharded_update_step(backend_update_step):
     return ctx.merge_call(merge_fn, args=(list(grads), learning_rate))
 
   return wrapper
-
-
-def _split(variable):
-  value = variable.value if isinstance(variable, keras.Variable) else variable
-  return isinstance(value, split_variables.SplitVariable)
 
 
 def _update_shard(optimizer, weight, gradient, shard, learning_rate):
