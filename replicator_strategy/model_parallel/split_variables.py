@@ -86,7 +86,7 @@ class SplitVariable(sharded_variables.PiecewiseVariable):
   def _get(self):
     replica = tfi.distribute_lib.get_update_replica_id()
     if replica is not None:
-      part = getattr(_updating, "part", None)
+      part = _part_being_updated()
       if part is None:
         return self._whole(replica)
       return self.parts(replica)[part]
@@ -98,12 +98,13 @@ class SplitVariable(sharded_variables.PiecewiseVariable):
       logging.warning(
           "ReplicatorStrategy: %s is split over each replica's %d devices, and "
           "its layer reads it whole (assembled on logical device 0 each "
-          "step). Only Dense layers compute on the parts; see "
+          "step). Dense, EinsumDense, MultiHeadAttention and Embedding "
+          "compute on the parts; see "
           "docs/model-parallel.md.", self.name, self.num_parts)
     return self._whole(ctx.local_index)
 
   def _get_replica(self, replica_id):
-    part = getattr(_updating, "part", None)
+    part = _part_being_updated()
     if part is None:
       raise NotImplementedError(
           f"{self.name} is split over each replica's devices; an update step "
@@ -115,7 +116,7 @@ class SplitVariable(sharded_variables.PiecewiseVariable):
   def handle(self):
     """Inside a replica, its parts' handles: what a gradient tape differentiates."""
     replica = tfi.distribute_lib.get_update_replica_id()
-    part = getattr(_updating, "part", None)
+    part = _part_being_updated()
     if replica is not None and part is not None:
       return self.parts(replica)[part].handle
     ctx = tf.distribute.get_replica_context()
@@ -143,7 +144,7 @@ class SplitVariable(sharded_variables.PiecewiseVariable):
 
   def _update_replica(self, update_fn, value, **kwargs):
     replica = tfi.distribute_lib.get_update_replica_id()
-    part = getattr(_updating, "part", None)
+    part = _part_being_updated()
     if replica is not None and part is not None:
       return update_fn(self.parts(replica)[part], value, **kwargs)
     if replica is None:
@@ -257,10 +258,14 @@ def _split_if_whole(value, whole, k, axis):
   return value
 
 
+def _part_being_updated():
+  return getattr(_updating, "part", None)
+
+
 @contextlib.contextmanager
 def _updating_part(part):
   """Reads and assignments of split variables inside go to their `part`."""
-  previous, _updating.part = getattr(_updating, "part", None), part
+  previous, _updating.part = _part_being_updated(), part
   try:
     yield
   finally:
