@@ -11,6 +11,7 @@ Marked `slow` (the quick loop leaves them out): the (1, 4) mesh, the
 transformer block, mixed precision, the `.keras` file and BackupAndRestore.
 """
 
+import contextlib
 import functools
 import os
 import tempfile
@@ -441,24 +442,27 @@ def assert_same_weights(model, want):
 
 class CheckpointTest(unittest.TestCase):
 
-  def test_weights_files_move_between_a_split_model_and_a_plain_one(self):
-    directory = tempfile.mkdtemp()
+  def check_round_trip(self, model, scope):
+    """Weights files: the trained (2, 2) split MLP into `model`, then
+    `model`, changed in `scope`, into a (1, 4) mesh."""
+    directory = self.enterContext(tempfile.TemporaryDirectory())
     split, _ = trained_split_mlp(2)
-    path = os.path.join(directory, "split.weights.h5")
-    split.save_weights(path)
-    plain = mlp()
-    plain.load_weights(path)
-    assert_same_weights(plain, split)
-    # And back, into a mesh of another shape.
-    plain.layers[1].kernel.assign(plain.layers[1].kernel + 1.0)
-    plain.save_weights(os.path.join(directory, "plain.weights.h5"))
-    _, other = split_mlp(1)
-    other.load_weights(os.path.join(directory, "plain.weights.h5"))
-    assert_same_weights(other, plain)
+    split.save_weights(os.path.join(directory, "split.weights.h5"))
+    model.load_weights(os.path.join(directory, "split.weights.h5"))
+    assert_same_weights(model, split)
+    with scope:
+      model.layers[1].kernel.assign(model.layers[1].kernel + 1.0)
+    model.save_weights(os.path.join(directory, "model.weights.h5"))
+    _, back = split_mlp(1)
+    back.load_weights(os.path.join(directory, "model.weights.h5"))
+    assert_same_weights(back, model)
+
+  def test_weights_files_move_between_a_split_model_and_a_plain_one(self):
+    self.check_round_trip(mlp(), contextlib.nullcontext())
 
   @pytest.mark.slow
   def test_a_keras_file_loads_without_a_strategy_and_into_a_split_one(self):
-    directory = tempfile.mkdtemp()
+    directory = self.enterContext(tempfile.TemporaryDirectory())
     split, _ = trained_split_mlp(2)
     path = os.path.join(directory, "model.keras")
     split.save(path)
@@ -475,25 +479,15 @@ class CheckpointTest(unittest.TestCase):
                                plain.predict(x, verbose=0), rtol=1e-5, atol=1e-6)
 
   def test_weights_move_between_a_split_model_and_mirrored_strategy(self):
-    directory = tempfile.mkdtemp()
-    split, _ = trained_split_mlp(2)
-    split.save_weights(os.path.join(directory, "split.weights.h5"))
     mirrored = tf.distribute.MirroredStrategy(
         keras.distribution.list_devices()[:2])
     with mirrored.scope():
       model = mlp()
-    model.load_weights(os.path.join(directory, "split.weights.h5"))
-    assert_same_weights(model, split)
-    with mirrored.scope():
-      model.layers[1].kernel.assign(model.layers[1].kernel + 1.0)
-    model.save_weights(os.path.join(directory, "mirrored.weights.h5"))
-    _, back = split_mlp(1)
-    back.load_weights(os.path.join(directory, "mirrored.weights.h5"))
-    assert_same_weights(back, model)
+    self.check_round_trip(model, mirrored.scope())
 
   @pytest.mark.slow
   def test_backup_and_restore_resumes_on_another_mesh_shape(self):
-    directory = tempfile.mkdtemp()
+    directory = self.enterContext(tempfile.TemporaryDirectory())
     x, y = data()
     _, split = split_mlp(2)
     split.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0, callbacks=[
@@ -510,7 +504,7 @@ class CheckpointTest(unittest.TestCase):
       np.testing.assert_allclose(have, want, rtol=1e-5, atol=1e-6)
 
   def test_a_tf_checkpoint_restores_into_another_mesh_shape(self):
-    directory = tempfile.mkdtemp()
+    directory = self.enterContext(tempfile.TemporaryDirectory())
     split, _ = trained_split_mlp(2)
     path = tf.train.Checkpoint(model=split).save(os.path.join(directory, "c"))
     _, other = split_mlp(1)
