@@ -125,6 +125,13 @@ PATCHES = (
           _SHARDED + ": the Embedding's table"),
     Patch(_MODEL, "_make_function", training.compiled_per_replica,
           "the strategy is a ReplicatorStrategy and jit_compile=True"),
+    Patch(_MODEL, "make_predict_function",
+          training.predict_compiled_per_device,
+          "the strategy is a ReplicatorStrategy over several devices per "
+          "replica and jit_compile=True"),
+    Patch(_MODEL, "predict_step", training.predict_step_per_device,
+          "traced for a ReplicatorStrategy over several devices per replica "
+          "with jit_compile=True"),
     Patch(_MODEL, "_resolve_auto_jit_compile", training.xla_on_accelerators,
           "the strategy is a ReplicatorStrategy and jit_compile=\"auto\""),
     Patch(ki.data_adapters, "is_tf_dataset",

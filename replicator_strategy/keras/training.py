@@ -29,8 +29,9 @@
   every worker gets all rows, in order.
 - `jit_compile=True` compiles the whole replicated step with XLA, which
   fails on the replicas' devices, and `"auto"` turns XLA off under any
-  strategy. Here each replica's step is compiled on its own device, and
-  `"auto"` means XLA on accelerators, as without a strategy.
+  strategy. Here each replica's step is compiled on its own device (a
+  replica over several devices: each device's part), and `"auto"` means XLA
+  on accelerators, as without a strategy.
 
 And one thing Keras could not know: `fit` takes a dataset the strategy
 distributed itself (`experimental_distribute_dataset`) only if TF's own
@@ -54,6 +55,7 @@ unchanged for any other strategy.
 (10, 2)
 """
 
+import contextlib
 import functools
 
 import keras
@@ -295,21 +297,83 @@ def compiled_per_replica(make_function):
   which compiles for one device and fails on the other replicas' variables
   (MirroredStrategy too). Here that function stays a plain `tf.function` and
   the step it runs on every replica is the `jit_compile=True` one, which
-  ReplicatorStrategy compiles per replica, on the replica's device.
+  ReplicatorStrategy compiles per replica, on the replica's device; a
+  replica over several devices is compiled per device (`_per_device`).
   """
   def wrapper(self, step_function):
-    if not (self.jit_compile and isinstance(self.distribute_strategy,
-                                            strategy_lib.ReplicatorStrategy)):
+    if not _compiles_for_replicator(self):
       return make_function(self, step_function)
-    _refuse_xla_over_several_devices(self.distribute_strategy)
-    self.jit_compile = False  # For the function around strategy.run.
-    try:
-      return make_function(self, tf.function(
-          step_function, jit_compile=True, reduce_retracing=True))
-    finally:
-      self.jit_compile = True
+    if _spans_devices(self):
+      step = tf.function(_per_device(step_function), reduce_retracing=True)
+    else:
+      step = tf.function(step_function, jit_compile=True,
+                         reduce_retracing=True)
+    with _whole_step_uncompiled(self):
+      return make_function(self, step)
 
   return wrapper
+
+
+def predict_compiled_per_device(make_predict_function):
+  """Keras's predict maker, for a replica over several devices with XLA.
+
+  Keras compiles the replica's predict step as one XLA function, for one
+  device; `predict_step_per_device` compiles it per device instead.
+  """
+  def wrapper(self, *args, **kwargs):
+    if not (_compiles_for_replicator(self) and _spans_devices(self)):
+      return make_predict_function(self, *args, **kwargs)
+    with _whole_step_uncompiled(self):
+      return make_predict_function(self, *args, **kwargs)
+
+  return wrapper
+
+
+def predict_step_per_device(predict_step):
+  """`Model.predict_step`, traced under `jit_scope` where XLA is asked of a
+  replica over several devices (see `predict_compiled_per_device`)."""
+  def wrapper(self, *args, **kwargs):
+    if not (tf.inside_function() and _compiles_for_replicator(self) and
+            _spans_devices(self)):
+      return predict_step(self, *args, **kwargs)
+    return _per_device(functools.partial(predict_step, self))(*args, **kwargs)
+
+  return wrapper
+
+
+def _compiles_for_replicator(model):
+  return model.jit_compile and isinstance(model.distribute_strategy,
+                                          strategy_lib.ReplicatorStrategy)
+
+
+def _spans_devices(model):
+  return model.distribute_strategy.extended.logical_devices.per_replica > 1
+
+
+@contextlib.contextmanager
+def _whole_step_uncompiled(model):
+  """Keras's own `jit_compile=True` off while it makes the function around
+  the replicas' steps, which compile themselves."""
+  model.jit_compile = False
+  try:
+    yield
+  finally:
+    model.jit_compile = True
+
+
+def _per_device(step_function):
+  """`step_function` with its ops compiled by XLA in one cluster per device.
+
+  XLA compiles a function for one device, but a replica over several
+  devices has variables on each: under `jit_scope` TF clusters each
+  device's compilable ops apart and passes values between the clusters.
+  """
+  @functools.wraps(step_function)
+  def step(*args, **kwargs):
+    with tf.xla.experimental.jit_scope(separate_compiled_gradients=False):
+      return step_function(*args, **kwargs)
+
+  return step
 
 
 def xla_on_accelerators(resolve_auto_jit_compile):
@@ -322,8 +386,6 @@ def xla_on_accelerators(resolve_auto_jit_compile):
     if not isinstance(self.distribute_strategy,
                       strategy_lib.ReplicatorStrategy):
       return resolve_auto_jit_compile(self)
-    if self.distribute_strategy.extended.logical_devices.per_replica > 1:
-      return False  # XLA compiles for one device; see below.
     accelerated = any(device.device_type != "CPU"
                       for device in tf.config.list_physical_devices())
     return accelerated and ki.supports_jit(self)
@@ -331,14 +393,19 @@ def xla_on_accelerators(resolve_auto_jit_compile):
   return wrapper
 
 
-def _refuse_xla_over_several_devices(strategy):
-  k = strategy.extended.logical_devices.per_replica
-  if k > 1:
-    raise ValueError(
-        f"jit_compile=True compiles each replica's step with XLA for one "
-        f"device, but each replica of this strategy spans {k} devices "
-        f"(devices_per_replica or layout_map). Compile with "
-        f"jit_compile=False (or \"auto\", which then turns XLA off).")
+def _compiled_per_device(step_function):
+  """`step_function` with its ops compiled by XLA in one cluster per device.
+
+  XLA compiles a function for one device, but a replica over several
+  devices has variables on each: under `jit_scope` TF clusters the
+  compilable ops of each device apart, and sends values between them.
+  """
+  @functools.wraps(step_function)
+  def step(*args, **kwargs):
+    with tf.xla.experimental.jit_scope(separate_compiled_gradients=False):
+      return step_function(*args, **kwargs)
+
+  return step
 
 
 def split_batch(strategy, batch):

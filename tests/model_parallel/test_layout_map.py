@@ -8,7 +8,7 @@ step combines activations once forward and once backward; checkpoints move
 between a split model and a plain one; bad layouts are refused.
 
 Marked `slow` (the quick loop leaves them out): the (1, 4) mesh, the
-transformer block, mixed precision, the `.keras` file and BackupAndRestore.
+transformer block, mixed precision, XLA, the `.keras` file and BackupAndRestore.
 """
 
 import contextlib
@@ -23,6 +23,7 @@ import pytest
 import tensorflow as tf
 
 import replicator_strategy as rs
+from replicator_strategy import _tf_internal as tfi
 from replicator_strategy.model_parallel import split_variables
 
 ROWS, FEATURES, HIDDEN, OUT = 48, 8, 16, 4
@@ -221,7 +222,9 @@ class TransformerBlockTest(unittest.TestCase):
       np.testing.assert_allclose(h, w, rtol=1e-5, atol=1e-5)
 
 
-def custom_loop_weights(strategy, steps=3):
+def custom_loop_weights(strategy, steps=3, xla=False):
+  """The weights after `steps` of a custom loop; `xla`: the step compiled
+  (with no strategy by `jit_compile=True`, else under `jit_scope`)."""
   x, y = data()
   scope = strategy.scope() if strategy else tf.distribute.get_strategy().scope()
   with scope:
@@ -230,13 +233,19 @@ def custom_loop_weights(strategy, steps=3):
     optimizer.build(model.trainable_variables)
 
   def replica_step(x, y):
+    if xla and strategy is not None:
+      with tf.xla.experimental.jit_scope(separate_compiled_gradients=False):
+        return uncompiled_step(x, y)
+    return uncompiled_step(x, y)
+
+  def uncompiled_step(x, y):
     with tf.GradientTape() as tape:
       loss = tf.reduce_sum((model(x) - y) ** 2) / ROWS
     grads = tape.gradient(loss, model.trainable_variables)
     optimizer.apply_gradients(zip(grads, model.trainable_variables))
 
   if strategy is None:
-    step = tf.function(replica_step)
+    step = tf.function(replica_step, jit_compile=xla)
     for _ in range(steps):
       step(x, y)
     return model.get_weights()
@@ -512,6 +521,62 @@ class CheckpointTest(unittest.TestCase):
     assert_same_weights(other, split)
 
 
+@pytest.mark.slow
+class XlaTest(unittest.TestCase):
+  """`jit_compile=True` over a replica of several devices: XLA compiles each
+  device's ops, and training equals one device's XLA-compiled run."""
+
+  @staticmethod
+  def train_compiled(strategy):
+    """`train`'s results, and the devices that launched XLA clusters in a
+    first `predict` and in `train` (TF records a function's launches when it
+    first runs it)."""
+    with strategy.scope() if strategy else contextlib.nullcontext():
+      model = mlp()
+      model.compile(keras.optimizers.Adam(0.01), "mse", steps_per_execution=3,
+                    jit_compile=True)
+    x, _ = data()
+    _, predict_launches = tfi.xla_launches_by_device(
+        lambda: model.predict(x, batch_size=8, verbose=0))
+    got, launches = tfi.xla_launches_by_device(lambda: train(model))
+    return got, set(launches), set(predict_launches)
+
+  def test_each_device_runs_compiled_and_training_equals_one_device(self):
+    want, _, _ = self.train_compiled(None)
+    strategy = rs.ReplicatorStrategy(layout_map=megatron_layout(2))
+    got, launches, predict_launches = self.train_compiled(strategy)
+    for key in ("loss", "evaluate"):
+      np.testing.assert_allclose(got[key], want[key], rtol=1e-5)
+    np.testing.assert_allclose(got["predict"], want["predict"], rtol=1e-5,
+                               atol=1e-6)
+    for have, wanted in zip(got["weights"], want["weights"]):
+      np.testing.assert_allclose(have, wanted, rtol=1e-5, atol=1e-6)
+    devices = {tf.DeviceSpec.from_string(d).to_string()
+               for replica in strategy.extended.worker_devices_by_replica
+               for d in replica}
+    self.assertEqual(len(devices), 4)
+    self.assertEqual(launches, devices)
+    self.assertEqual(predict_launches, devices)
+
+  def test_a_custom_loop_under_jit_scope_compiles_each_device(self):
+    # What docs/model-parallel.md tells custom loops to do.
+    want = custom_loop_weights(None, xla=True)
+    strategy = rs.ReplicatorStrategy(layout_map=megatron_layout(2))
+    have, launches = tfi.xla_launches_by_device(
+        lambda: custom_loop_weights(strategy, xla=True))
+    for w, h in zip(want, have):
+      np.testing.assert_allclose(h, w, rtol=1e-5, atol=1e-6)
+    self.assertEqual(len(launches), 4)
+
+  def test_auto_means_xla_on_accelerators_as_without_a_strategy(self):
+    strategy, model = split_mlp(2)
+    with strategy.scope():
+      model.compile("sgd", "mse", jit_compile="auto")
+    accelerated = any(device.device_type != "CPU"
+                      for device in tf.config.list_physical_devices())
+    self.assertEqual(model.jit_compile, accelerated)
+
+
 class BadLayoutTest(unittest.TestCase):
 
   def build(self, key, layout, units=HIDDEN, replicas=2):
@@ -554,17 +619,6 @@ class BadLayoutTest(unittest.TestCase):
   def test_devices_beside_a_layout_map_are_refused(self):
     with self.assertRaisesRegex(ValueError, r"either `devices` or `layout_map`"):
       rs.ReplicatorStrategy(devices=["cpu:0"], layout_map=megatron_layout(2))
-
-  def test_xla_is_refused_over_several_devices_and_auto_turns_it_off(self):
-    strategy, model = split_mlp(2)
-    x, y = data()
-    with strategy.scope():
-      model.compile("sgd", "mse", jit_compile="auto")
-    self.assertFalse(model.jit_compile)
-    with strategy.scope():
-      model.compile("sgd", "mse", jit_compile=True)
-    with self.assertRaisesRegex(ValueError, r"spans 2 devices.*jit_compile=False"):
-      model.fit(x, y, batch_size=8, verbose=0)
 
   def test_an_unknown_batch_dim_name_is_refused(self):
     with self.assertRaisesRegex(ValueError, r"batch_dim_name='rows'.*names no"):
