@@ -88,7 +88,8 @@ WHILE_LOOP_GRAPHS = (control_flow_v2_func_graphs.WhileBodyFuncGraph,
 # `model_parallel.split_variables.SplitVariable` override: TF reads, updates
 # and saves a distributed variable through them.
 DISTRIBUTED_VARIABLE_HOOKS = (
-    "_as_graph_element", "_get", "_get_cross_replica",
+    "_as_graph_element", "_dense_var_to_tensor",
+    "_export_to_saved_model_graph", "_get", "_get_cross_replica",
     "_get_on_device_or_primary", "_get_replica", "_restore_from_tensors",
     "_serialize_to_tensors", "_update_cross_replica", "_update_replica")
 
@@ -280,6 +281,18 @@ def differentiating_for_higher_order():
   for a persistent or nested `GradientTape` (its "cflow_gradient_wrapper")."""
   return control_flow_util_v2.graph_wrapped_for_higher_order_tape_gradients(
       tf.compat.v1.get_default_graph())
+
+
+def uninitialized_variable(shape, dtype, name, trainable):
+  """A variable with no value, made past any strategy's variable creator."""
+  return resource_variable_ops.UninitializedVariable(
+      shape=shape, dtype=dtype, name=name, trainable=trainable)
+
+
+def export_to_saved_model_graph(variable, **kwargs):
+  """TF's SavedModel copy of `variable` (in `kwargs["object_map"]`), and
+  the resources it made."""
+  return variable._export_to_saved_model_graph(**kwargs)  # pylint: disable=protected-access
 
 
 def attributes_being_restored():

@@ -1,9 +1,14 @@
-"""One assertion for per-replica values: each replica's part, checked and named.
+"""Shared assertions: per-replica values, and an exported model's answers.
+
+`assert_per_replica` checks each replica's part of a value, named.
 
 For example, `assert_per_replica(self, strategy, strategy.run(fn), [3.0] * n)`
 (every replica holds 3), or `assert_per_replica(self, strategy, values,
 lambda replica: 2.0 * replica)` (replica r holds 2r).
 """
+
+import os
+import tempfile
 
 import numpy as np
 import tensorflow as tf
@@ -47,3 +52,12 @@ def _paths(nest, prefix=""):
     return [p for i, item in enumerate(nest)
             for p in _paths(item, f"{prefix}[{i}]")]
   return [prefix]
+
+
+def assert_exported_serves_as_the_model(test, model, x):
+  """`model.export`'s SavedModel, loaded alone, answers `x` as `model` does."""
+  with tempfile.TemporaryDirectory() as directory:
+    model.export(os.path.join(directory, "exported"), verbose=False)
+    loaded = tf.saved_model.load(os.path.join(directory, "exported"))
+    np.testing.assert_allclose(loaded.serve(x), model.predict(x, verbose=0),
+                               rtol=1e-5, atol=1e-6)

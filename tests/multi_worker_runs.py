@@ -368,7 +368,8 @@ def keras_files(strategy, workdir):
   model.save_weights(workdir / "final.weights.h5")
   model.export(str(workdir / "exported"))
   return {"scratch_before": scratch_before,
-          "scratch": list(scratch._scratch_root)}  # pylint: disable=protected-access
+          "scratch": list(scratch._scratch_root),  # pylint: disable=protected-access
+          "weights": _weights(model)}
 
 
 class _Interrupt(keras.callbacks.Callback):

@@ -49,6 +49,7 @@ class PiecewiseVariable(tfi.values.DistributedVariable):
   """
 
   whole_shape = ()
+  _stand_in = None
 
   @property
   def shape(self):
@@ -61,10 +62,42 @@ class PiecewiseVariable(tfi.values.DistributedVariable):
     raise NotImplementedError("Each kind reads the pieces its own way.")
 
   def _get_on_device_or_primary(self):
-    return self._get()
+    return self._read()
 
   def value(self):
-    return tf.convert_to_tensor(self._get())
+    return tf.convert_to_tensor(self._read())
+
+  def _read(self):
+    if tfi.values_util.is_saving_non_distributed():
+      return self._saved_model_stand_in()
+    return self._get()
+
+  def _dense_var_to_tensor(self, dtype=None, name=None, as_ref=False):
+    if tfi.values_util.is_saving_non_distributed():
+      return tf.convert_to_tensor(self._saved_model_stand_in(), dtype=dtype,
+                                  name=name)
+    return super()._dense_var_to_tensor(dtype=dtype, name=name, as_ref=as_ref)
+
+  def _saved_model_stand_in(self):
+    """The one whole variable that a SavedModel's functions read instead.
+
+    TF would export the first piece alone. The stand-in holds no value: a
+    SavedModel takes its values from this variable's checkpoint (whole).
+    """
+    if self._stand_in is None:
+      with tf.init_scope(), tf.device(self.values[0].device):
+        self._stand_in = tfi.uninitialized_variable(
+            self.shape, self.dtype, self.name.split(":")[0], self.trainable)
+    return self._stand_in
+
+  def _export_to_saved_model_graph(self, object_map=None, tensor_map=None,
+                                   options=None, **kwargs):
+    stand_in = self._saved_model_stand_in()
+    resources = tfi.export_to_saved_model_graph(
+        stand_in, object_map=object_map, tensor_map=tensor_map,
+        options=options, **kwargs)
+    object_map[self] = object_map[stand_in]
+    return resources
 
   def __array__(self, dtype=None, copy=None):
     del copy  # A read is a copy already.

@@ -313,15 +313,19 @@ class ShardedOptimizerStateTest(RunsOnWorkers, unittest.TestCase):
 class LayoutMapTest(RunsOnWorkers, unittest.TestCase):
   """A layout map's model axis inside each worker: 2 workers x (1 replica
   over 2 devices) train as one device."""
-  RUNS = ("custom_loop", "keras_fit")
+  RUNS = ("custom_loop", "keras_fit", "keras_files")
   OPTIONS = "@row_parallel"
 
   def test_training_equals_one_device(self):
-    for run in self.RUNS:
+    for run in ("custom_loop", "keras_fit"):
       want = in_one_process(run, 1)
       for index, worker in enumerate(self.workers):
         with self.subTest(run=run, worker=index):
           assert_close_nested(self, worker[run], want)
+
+  def test_only_the_chief_writes_the_split_weights_whole(self):
+    assert_only_the_chief_wrote(self, self.workdir("keras_files"),
+                                [w["keras_files"] for w in self.workers])
 
 
 @pytest.mark.slow
@@ -419,28 +423,40 @@ class ShardedVariablesTest(RunsOnWorkers, unittest.TestCase):
     assert_close_nested(self, slots, in_one_process("sharded_state")["slots"])
 
 
+def assert_only_the_chief_wrote(test, workdir, results):
+  """`keras_files`' `workdir` holds the chief's files, once; worker 1 wrote
+  to one new scratch directory (`results`: each worker's), and it is gone, as
+  are those of the launch's earlier runs; the saved model holds the weights
+  the workers trained."""
+  written = sorted(str(p.relative_to(workdir))
+                   for p in workdir.rglob("*") if p.is_file())
+  first, second = results
+  test.assertEqual(first["scratch"], [])
+  new_scratch = [d for d in second["scratch"]
+                 if d not in second["scratch_before"]]
+  test.assertEqual(len(new_scratch), 1)
+  for directory in second["scratch"]:
+    test.assertFalse(os.path.exists(directory))
+  events = [f for f in written if "tfevents" in f]
+  test.assertEqual(len(events), 1, written)  # One writer, not two.
+  test.assertTrue(events[0].startswith("logs/train/"))
+  for expected in ("ckpt-1.keras", "ckpt-2.keras", "final.keras",
+                   "final.weights.h5", "exported/saved_model.pb"):
+    test.assertIn(expected, written)
+  test.assertFalse(any(f.startswith("backup") for f in written), written)
+  saved = keras.models.load_model(workdir / "final.keras").get_weights()
+  for result in results:
+    assert_close_nested(test, [w.tolist() for w in saved], result["weights"])
+
+
 @pytest.mark.slow
 class FilesTest(RunsOnWorkers, unittest.TestCase):
   """Checkpoints, SavedModels, logs: written once; a restart resumes."""
   RUNS = ("keras_files",)
 
   def test_only_the_chief_writes_and_the_others_clean_up(self):
-    workdir = self.workdir("keras_files")
-    written = sorted(str(p.relative_to(workdir))
-                     for p in workdir.rglob("*") if p.is_file())
-    first, second = (w["keras_files"] for w in self.workers)
-    # No other run of the launch wrote to worker 1's scratch before.
-    self.assertEqual(second["scratch_before"], [])
-    self.assertEqual(first["scratch"], [])
-    self.assertEqual(len(second["scratch"]), 1)
-    self.assertFalse(os.path.exists(second["scratch"][0]))
-    events = [f for f in written if "tfevents" in f]
-    self.assertEqual(len(events), 1, written)  # One writer, not two.
-    self.assertTrue(events[0].startswith("logs/train/"))
-    for expected in ("ckpt-1.keras", "ckpt-2.keras", "final.keras",
-                     "final.weights.h5", "exported/saved_model.pb"):
-      self.assertIn(expected, written)
-    self.assertFalse(any(f.startswith("backup") for f in written), written)
+    assert_only_the_chief_wrote(self, self.workdir("keras_files"),
+                                [w["keras_files"] for w in self.workers])
 
   def test_a_restarted_cluster_resumes_and_ends_as_if_uninterrupted(self):
     run = ["keras_backup_and_restore"]

@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+import assertions
 import replicator_strategy as rs
 from replicator_strategy import _tf_internal as tfi
 from replicator_strategy.model_parallel import split_variables
@@ -465,6 +466,10 @@ class CheckpointTest(unittest.TestCase):
     _, back = split_mlp(1)
     back.load_weights(os.path.join(directory, "model.weights.h5"))
     assert_same_weights(back, model)
+
+  def test_an_exported_saved_model_serves_the_whole_weights(self):
+    split, _ = trained_split_mlp(2)
+    assertions.assert_exported_serves_as_the_model(self, split, data()[0])
 
   def test_weights_files_move_between_a_split_model_and_a_plain_one(self):
     self.check_round_trip(mlp(), contextlib.nullcontext())

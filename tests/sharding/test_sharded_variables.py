@@ -20,6 +20,7 @@ from parameterized import parameterized
 import pytest
 import tensorflow as tf
 
+import assertions
 from assertions import assert_per_replica
 import topology
 from test_custom_loop import make_step
@@ -458,6 +459,11 @@ class SavingTest(unittest.TestCase):
     model.load_weights(weights)
     for v, want in zip(model.weights, self.saved):
       np.testing.assert_array_equal(v.numpy(), want, err_msg=v.path)
+
+
+  def test_an_exported_saved_model_serves_the_whole_weights(self):
+    assertions.assert_exported_serves_as_the_model(self, self.model,
+                                                   zero.data()[0])
 
 
 @pytest.mark.slow  # Trains, saves or stops, then trains again.
