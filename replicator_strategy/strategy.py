@@ -33,6 +33,11 @@ from replicator_strategy.model_parallel import tpu_names
 # and already means "never time out".
 MAX_TIMEOUT_SECONDS = 10**9
 
+# Each is called with every ReplicatorStrategy made. The package's loader
+# adds the Keras patches' `hold` (they stay in place while a strategy lives),
+# so this module does not import replicator_strategy.keras.
+CREATION_HOOKS = []
+
 
 class ReplicatorStrategy(tf.distribute.Strategy):
   """Synchronous data-parallel replication over local devices and workers.
@@ -160,6 +165,8 @@ class ReplicatorStrategy(tf.distribute.Strategy):
         variable_partitioner, model_layouts))
     self.shard_optimizer_state = shard_optimizer_state
     self.gradient_compression = gradient_compression
+    for hook in CREATION_HOOKS:
+      hook(self)
 
   def logical_device_for_variables(self, logical_device_id):
     """Variables created inside live on each replica's `logical_device_id`.
