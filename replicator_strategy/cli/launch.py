@@ -346,9 +346,26 @@ def run(command, num_workers, timeout=None, max_restarts=0, grace_period=25,
   return status
 
 
+def invoked_as(script=None):
+  """The command as the user typed it, for the usage line.
+
+  `python -m replicator_strategy.cli.launch` runs this file as `script`
+  (sys.argv[0]); the console script is `replicator-launch`.
+
+  >>> invoked_as("/usr/local/bin/replicator-launch")
+  'replicator-launch'
+  >>> invoked_as(__file__)
+  'python -m replicator_strategy.cli.launch'
+  """
+  script = sys.argv[0] if script is None else script
+  if os.path.abspath(script) == os.path.abspath(__file__):
+    return "python -m replicator_strategy.cli.launch"
+  return os.path.basename(script) or "replicator-launch"
+
+
 def main(argv=None):
   parser = argparse.ArgumentParser(
-      prog="replicator-launch",
+      prog=invoked_as(),
       description="Run a training command as N local workers on 127.0.0.1, "
       "each with its own TF_CONFIG.",
       epilog="Example: replicator-launch --workers 2 -- "
