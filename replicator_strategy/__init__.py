@@ -8,7 +8,9 @@
 >>> model.count_params()
 4
 
-Importing the package loads nothing heavy: TensorFlow and Keras come with
+Importing the package sets TF_CPP_MIN_LOG_LEVEL to 2 unless it is set (no
+TensorFlow INFO or WARNING lines; 0 shows them, see `cli.tensorflow_logs`),
+and loads nothing heavy: TensorFlow and Keras come with
 the first public name used (the Keras patches, `replicator_strategy.keras`,
 with the first `ReplicatorStrategy` made: they stay while one lives), so the
 launcher and `python -m replicator_strategy --help` start at once, and
@@ -22,6 +24,8 @@ import re
 from replicator_strategy.cli import tensorflow_logs
 
 __version__ = "0.1.0"
+
+tensorflow_logs.quiet_unless_asked()
 
 # Public name -> the module that defines it.
 _PUBLIC = {

@@ -11,8 +11,8 @@ chief's output comes in full and the other workers' stderr (their warnings,
 errors and tracebacks; their stdout repeats the chief's); `--output all`
 shows everything. The launcher's own lines start with `[launch]`, the last
 one a summary: workers, wall time, each worker's exit status. Workers get
-`TF_CPP_MIN_LOG_LEVEL=1` (TensorFlow's C++ INFO lines off, its start-up
-lines too: see `tensorflow_logs`) unless it is set.
+`TF_CPP_MIN_LOG_LEVEL=2` (TensorFlow's C++ INFO and WARNING lines off, its
+start-up lines too: see `tensorflow_logs`) unless it is set.
 
 When one worker fails,
 the others are stopped and the launcher exits with the failed worker's
@@ -251,8 +251,8 @@ class _Launch:
     self.signals.workers = workers
     try:
       for index in range(self.num_workers):
-        env = {tensorflow_logs.LEVEL_ENV: "1", **os.environ,
-               "TF_CONFIG": tf_config(addresses, index),
+        env = {tensorflow_logs.LEVEL_ENV: tensorflow_logs.QUIET_LEVEL,
+               **os.environ, "TF_CONFIG": tf_config(addresses, index),
                RESTART_COUNT_ENV: str(restart)}
         process = subprocess.Popen(
             self.command, env=env, stdout=subprocess.PIPE,
