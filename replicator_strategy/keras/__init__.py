@@ -14,8 +14,9 @@
 - `_internal`: Keras's private names, behind a Keras version check.
 
 Nothing outside `keras/` imports it but the package's lazy loader, which
-hands `patches.hold` to the strategy's constructor (`strategy.CREATION_HOOKS`): the
-core and the other subpackages never depend on it.
+hands `patches.hold` to the strategy's constructor
+(`strategy.CREATION_HOOKS`): the core and the other subpackages never
+depend on it.
 
 >>> import replicator_strategy as rs
 >>> len(rs.keras.PATCHES) > 0

@@ -5,13 +5,14 @@ exact loss scaling, files written once across workers, saving on
 preemption), so the package wraps Keras functions while a ReplicatorStrategy
 lives: from the first one made until the last one is gone (a model compiled
 under one keeps it alive, and so does a traced step: TensorFlow keeps the
-gradient functions of traced collectives). Other strategies' tracebacks thus never pass
-through the wrappers. Every wrapper is listed in `PATCHES`: what it wraps,
-why, and when it acts; each calls Keras's own code unchanged where it does
-not act. The wrapped names, private ones
-included, were checked against the Keras versions that `replicator_strategy.keras._internal`
-names; another version is refused on import (set
-`REPLICATOR_STRATEGY_ALLOW_UNTESTED_KERAS=1` to try it anyway).
+gradient functions of traced collectives). A script that makes none, with
+MirroredStrategy say, runs Keras as shipped: no frame of ours in its
+tracebacks. Every wrapper is listed in `PATCHES`: what it wraps, why, and
+when it acts; each calls Keras's own code unchanged where it does not act.
+The wrapped names, private ones included, were checked against the Keras
+versions that `replicator_strategy.keras._internal` names; another version
+is refused on import (set `REPLICATOR_STRATEGY_ALLOW_UNTESTED_KERAS=1` to
+try it anyway).
 
 >>> import replicator_strategy as rs
 >>> strategy = rs.ReplicatorStrategy()
@@ -175,6 +176,7 @@ PATCHES = (
 
 _originals = []  # (owner, name, what it was), in the order applied.
 _lock = threading.RLock()  # Finalizers run in whichever thread collects.
+_changing = False  # A finalizer run amid a change leaves it to finish.
 _alive = 0  # ReplicatorStrategy objects alive that `hold` was given.
 _pinned = None  # True after install(), False after uninstall(), else None.
 
@@ -186,10 +188,10 @@ def hold(strategy):
   away, unless `install()` or `uninstall()` decided for good.
   """
   global _alive
+  weakref.finalize(strategy, _release).atexit = False
   with _lock:
     _alive += 1
     _apply_or_remove()
-  weakref.finalize(strategy, _release).atexit = False
 
 
 def _release():
@@ -229,13 +231,27 @@ def uninstall():
 
 
 def _apply_or_remove():
-  wanted = _alive > 0 if _pinned is None else _pinned
-  if wanted and not _originals:
-    for patch in PATCHES:
-      original = getattr(patch.owner, patch.name)
-      _originals.append((patch.owner, patch.name, original))
-      setattr(patch.owner, patch.name, patch.wrap(original))
-  elif not wanted:
-    while _originals:
-      owner, name, original = _originals.pop()
-      setattr(owner, name, original)
+  """Applies or removes the patches as `_pinned`, else `_alive`, asks.
+
+  Called with `_lock` held. The garbage collector may run a strategy's
+  finalizer amid a change, in this thread: its call returns at once, and
+  cannot change what is wanted (the change under way is for a strategy that
+  is referenced, or was decided by install() or uninstall()).
+  """
+  global _changing
+  if _changing:
+    return
+  _changing = True
+  try:
+    wanted = _alive > 0 if _pinned is None else _pinned
+    if wanted and not _originals:
+      for patch in PATCHES:
+        original = getattr(patch.owner, patch.name)
+        _originals.append((patch.owner, patch.name, original))
+        setattr(patch.owner, patch.name, patch.wrap(original))
+    elif not wanted:
+      while _originals:
+        owner, name, original = _originals.pop()
+        setattr(owner, name, original)
+  finally:
+    _changing = False
