@@ -88,6 +88,10 @@ class ExamplesTest(unittest.TestCase):
         [sys.executable, "-X", "importtime", str(EXAMPLES / script), "--help"],
         capture_output=True, text=True, timeout=60, check=True)
     self.assertIn("--global-batch-size", done.stdout)
+    if script != "transformer_digits.py":  # 2 replicas of 2 devices each.
+      # Without a GPU, 4 replicas by default, as train_digits.py.
+      replicas = " ".join(done.stdout.split()).split("--replicas REPLICAS")[2]
+      self.assertIn("(default: 4", replicas.split(" --")[0])
     imported = {line.rsplit("|", 1)[-1].strip().split(".")[0]
                 for line in done.stderr.splitlines()}
     self.assertIn("argparse", imported)
