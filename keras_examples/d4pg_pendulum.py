@@ -19,12 +19,8 @@ and its replicas learn from it; the networks stay identical everywhere.
       python keras_examples/d4pg_pendulum.py --replicas 2 --quick
 """
 
-import harness  # pylint: disable=g-bad-import-order  (sets TF env vars first)
+import harness  # pylint: disable=g-bad-import-order  (nothing heavy)
 
-import gymnasium as gym
-import keras
-import numpy as np
-import tensorflow as tf
 
 ENV_ID = "Pendulum-v1"  # 200 steps an episode, rewards in [-16.3, 0]
 NUM_ATOMS = 101
@@ -66,6 +62,16 @@ def add_arguments(parser):
   parser.add_argument("--eval-episodes", type=int, default=10,
                       help="noise-free episodes that give the average return "
                       "at the end (default: 10)")
+
+
+if __name__ == "__main__":
+  # --help and a bad flag answer here, before TensorFlow loads.
+  harness.read_command_line(__doc__, add_arguments)
+
+import gymnasium as gym
+import keras
+import numpy as np
+import tensorflow as tf
 
 
 def build_actor(obs_dim, action_dim):

@@ -11,16 +11,20 @@ scikit-learn come with the functions that use them.
 import argparse
 import os
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+import replicator_strategy  # (TF's log level: quiet unless set)
+
+# Without a GPU, the CPU is split into this many logical devices, one replica
+# each, unless --replicas says otherwise: the multi-replica path runs anywhere.
+CPU_REPLICAS = 4
 
 
 def parse_args(description, epochs):
   parser = argparse.ArgumentParser(description=description)
   parser.add_argument(
-      "--replicas", type=int, default=4,
+      "--replicas", type=int, default=CPU_REPLICAS,
       help="logical CPU devices to split the CPU into when there is no GPU "
-      "(default: 4); on GPU machines every GPU is used instead")
+      f"(default: {CPU_REPLICAS}); on GPU machines every GPU is used instead")
   parser.add_argument(
       "--epochs", type=int, default=epochs,
       help=f"passes over the training set (default: {epochs})")
@@ -36,7 +40,6 @@ def set_up_devices(num_replicas):
   The package imports TensorFlow here, first, which keeps its start-up log
   lines out (TF_CPP_MIN_LOG_LEVEL is 2 unless set).
   """
-  import replicator_strategy  # pylint: disable=g-import-not-at-top
   tf = replicator_strategy.check_tensorflow()
   if not tf.config.list_physical_devices("GPU"):
     replicator_strategy.split_cpu(num_replicas)

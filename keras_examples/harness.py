@@ -8,24 +8,21 @@ also runs as several workers:
   replicator-launch --workers 2 -- \\
       python keras_examples/resnet_digits.py --replicas 2 --quick
 
-Each example calls `start` first (it parses the flags, makes the strategy
-and prints it), trains under `run.strategy`, writes through `run` and ends
-with `run.finish()`; resnet_digits.py is the shortest to read.
+Importing this module loads nothing heavy. Each example defines its flags,
+then, run as a script, calls `read_command_line` before it imports
+TensorFlow: `--help` (and a bad flag) answers at once, and TensorFlow is then
+imported without its start-up log lines. Its `main` calls `start` (it parses
+the flags, makes the strategy and prints it), trains under `run.strategy`,
+writes through `run` and ends with `run.finish()`; resnet_digits.py is the
+shortest to read.
 """
 
 import argparse
 import os
 import time
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-os.environ.setdefault("KERAS_BACKEND", "tensorflow")
-
-# pylint: disable=g-import-not-at-top
-import keras
-import tensorflow as tf
-
+import digits  # (TF's log level and Keras's backend, before TF loads)
 import replicator_strategy
-# pylint: enable=g-import-not-at-top
 
 
 def parse_args(description, add_arguments=None, argv=None):
@@ -37,8 +34,9 @@ def parse_args(description, add_arguments=None, argv=None):
   parser.add_argument(
       "--replicas", type=int, default=None,
       help="replicas on this machine: without a GPU, the CPU is split into "
-      "this many logical devices; with GPUs, the first this many GPUs "
-      "(default: every device a default ReplicatorStrategy uses)")
+      f"this many logical devices (default: {digits.CPU_REPLICAS}, as "
+      "train_digits.py); with GPUs, the first this many GPUs (default: "
+      "every GPU)")
   parser.add_argument(
       "--quick", action="store_true",
       help="a run of under a minute that checks everything works, "
@@ -55,17 +53,29 @@ def parse_args(description, add_arguments=None, argv=None):
   return args
 
 
+def read_command_line(description, add_arguments=None):
+  """Parses the command line, then imports TensorFlow without its start-up lines.
+
+  An example run as a script calls it before its own imports of TensorFlow
+  and Keras, so that `--help` and a bad flag answer in a moment.
+  """
+  parse_args(description, add_arguments)
+  replicator_strategy.check_tensorflow()
+
+
 def make_strategy(num_replicas):
   """A ReplicatorStrategy over `num_replicas` devices (None: the default).
 
-  Must run before TensorFlow creates its devices: it splits the CPU when
-  there is no GPU.
+  The default: every GPU, or without one the CPU split into
+  `digits.CPU_REPLICAS` logical devices. Must run before TensorFlow creates
+  its devices: it splits the CPU when there is no GPU.
   """
+  tf = replicator_strategy.check_tensorflow()
   gpus = tf.config.list_physical_devices("GPU")
-  if num_replicas is None:
-    return replicator_strategy.ReplicatorStrategy()
   if not gpus:
-    replicator_strategy.split_cpu(num_replicas)
+    replicator_strategy.split_cpu(num_replicas or digits.CPU_REPLICAS)
+    return replicator_strategy.ReplicatorStrategy()
+  if num_replicas is None:
     return replicator_strategy.ReplicatorStrategy()
   if num_replicas > len(gpus):
     raise ValueError(
@@ -113,6 +123,7 @@ class ExampleRun:
     `curves` maps names to lists of numbers; one line `label step: ...`.
     Only the chief writes the logs.
     """
+    import tensorflow as tf  # pylint: disable=g-import-not-at-top
     if self._writer is None:
       self._writer = (tf.summary.create_file_writer(self.tensorboard_dir)
                       if self.is_chief else tf.summary.create_noop_writer())
@@ -172,5 +183,6 @@ def start(name, description, add_arguments=None, quick=None, argv=None):
       setattr(args, argument, value)
   strategy = make_strategy(args.replicas)
   print(strategy, flush=True)
+  import keras  # pylint: disable=g-import-not-at-top
   keras.utils.set_random_seed(0)
   return ExampleRun(name, args, strategy, start_time)

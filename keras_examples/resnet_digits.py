@@ -12,10 +12,8 @@ per 256 examples), a linear warm-up, then a cosine decay.
       python keras_examples/resnet_digits.py --replicas 2 --quick
 """
 
-import harness  # pylint: disable=g-bad-import-order  (sets TF env vars first)
+import harness  # pylint: disable=g-bad-import-order  (nothing heavy)
 
-import digits
-import keras
 
 
 def add_arguments(parser):
@@ -28,6 +26,14 @@ def add_arguments(parser):
                       "batch (default: 0.2)")
   parser.add_argument("--warmup-epochs", type=int, default=3,
                       help="epochs of linear warm-up (default: 3)")
+
+
+if __name__ == "__main__":
+  # --help and a bad flag answer here, before TensorFlow loads.
+  harness.read_command_line(__doc__, add_arguments)
+
+import digits
+import keras
 
 
 def residual_block(x, filters, stride):

@@ -17,13 +17,8 @@ per class, is written as a PNG.
       python keras_examples/sngan_digits.py --replicas 2 --quick
 """
 
-import harness  # pylint: disable=g-bad-import-order  (sets TF env vars first)
+import harness  # pylint: disable=g-bad-import-order  (nothing heavy)
 
-import digits
-import keras
-import numpy as np
-from sklearn import svm
-import tensorflow as tf
 
 NOISE_DIM = 32
 NUM_CLASSES = 10
@@ -46,6 +41,17 @@ def add_arguments(parser):
   parser.add_argument("--learning-rate", type=float, default=2e-4,
                       help="Adam's learning rate for both models "
                       "(default: 2e-4)")
+
+
+if __name__ == "__main__":
+  # --help and a bad flag answer here, before TensorFlow loads.
+  harness.read_command_line(__doc__, add_arguments)
+
+import digits
+import keras
+import numpy as np
+from sklearn import svm
+import tensorflow as tf
 
 
 def build_generator():
@@ -195,6 +201,7 @@ def train_with_fit(gan, dataset, args, score, run):
   history = gan.fit(
       dataset, epochs=args.steps // args.interval,
       steps_per_epoch=args.interval, verbose=2,
+      shuffle=False,  # The dataset shuffles itself; Keras warns otherwise.
       callbacks=[Score(), keras.callbacks.TensorBoard(run.tensorboard_dir)])
   return history.history
 

@@ -8,12 +8,14 @@
 >>> model.count_params()
 4
 
-Importing the package loads nothing heavy: TensorFlow and Keras (and the
-Keras patches, `replicator_strategy.keras.install()`) come with the first
-public name used, so the launcher and `python -m replicator_strategy --help`
-start at once, and without TensorFlow installed. The TensorFlow check runs
-there too: a missing or too old TensorFlow is an `ImportError` that says
-which extra to install.
+Importing the package sets TF_CPP_MIN_LOG_LEVEL to 2 unless it is set (no
+TensorFlow INFO or WARNING lines; 0 shows them, see `cli.tensorflow_logs`),
+and loads nothing heavy: TensorFlow and Keras come with
+the first public name used (the Keras patches, `replicator_strategy.keras`,
+with the first `ReplicatorStrategy` made: they stay while one lives), so the
+launcher and `python -m replicator_strategy --help` start at once, and
+without TensorFlow installed. The TensorFlow check runs there too: a missing
+or too old TensorFlow is an `ImportError` that says which extra to install.
 """
 
 import importlib
@@ -22,6 +24,8 @@ import re
 from replicator_strategy.cli import tensorflow_logs
 
 __version__ = "0.1.0"
+
+tensorflow_logs.quiet_unless_asked()
 
 # Public name -> the module that defines it.
 _PUBLIC = {
@@ -76,10 +80,11 @@ def _load():
   _loading = True
   try:
     check_tensorflow()
-    keras_patches = importlib.import_module("replicator_strategy.keras")
+    keras_patches = importlib.import_module("replicator_strategy.keras").patches
     for name, module in _PUBLIC.items():
       globals()[name] = getattr(importlib.import_module(module), name)
-    keras_patches.install()
+    importlib.import_module("replicator_strategy.strategy").CREATION_HOOKS.append(
+        keras_patches.hold)
   finally:
     _loading = False
 

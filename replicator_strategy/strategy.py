@@ -10,8 +10,8 @@ TF-Replicator (Buchlovsky et al., 2019, arXiv:1902.00465) rebuilt as a
 
 import math
 import numbers
+import warnings
 
-from absl import logging
 import tensorflow as tf
 
 from replicator_strategy import _tf_internal as tfi
@@ -33,6 +33,11 @@ from replicator_strategy.model_parallel import tpu_names
 # and already means "never time out".
 MAX_TIMEOUT_SECONDS = 10**9
 
+# Each is called with every ReplicatorStrategy made. The package's loader
+# adds the Keras patches' `hold` (they stay in place while a strategy lives),
+# so this module does not import replicator_strategy.keras.
+CREATION_HOOKS = []
+
 
 class ReplicatorStrategy(tf.distribute.Strategy):
   """Synchronous data-parallel replication over local devices and workers.
@@ -51,7 +56,7 @@ class ReplicatorStrategy(tf.distribute.Strategy):
   >>> history = model.fit(x, y, batch_size=16, verbose=0)  # 4 rows a replica
 
   Without a GPU and without `split_cpu`, the CPU is one device: one replica
-  (an INFO log line says so). `print(strategy)` shows the replicas, devices
+  (a warning says so). `print(strategy)` shows the replicas, devices
   and all-reduce; `python -m replicator_strategy` what the default would use
   on this machine.
 
@@ -144,10 +149,10 @@ class ReplicatorStrategy(tf.distribute.Strategy):
         raise NotImplementedError(devices_lib.tpu_not_supported_message())
       devices = devices_lib.local_devices()
       if devices_lib.is_lone_cpu(devices):
-        logging.info(
+        warnings.warn(
             "ReplicatorStrategy: no GPU, so 1 replica on the CPU. For "
             "testing, replicator_strategy.split_cpu(n) before any TensorFlow "
-            "op gives n replicas on n logical CPU devices.")
+            "op gives n replicas on n logical CPU devices.", stacklevel=2)
     else:
       devices = devices_lib.resolve_devices(devices)
     groups = logical_devices.group_by_replica(devices, devices_per_replica)
@@ -160,6 +165,8 @@ class ReplicatorStrategy(tf.distribute.Strategy):
         variable_partitioner, model_layouts))
     self.shard_optimizer_state = shard_optimizer_state
     self.gradient_compression = gradient_compression
+    for hook in CREATION_HOOKS:
+      hook(self)
 
   def logical_device_for_variables(self, logical_device_id):
     """Variables created inside live on each replica's `logical_device_id`.

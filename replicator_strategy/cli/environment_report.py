@@ -152,7 +152,6 @@ def main(argv=None):
       "use here, and with TF_CONFIG set, whether every worker's address "
       "answers. Exits 1 if something is wrong.")
   parser.parse_args(argv)
-  os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
   lines, problems = report()
   print("\n".join(lines))
   if problems:

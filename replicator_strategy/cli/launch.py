@@ -11,8 +11,8 @@ chief's output comes in full and the other workers' stderr (their warnings,
 errors and tracebacks; their stdout repeats the chief's); `--output all`
 shows everything. The launcher's own lines start with `[launch]`, the last
 one a summary: workers, wall time, each worker's exit status. Workers get
-`TF_CPP_MIN_LOG_LEVEL=1` (TensorFlow's C++ INFO lines off, its start-up
-lines too: see `tensorflow_logs`) unless it is set.
+`TF_CPP_MIN_LOG_LEVEL=2` (TensorFlow's C++ INFO and WARNING lines off, its
+start-up lines too: see `tensorflow_logs`) unless it is set.
 
 When one worker fails,
 the others are stopped and the launcher exits with the failed worker's
@@ -251,8 +251,8 @@ class _Launch:
     self.signals.workers = workers
     try:
       for index in range(self.num_workers):
-        env = {tensorflow_logs.LEVEL_ENV: "1", **os.environ,
-               "TF_CONFIG": tf_config(addresses, index),
+        env = {tensorflow_logs.LEVEL_ENV: tensorflow_logs.QUIET_LEVEL,
+               **os.environ, "TF_CONFIG": tf_config(addresses, index),
                RESTART_COUNT_ENV: str(restart)}
         process = subprocess.Popen(
             self.command, env=env, stdout=subprocess.PIPE,
@@ -346,9 +346,26 @@ def run(command, num_workers, timeout=None, max_restarts=0, grace_period=25,
   return status
 
 
+def invoked_as(script=None):
+  """The command as the user typed it, for the usage line.
+
+  `python -m replicator_strategy.cli.launch` runs this file as `script`
+  (sys.argv[0]); the console script is `replicator-launch`.
+
+  >>> invoked_as("/usr/local/bin/replicator-launch")
+  'replicator-launch'
+  >>> invoked_as(__file__)
+  'python -m replicator_strategy.cli.launch'
+  """
+  script = sys.argv[0] if script is None else script
+  if os.path.abspath(script) == os.path.abspath(__file__):
+    return "python -m replicator_strategy.cli.launch"
+  return os.path.basename(script) or "replicator-launch"
+
+
 def main(argv=None):
   parser = argparse.ArgumentParser(
-      prog="replicator-launch",
+      prog=invoked_as(),
       description="Run a training command as N local workers on 127.0.0.1, "
       "each with its own TF_CONFIG.",
       epilog="Example: replicator-launch --workers 2 -- "

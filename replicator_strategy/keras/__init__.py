@@ -1,7 +1,8 @@
 """What ReplicatorStrategy changes in Keras 3, in one table, and its undoing.
 
-- `patches`: the table `PATCHES` (what is wrapped, why, when it acts),
-  `install()` (done on the first use of `replicator_strategy`) and `uninstall()`.
+- `patches`: the table `PATCHES` (what is wrapped, why, when it acts), in
+  place while a ReplicatorStrategy lives (`hold`), or as `install()` and
+  `uninstall()` decide.
 - `training`: global per-batch logs, rows once from `predict_on_batch`, loss
   scaled by each replica's share of the rows, the model built from the whole
   first batch, clipping after the all-reduce, `predict` across workers.
@@ -13,7 +14,9 @@
 - `_internal`: Keras's private names, behind a Keras version check.
 
 Nothing outside `keras/` imports it but the package's lazy loader, which
-calls `install()`: the core and the other subpackages never depend on it.
+hands `patches.hold` to the strategy's constructor
+(`strategy.CREATION_HOOKS`): the core and the other subpackages never
+depend on it.
 
 >>> import replicator_strategy as rs
 >>> len(rs.keras.PATCHES) > 0
@@ -21,7 +24,8 @@ True
 """
 
 from replicator_strategy.keras.patches import install
+from replicator_strategy.keras.patches import installed
 from replicator_strategy.keras.patches import PATCHES
 from replicator_strategy.keras.patches import uninstall
 
-__all__ = ["PATCHES", "install", "uninstall"]
+__all__ = ["PATCHES", "install", "installed", "uninstall"]

@@ -2,21 +2,34 @@
 
 Keras 3 has no hook for what ReplicatorStrategy must change (global logs,
 exact loss scaling, files written once across workers, saving on
-preemption), so the package wraps Keras functions when first used (its
-first public name, such as `replicator_strategy.ReplicatorStrategy`). Every wrapper is
-listed in `PATCHES`: what it wraps, why, and when it acts; each calls Keras's
-own code unchanged where it does not act. The wrapped names, private ones
-included, were checked against the Keras versions that `replicator_strategy.keras._internal`
-names; another version is refused on import (set
-`REPLICATOR_STRATEGY_ALLOW_UNTESTED_KERAS=1` to try it anyway).
+preemption), so the package wraps Keras functions while a ReplicatorStrategy
+lives: from the first one made until the last one is gone (a model compiled
+under one keeps it alive, and so does a traced step: TensorFlow keeps the
+gradient functions of traced collectives). A script that makes none, with
+MirroredStrategy say, runs Keras as shipped: no frame of ours in its
+tracebacks. Every wrapper is listed in `PATCHES`: what it wraps, why, and
+when it acts; each calls Keras's own code unchanged where it does not act.
+The wrapped names, private ones included, were checked against the Keras
+versions that `replicator_strategy.keras._internal` names; another version
+is refused on import (set `REPLICATOR_STRATEGY_ALLOW_UNTESTED_KERAS=1` to
+try it anyway).
 
 >>> import replicator_strategy as rs
->>> rs.keras.uninstall()   # Keras exactly as installed
->>> rs.keras.install()     # the patches back
+>>> strategy = rs.ReplicatorStrategy()
+>>> installed()            # while a ReplicatorStrategy lives
+True
+>>> rs.keras.uninstall()   # Keras exactly as installed, strategies or not
+>>> installed()
+False
+>>> rs.keras.install()     # the patches back, until uninstall()
+>>> installed()
+True
 """
 
 import dataclasses
 import functools
+import threading
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -169,24 +182,83 @@ PATCHES = (
               _ROWS) for layer in random_layers.IMAGE_LAYERS)
 
 _originals = []  # (owner, name, what it was), in the order applied.
+_lock = threading.RLock()  # Finalizers run in whichever thread collects.
+_changing = False  # A finalizer run amid a change leaves it to finish.
+_alive = 0  # ReplicatorStrategy objects alive that `hold` was given.
+_pinned = None  # True after install(), False after uninstall(), else None.
+
+
+def hold(strategy):
+  """Keeps the patches in place while `strategy` (a ReplicatorStrategy) lives.
+
+  The strategy's constructor calls it; the last one gone takes the patches
+  away, unless `install()` or `uninstall()` decided for good.
+  """
+  global _alive
+  weakref.finalize(strategy, _release).atexit = False
+  with _lock:
+    _alive += 1
+    _apply_or_remove()
+
+
+def _release():
+  global _alive
+  with _lock:
+    _alive -= 1
+    _apply_or_remove()
+
+
+def installed():
+  """Whether the patches are in place now."""
+  return bool(_originals)
 
 
 def install():
-  """Applies every patch in `PATCHES`, once (on the package's first use)."""
-  if _originals:
-    return
-  for patch in PATCHES:
-    original = getattr(patch.owner, patch.name)
-    _originals.append((patch.owner, patch.name, original))
-    setattr(patch.owner, patch.name, patch.wrap(original))
+  """Applies every patch in `PATCHES`, once, and keeps them until `uninstall`.
+
+  Without it, they are in place while a ReplicatorStrategy lives.
+  """
+  global _pinned
+  with _lock:
+    _pinned = True
+    _apply_or_remove()
 
 
 def uninstall():
-  """Puts back every Keras function `install` wrapped; Keras is as shipped.
+  """Puts back every Keras function the patches wrap; Keras is as shipped.
 
   ReplicatorStrategy then trains as MirroredStrategy does under Keras: local
-  per-batch logs, 1/N loss scaling, every worker writing its files.
+  per-batch logs, 1/N loss scaling, every worker writing its files; until
+  `install()`.
   """
-  while _originals:
-    owner, name, original = _originals.pop()
-    setattr(owner, name, original)
+  global _pinned
+  with _lock:
+    _pinned = False
+    _apply_or_remove()
+
+
+def _apply_or_remove():
+  """Applies or removes the patches as `_pinned`, else `_alive`, asks.
+
+  Called with `_lock` held. The garbage collector may run a strategy's
+  finalizer amid a change, in this thread: its call returns at once, and
+  cannot change what is wanted (the change under way is for a strategy that
+  is referenced, or was decided by install() or uninstall()).
+  """
+  global _changing
+  if _changing:
+    return
+  _changing = True
+  try:
+    wanted = _alive > 0 if _pinned is None else _pinned
+    if wanted and not _originals:
+      for patch in PATCHES:
+        original = getattr(patch.owner, patch.name)
+        _originals.append((patch.owner, patch.name, original))
+        setattr(patch.owner, patch.name, patch.wrap(original))
+    elif not wanted:
+      while _originals:
+        owner, name, original = _originals.pop()
+        setattr(owner, name, original)
+  finally:
+    _changing = False

@@ -309,6 +309,21 @@ class LaunchTest(unittest.TestCase):
       self.assertEqual(done.returncode, 2, args)
       self.assertIn(message, done.stderr)
 
+  def test_usage_names_the_command_as_invoked(self):
+    self.assertRegex(launch("--help").stdout,
+                     r"^usage: python -m replicator_strategy\.cli\.launch ")
+    with tempfile.TemporaryDirectory() as directory:
+      # What pip writes for the console script `replicator-launch`.
+      script = os.path.join(directory, "replicator-launch")
+      with open(script, "w") as f:
+        f.write("import sys\n"
+                "from replicator_strategy.cli.launch import main\n"
+                "sys.exit(main())\n")
+      done = subprocess.run([sys.executable, script, "--help"],
+                            capture_output=True, text=True, timeout=60,
+                            check=True)
+    self.assertRegex(done.stdout, r"^usage: replicator-launch ")
+
 
 if __name__ == "__main__":
   unittest.main()

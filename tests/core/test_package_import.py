@@ -2,13 +2,18 @@
 
 Each test runs Python in a fresh process in which TensorFlow is missing (an
 import hook refuses it, as an environment without it would) or too old (a
-stand-in module reports an old version).
+stand-in module reports an old version); or, with TensorFlow, as a user's
+first script would: what it prints under default settings.
 """
 
 import subprocess
 import sys
 import textwrap
 import unittest
+
+import pytest
+
+import default_output
 
 WITHOUT_TENSORFLOW = """
 import sys
@@ -67,14 +72,16 @@ class PackageImportTest(unittest.TestCase):
 
   def test_commands_answer_help_without_tensorflow(self):
     usages = {"replicator_strategy": "usage: python -m replicator_strategy",
-              "replicator_strategy.cli.launch": "usage: replicator-launch"}
+              "replicator_strategy.cli.launch":
+                  "usage: python -m replicator_strategy.cli.launch"}
     for module, usage in usages.items():
       with self.subTest(module):
         done = python(WITHOUT_TENSORFLOW, """
             import runpy, sys
             sys.argv = sys.argv[1:]  # As `python -m MODULE --help` has it.
-            try:
-              runpy.run_module(sys.argv[0], run_name="__main__")
+            try:  # alter_sys: sys.argv[0] the module's file, as -m sets it.
+              runpy.run_module(sys.argv[0], run_name="__main__",
+                               alter_sys=True)
             except SystemExit as e:
               print("exit", e.code, "tensorflow" in sys.modules)
             """, module, "--help")
@@ -106,6 +113,44 @@ class PackageImportTest(unittest.TestCase):
                      if m.split(".")[0] in ("tensorflow", "keras")))
         """)
     self.assertEqual(done.stdout, "[]\n", done.stderr)
+
+
+# A user's first script, on one CPU (no split_cpu): the default strategy,
+# printed, then Keras fit (whose input pipeline TensorFlow logs about).
+FIRST_SCRIPT = """
+import replicator_strategy as rs
+import keras
+import numpy as np
+strategy = rs.ReplicatorStrategy()
+print(strategy)
+with strategy.scope():
+  model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+  model.compile("sgd", "mse")
+model.fit(np.ones((8, 2)), np.ones((8, 1)), batch_size=4, verbose=0)
+"""
+
+
+class DefaultStartTest(unittest.TestCase):
+
+  @pytest.mark.slow  # Two TensorFlow processes; in the quick loop,
+  # test_strategy's lone-CPU test checks the warning in process.
+  def test_one_cpu_replica_is_one_warning_and_tensorflow_stays_quiet(self):
+    # Run side by side: by default, and asking for TensorFlow's lines.
+    runs = [subprocess.Popen([sys.executable, "-c", FIRST_SCRIPT], env=e,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True)
+            for e in (default_output.user_environ(),
+                      default_output.user_environ(TF_CPP_MIN_LOG_LEVEL="0"))]
+    (out, err), (_, asked_err) = [r.communicate(timeout=120) for r in runs]
+    self.assertEqual([r.returncode for r in runs], [0, 0], err + asked_err)
+    self.assertRegex(out, r"^ReplicatorStrategy\(1 replica: .*CPU:0;")
+    # Under default logging, stderr is the one warning naming split_cpu.
+    self.assertEqual(len(err.splitlines()), 1, err)
+    self.assertRegex(err, r"UserWarning: ReplicatorStrategy: no GPU, so 1 "
+                     r"replica on the CPU\. .*replicator_strategy\.split_cpu")
+    self.assertNotRegex(err, default_output.TENSORFLOW_LOG_LINE)
+    # TF_CPP_MIN_LOG_LEVEL=0 asks for TensorFlow's C++ lines: they come.
+    self.assertRegex(asked_err, default_output.TENSORFLOW_LOG_LINE)
 
 
 if __name__ == "__main__":

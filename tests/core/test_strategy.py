@@ -5,6 +5,7 @@ test_all_reduce, test_extended; here, that it puts them together.
 """
 
 import re
+import warnings
 import unittest
 from unittest import mock
 
@@ -90,14 +91,16 @@ class ConstructionTest(unittest.TestCase):
   def test_a_lone_cpu_gets_a_hint_that_split_cpu_gives_more_replicas(self):
     lone_cpu = ("/job:localhost/replica:0/task:0/device:CPU:0",)
     with mock.patch.object(devices, "local_devices", return_value=lone_cpu), \
-        self.assertLogs("absl", level="INFO") as logs:
+        self.assertWarns(UserWarning) as warned:
       self.assertEqual(rs.ReplicatorStrategy().num_replicas_in_sync, 1)
     self.assertIn("no GPU, so 1 replica on the CPU. For testing, "
                   "replicator_strategy.split_cpu(n) before any TensorFlow op "
-                  "gives n replicas", logs.output[0])
-    with self.assertLogs("absl", level="INFO") as logs:
+                  "gives n replicas", str(warned.warning))
+    self.assertEqual(warned.filename, __file__)  # Points at the caller.
+    with warnings.catch_warnings(record=True) as caught:
+      warnings.simplefilter("always")
       rs.ReplicatorStrategy()  # 4 logical CPUs: no hint.
-    self.assertNotIn("split_cpu", "\n".join(logs.output))
+    self.assertNotIn("split_cpu", "\n".join(str(w.message) for w in caught))
 
 
 def _per_replica(strategy, fn):

@@ -293,7 +293,7 @@ class LayeringTest(unittest.TestCase):
                  p.relative_to(PACKAGE).with_suffix("").parts): ast.parse(
                      p.read_text())
         for p in sorted(PACKAGE.rglob("*.py"))}
-    # The package's lazy loader installs the Keras patches on first use.
+    # The package's lazy loader hands the Keras patches to the strategy.
     self.assertEqual(
         [(name, code) for name, _, code in _keras_imports(modules)],
         [("replicator_strategy.__init__",

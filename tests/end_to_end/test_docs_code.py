@@ -20,11 +20,16 @@ import unittest
 from parameterized import parameterized
 import pytest
 
+import default_output
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 PAGES = ["README.md"] + sorted(
     str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md"))
 MULTI_WORKER = {"docs/multi-worker.md": 2}  # Page: workers.
 PASTED = ("README.md",)
+# Pages run as a user's shell has it (no TF_CPP_MIN_LOG_LEVEL), whose output
+# must hold no TensorFlow C++ log line.
+QUIET_BY_DEFAULT = ("README.md",)
 # Page: the last logged loss must be below this (ten classes: 2.3 by chance).
 FINAL_LOSS_BELOW = {"README.md": 1.0}
 TIMEOUT_SECONDS = 300
@@ -71,6 +76,9 @@ class DocsCodeTest(unittest.TestCase):
     script = "\n".join(python_blocks(relative_path))
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", KERAS_BACKEND="tensorflow",
                PYTHONPATH=str(ROOT))
+    if relative_path in QUIET_BY_DEFAULT:
+      env = default_output.user_environ(KERAS_BACKEND="tensorflow",
+                                        PYTHONPATH=str(ROOT))
     env.pop("TF_CONFIG", None)
     args, stdin = command(relative_path, script)
     with tempfile.TemporaryDirectory() as cwd:
@@ -82,6 +90,9 @@ class DocsCodeTest(unittest.TestCase):
     self.assertEqual(done.returncode, 0, failed)
     # The interactive interpreter goes on after an error, and exits 0.
     self.assertNotRegex(done.stderr, r"Traceback|\w+Error: ", failed)
+    if relative_path in QUIET_BY_DEFAULT:
+      self.assertNotRegex(done.stdout + done.stderr,
+                          default_output.TENSORFLOW_LOG_LINE, failed)
     if relative_path in FINAL_LOSS_BELOW:
       losses = re.findall(r"loss: (\d+\.\d+)", done.stdout)
       self.assertTrue(losses, done.stdout[-2000:])

@@ -3,7 +3,9 @@
 The digits examples train two short epochs. The paper's workloads (ResNet,
 SN-GAN, D4PG) run with `--quick`: the checks are that they finish, print
 the topology first and the wall time last, report a finite result and write
-their files, not the quality of a full run (docs/examples.md has those).
+their files, not the quality of a full run (docs/examples.md has those), and
+that, run as a user's shell runs them, they print no TensorFlow C++ log line
+and no warning a user cannot act on.
 """
 
 import math
@@ -18,9 +20,13 @@ import unittest
 from parameterized import parameterized
 import pytest
 
+import default_output
+
 EXAMPLES = pathlib.Path(__file__).resolve().parents[2] / "keras_examples"
 TOPOLOGY_2_REPLICAS = r"ReplicatorStrategy\(2 replicas: .*CPU:0.*CPU:1"
-ENV = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
+ENV = default_output.user_environ()
+# Keras's, when fit is given shuffle=True (its default) with a dataset.
+SHUFFLE_IGNORED = "`shuffle=True` was passed, but will be ignored"
 
 # script, extra flags, the line with its result, the files it writes.
 WORKLOADS = [
@@ -74,17 +80,22 @@ class ExamplesTest(unittest.TestCase):
     self.assertGreater(accuracy, 0.5)  # 3 epochs; chance is 0.1.
 
   @parameterized.expand(["train_digits.py", "custom_loop_digits.py",
-                         "transformer_digits.py"])
+                         "transformer_digits.py", "resnet_digits.py",
+                         "sngan_digits.py", "d4pg_pendulum.py"])
   def test_help_answers_without_importing_tensorflow(self, script):
     # -X importtime lists every module imported, on stderr.
     done = subprocess.run(
         [sys.executable, "-X", "importtime", str(EXAMPLES / script), "--help"],
         capture_output=True, text=True, timeout=60, check=True)
     self.assertIn("--global-batch-size", done.stdout)
+    if script != "transformer_digits.py":  # 2 replicas of 2 devices each.
+      # Without a GPU, 4 replicas by default, as train_digits.py.
+      replicas = " ".join(done.stdout.split()).split("--replicas REPLICAS")[2]
+      self.assertIn("(default: 4", replicas.split(" --")[0])
     imported = {line.rsplit("|", 1)[-1].strip().split(".")[0]
                 for line in done.stderr.splitlines()}
     self.assertIn("argparse", imported)
-    self.assertFalse(imported & {"tensorflow", "keras", "sklearn"})
+    self.assertFalse(imported & {"tensorflow", "keras", "sklearn", "gymnasium"})
 
   @parameterized.expand([(f"{w[0][:-3]}_{'_'.join(w[1]) or 'default'}",) + w
                          for w in WORKLOADS])
@@ -97,6 +108,7 @@ class ExamplesTest(unittest.TestCase):
            "2", "--output-dir", output_dir] + flags,
           capture_output=True, text=True, timeout=300, check=False, env=ENV)
       self.assertEqual(done.returncode, 0, done.stderr[-3000:])
+      self.assert_quiet(done)
       lines = done.stdout.strip().splitlines()
       self.assertRegex(lines[0], TOPOLOGY_2_REPLICAS)
       self.assertRegex(lines[-1], r"^wall time: \d+\.\d s$")
@@ -119,6 +131,7 @@ class ExamplesTest(unittest.TestCase):
            "--output-dir", output_dir],
           capture_output=True, text=True, timeout=300, check=False, env=ENV)
       self.assertEqual(done.returncode, 0, done.stdout[-3000:])
+      self.assert_quiet(done)
       for worker in (0, 1):
         self.assertRegex(
             done.stdout, rf"\[worker {worker}\] ReplicatorStrategy\(4 "
@@ -128,6 +141,12 @@ class ExamplesTest(unittest.TestCase):
             r"episodes")))
       self.assertEqual(done.stdout.count("wrote "), 1, done.stdout[-3000:])
       self.assertTrue(os.path.exists(os.path.join(output_dir, "curves.png")))
+
+  def assert_quiet(self, done):
+    output = done.stdout + done.stderr
+    self.assertNotRegex(output, default_output.TENSORFLOW_LOG_LINE,
+                        output[-3000:])
+    self.assertNotIn(SHUFFLE_IGNORED, output)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,13 @@
-"""The table of Keras patches: applied once, undone by uninstall, version-checked."""
+"""The table of Keras patches: applied once, undone by uninstall, version-checked.
 
+They are in place while a ReplicatorStrategy lives, so other strategies'
+tracebacks never pass through them.
+"""
+
+import json
 import os
+import subprocess
+import sys
 import unittest
 from unittest import mock
 
@@ -52,6 +59,68 @@ class PatchTableTest(unittest.TestCase):
     finally:
       keras_patches.install()
     self.assertEqual(len(model.predict_on_batch(np.ones((4, 2)))), 4)
+
+
+# Run in a fresh process: the suite's own process has `install()`ed the
+# patches for good (see above). Prints one JSON line of what it saw.
+LIFETIME = r"""
+import gc, json, traceback
+import replicator_strategy as rs
+rs.split_cpu(2)
+import keras, numpy as np, tensorflow as tf
+
+class Raises(keras.Model):
+  def call(self, x):
+    raise ValueError("raised by the model's call")
+
+def our_frames_in_a_mirrored_strategy_error():
+  with tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"]).scope():
+    model = Raises()
+    model.compile("sgd", "mse")
+  try:
+    model.fit(np.ones((8, 2)), np.ones((8, 1)), verbose=0)
+  except ValueError as e:
+    assert "raised by the model's call" in str(e), e
+    return [f"{frame.filename}:{frame.name}"
+            for frame in traceback.extract_tb(e.__traceback__)
+            if "replicator_strategy" in frame.filename]
+  raise AssertionError("fit did not raise")
+
+seen = {"loaded": rs.keras.installed()}  # rs.keras: the public names load.
+strategy = rs.ReplicatorStrategy(devices=["/cpu:0", "/cpu:1"])
+with strategy.scope():
+  model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+  model.compile("sgd", "mse")
+seen["alive"] = rs.keras.installed()
+seen["alive_frames"] = our_frames_in_a_mirrored_strategy_error()
+del strategy
+gc.collect()
+seen["model_alive"] = rs.keras.installed()  # The model holds its strategy.
+del model
+gc.collect()
+seen["none_alive"] = rs.keras.installed()
+seen["none_alive_frames"] = our_frames_in_a_mirrored_strategy_error()
+print(json.dumps(seen))
+"""
+
+
+class PatchLifetimeTest(unittest.TestCase):
+
+  def test_patches_live_with_strategies_and_stay_out_of_other_tracebacks(self):
+    done = subprocess.run([sys.executable, "-c", LIFETIME],
+                          capture_output=True, text=True, timeout=120,
+                          check=False)
+    self.assertEqual(done.returncode, 0, done.stderr[-3000:])
+    seen = json.loads(done.stdout.splitlines()[-1])
+    self.assertFalse(seen["loaded"])
+    self.assertTrue(seen["alive"])
+    self.assertTrue(seen["model_alive"])
+    self.assertFalse(seen["none_alive"])
+    # While a ReplicatorStrategy lives, the error passes through our
+    # wrappers (inert for MirroredStrategy): the check sees them. Once none
+    # lives, a MirroredStrategy error's traceback holds no frame of ours.
+    self.assertTrue(seen["alive_frames"])
+    self.assertEqual(seen["none_alive_frames"], [])
 
 
 class VersionCheckTest(unittest.TestCase):
