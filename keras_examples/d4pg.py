@@ -20,7 +20,7 @@ Across workers, every worker runs its own actors and buffer (seeded apart)
 and its replicas learn from it; the networks stay identical everywhere.
 
   python keras_examples/d4pg.py --replicas 4
-  python keras_examples/d4pg.py --env cartpole-swingup --iterations 30 \\
+  python keras_examples/d4pg.py --env cartpole-swingup --iterations 20 \\
       --updates 1000 --replicas 4
   replicator-launch --workers 2 -- \\
       python keras_examples/d4pg.py --replicas 2 --quick
