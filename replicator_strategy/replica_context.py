@@ -296,7 +296,7 @@ class ReplicaContext(tfi.ThreadReplicaContext):
     >>> matrices = [tf.eye(2) * k for k in (1.0, 2.0, 4.0)]
     >>> def step():
     ...   ctx = tf.distribute.get_replica_context()
-    ...   return ctx.map_gather(matrices, fn=tf.linalg.inv)  # 2 on replica 0
+    ...   return ctx.map_gather(matrices, fn=tf.linalg.inv)  # 0, 2 on replica 0
     >>> [float(m[0, 0]) for m in strategy.experimental_local_results(
     ...     strategy.run(step))[1]]
     [1.0, 0.5, 0.25]
@@ -307,11 +307,12 @@ class ReplicaContext(tfi.ThreadReplicaContext):
     replica = tfi.replica_id(self)
     results = []
     for i, call in enumerate(calls):
+      what = f"thunks[{i}]()" if fn is None else f"fn(thunks[{i}])"
       if i % n == replica:
-        result = _checked_result(call(), i)
+        result = _checked_result(call(), what)
       else:
         specs = _checked_result(tf.function(call).get_concrete_function()
-                                .structured_outputs, i)
+                                .structured_outputs, what)
         result = tf.nest.map_structure(
             lambda t: tf.zeros(t.shape, t.dtype), specs)
       results.append(result)
@@ -452,26 +453,26 @@ def _thunk_calls(thunks, fn):
   return list(thunks)
 
 
-def _checked_result(result, index):
-  """Thunk `index`'s `result` as tensors, each of a static shape and a dtype
-  that sums over replicas; a ValueError naming the part that is not."""
-  argument = f"thunks[{index}]()"
-  checks.reject_none(result, argument, "ReplicaContext.map_gather")
+def _checked_result(result, what):
+  """`result`, what the call `what` ("thunks[3]()") returned, as tensors,
+  each of a static shape and a dtype that sums over replicas; a ValueError
+  naming the part that is not."""
+  checks.reject_none(result, what, "ReplicaContext.map_gather")
   result = tf.nest.map_structure(tf.convert_to_tensor, result)
   for path, t in tfi.nest.flatten_with_tuple_paths(result):
-    where = argument + "".join(f"[{key!r}]" for key in path)
+    where = what + "".join(f"[{key!r}]" for key in path)
     if not t.shape.is_fully_defined():
       raise ValueError(
-          f"Expected every tensor from {where} given to "
-          f"ReplicaContext.map_gather to have a static shape: the replicas "
-          f"that don't run it need one. Received: shape {t.shape}. Set it "
-          f"in the thunk, e.g. with tf.ensure_shape.")
+          f"Expected every tensor that ReplicaContext.map_gather's {where} "
+          f"returns to have a static shape: the replicas that don't run it "
+          f"need one. Received: shape {t.shape}. Set it in the thunk, e.g. "
+          f"with tf.ensure_shape.")
     if not (t.dtype.is_floating or t.dtype.is_integer):
       raise ValueError(
-          f"Expected every tensor from {where} given to "
-          f"ReplicaContext.map_gather to be of a float or integer dtype: "
-          f"results travel in a sum over replicas. Received: dtype "
-          f"{t.dtype.name}. Cast it in the thunk (tf.cast) and back after.")
+          f"Expected every tensor that ReplicaContext.map_gather's {where} "
+          f"returns to be of a float or integer dtype: results travel in a "
+          f"sum over replicas. Received: dtype {t.dtype.name}. Cast it in "
+          f"the thunk (tf.cast) and back after.")
   return result
 
 

@@ -165,6 +165,11 @@ class MapGatherInputTest(unittest.TestCase):
     self._refused(ValueError, r"thunks\[0\]\(\)\[1\]=None",
                   [lambda: (1.0, None)])
 
+  def test_errors_name_fn_on_its_input(self):
+    self._refused(ValueError, r"fn\(thunks\[0\]\)\['ids'\].*static shape",
+                  [1, 2], fn=lambda _: {"ids": tf.unique([3, 3, 1]).y},
+                  traced=True)
+
 
 if __name__ == "__main__":
   unittest.main()
