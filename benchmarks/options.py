@@ -19,6 +19,7 @@ SIZES = {  # name: (full run, --quick)
     "allreduce_many": ((200, 4096), (10, 256)),  # tensors, bytes each
     "allreduce_repeats": (15, 1),
     "reduce_scatter_mb": (16, 0.0625),
+    "map_gather_inverses": ((8, 512), (4, 16)),  # matrices, rows of each
     # The xla section's models. --quick compiles the MLP alone: the conv
     # net's row (its replicated step compiled by XLA) took about 50 s of CPU,
     # the quick run's longest piece; its other contenders run in fit.

@@ -7,8 +7,8 @@ graphs and cannot meet, so there collectives are launched per replica
 instead (`replica_collectives`); in a `tf.while_loop` of the replica
 function they are refused (`replica_collectives.check_not_in_replica_loop`).
 On top of `tf.distribute.ReplicaContext` this adds MIN/MAX all-reduce,
-`broadcast`, `reduce_scatter` and `all_to_all`, all differentiable, on both
-paths (example: `ReplicaContext`).
+`broadcast`, `reduce_scatter`, `all_to_all` and `map_gather`, all
+differentiable, on both paths (example: `ReplicaContext`).
 
 Design after TF-Replicator (Buchlovsky et al., 2019, arXiv:1902.00465).
 """
@@ -30,7 +30,7 @@ row `first` on, of `total` rows (every replica's, in replica order)."""
 
 class ReplicaContext(tfi.ThreadReplicaContext):
   """`tf.distribute.ReplicaContext` with MIN/MAX all-reduce, broadcast,
-  reduce-scatter and all-to-all.
+  reduce-scatter, all-to-all and map_gather.
 
   What `tf.distribute.get_replica_context()` returns inside `strategy.run`:
 
@@ -278,6 +278,46 @@ class ReplicaContext(tfi.ThreadReplicaContext):
         flat, grad=grad)
     return tf.nest.pack_sequence_as(value, ys)
 
+  def map_gather(self, thunks, fn=None):
+    """Thunk i runs on replica i mod N only; every replica gets all results.
+
+    Work that every replica would repeat is shared out instead, as K-FAC
+    does with its per-layer inverses (TF-Replicator's `map_gather`). With
+    `fn`, `thunks` holds inputs, and replica i mod N computes
+    `fn(thunks[i])`. Returns the tuple of results, in order, on every
+    replica. Each result is a nested structure of numeric tensors with
+    static shapes: the other replicas trace the thunk (without running it)
+    for its shapes and add zeros of them to one all-reduce. A thunk that
+    reads this replica's own values computes with its owner's. Gradients
+    flow, summed over replicas, to the owner's inputs.
+
+    >>> from replicator_strategy import ReplicatorStrategy
+    >>> strategy = ReplicatorStrategy(devices=["/cpu:0", "/cpu:1"])
+    >>> matrices = [tf.eye(2) * k for k in (1.0, 2.0, 4.0)]
+    >>> def step():
+    ...   ctx = tf.distribute.get_replica_context()
+    ...   return ctx.map_gather(matrices, fn=tf.linalg.inv)  # 0, 2 on replica 0
+    >>> [float(m[0, 0]) for m in strategy.experimental_local_results(
+    ...     strategy.run(step))[1]]
+    [1.0, 0.5, 0.25]
+    """
+    checks.refuse_cross_replica_context("map_gather")
+    calls = _thunk_calls(thunks, fn)
+    n = self.num_replicas_in_sync
+    replica = tfi.replica_id(self)
+    results = []
+    for i, call in enumerate(calls):
+      what = f"thunks[{i}]()" if fn is None else f"fn(thunks[{i}])"
+      if i % n == replica:
+        result = _checked_result(call(), what)
+      else:
+        specs = _checked_result(tf.function(call).get_concrete_function()
+                                .structured_outputs, what)
+        result = tf.nest.map_structure(
+            lambda t: tf.zeros(t.shape, t.dtype), specs)
+      results.append(result)
+    return tuple(self.all_reduce("sum", results))
+
   def batch_rows(self):
     """Where this replica's rows lie in the global batch, or None if unknown.
 
@@ -390,6 +430,50 @@ def _own_tensors(value, api):
   """
   checks.reject_none(value, "value", f"ReplicaContext.{api}")
   return tf.nest.map_structure(tf.identity, value)
+
+
+def _thunk_calls(thunks, fn):
+  """Argument-free calls of `map_gather`'s thunks (or of `fn` on its inputs)."""
+  if not isinstance(thunks, (list, tuple)) or not thunks:
+    raise ValueError(
+        "Expected `thunks` given to ReplicaContext.map_gather to be a "
+        f"non-empty list or tuple. Received: thunks={thunks!r}")
+  if fn is not None:
+    if not callable(fn):
+      raise TypeError(
+          "Expected `fn` given to ReplicaContext.map_gather to be callable "
+          f"or None. Received: fn={fn!r}")
+    return [lambda x=x: fn(x) for x in thunks]
+  for i, thunk in enumerate(thunks):
+    if not callable(thunk):
+      raise TypeError(
+          "Expected every element of `thunks` given to "
+          "ReplicaContext.map_gather to be callable (or give `fn` to apply "
+          f"to them). Received: thunks[{i}]={thunk!r}")
+  return list(thunks)
+
+
+def _checked_result(result, what):
+  """`result`, what the call `what` ("thunks[3]()") returned, as tensors,
+  each of a static shape and a dtype that sums over replicas; a ValueError
+  naming the part that is not."""
+  checks.reject_none(result, what, "ReplicaContext.map_gather")
+  result = tf.nest.map_structure(tf.convert_to_tensor, result)
+  for path, t in tfi.nest.flatten_with_tuple_paths(result):
+    where = what + "".join(f"[{key!r}]" for key in path)
+    if not t.shape.is_fully_defined():
+      raise ValueError(
+          f"Expected every tensor that ReplicaContext.map_gather's {where} "
+          f"returns to have a static shape: the replicas that don't run it "
+          f"need one. Received: shape {t.shape}. Set it in the thunk, e.g. "
+          f"with tf.ensure_shape.")
+    if not (t.dtype.is_floating or t.dtype.is_integer):
+      raise ValueError(
+          f"Expected every tensor that ReplicaContext.map_gather's {where} "
+          f"returns to be of a float or integer dtype: results travel in a "
+          f"sum over replicas. Received: dtype {t.dtype.name}. Cast it in "
+          f"the thunk (tf.cast) and back after.")
+  return result
 
 
 def merge_call_possible():

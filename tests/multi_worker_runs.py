@@ -204,6 +204,58 @@ def slicing_collectives(strategy):
   return results
 
 
+def map_gather(strategy, num_thunks=6):
+  """map_gather's results and gradients by global replica, beside every
+  replica computing every thunk itself, and the (thunk, replica) of each run
+  of a thunk on this worker.
+
+  Eagerly and traced through merge_call, and traced inside a tf.cond.
+  """
+  a = np.random.default_rng(8).normal(size=(num_thunks, 3, 3))
+  matrices = (a @ a.transpose(0, 2, 1) + 3 * np.eye(3)).astype("float32")
+  ran = []
+
+  def replica_fn(in_cond):
+    ctx = tf.distribute.get_replica_context()
+    rid = ctx.replica_id_in_sync_group
+    call = (lambda f: tf.cond(rid >= 0, f, f)) if in_cond else (lambda f: f())
+    scales = [tf.constant(1.0 + k / 10) for k in range(num_thunks)]
+
+    def inverse(k, recorded):
+      result = tf.linalg.inv(tf.constant(matrices[k]) * scales[k])
+      if not recorded:
+        return result
+      record = lambda replica: ran.append([k, int(replica)]) or np.float32(0)
+      return result + tf.reshape(tf.py_function(record, [rid], tf.float32), [])
+
+    out = {}
+    for name, results in (
+        ("map_gather", lambda: ctx.map_gather(
+            [lambda k=k: inverse(k, True) for k in range(num_thunks)])),
+        ("everything", lambda: tuple(inverse(k, False)
+                                     for k in range(num_thunks)))):
+      with tf.GradientTape() as tape:
+        tape.watch(scales)
+        values = call(results)
+        loss = tf.cast(rid + 1, tf.float32) * tf.add_n(
+            [tf.reduce_sum(v) for v in values])
+      out[name] = {"values": values, "gradients": tape.gradient(
+          loss, scales, unconnected_gradients=tf.UnconnectedGradients.ZERO)}
+    return out
+
+  results = {}
+  for mode, fn in (("eager", lambda: replica_fn(False)),
+                   ("function", tf.function(lambda: replica_fn(False))),
+                   ("in_cond", tf.function(lambda: replica_fn(True)))):
+    ran.clear()
+    local = strategy.experimental_local_results(strategy.run(fn))
+    results[mode] = {"ran": sorted(ran), "replicas": {
+        str(strategy.extended.first_replica_id + i):
+            tf.nest.map_structure(lambda t: np.asarray(t).tolist(), r)
+        for i, r in enumerate(local)}}
+  return results
+
+
 def keras_fit(strategy, steps_per_execution=1, accumulation_steps=None,
               optimizer=keras.optimizers.Adam):
   """fit / evaluate / predict with an uneven final batch; every number."""
@@ -624,7 +676,7 @@ RUNS = {"custom_loop": custom_loop, "primitives": primitives,
         "keras_until_stopped": keras_until_stopped,
         "custom_loop_preempted": custom_loop_preempted,
         "listening_addresses": listening_addresses,
-        "slicing_collectives": slicing_collectives,
+        "slicing_collectives": slicing_collectives, "map_gather": map_gather,
         "sharded_state": sharded_state, "embedding_fit": embedding_fit,
         "keras_custom_steps": keras_custom_steps,
         "fewer_rows_than_replicas": fewer_rows_than_replicas,

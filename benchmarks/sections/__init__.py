@@ -9,6 +9,7 @@ from benchmarks.sections import custom
 from benchmarks.sections import embedding
 from benchmarks.sections import exchange
 from benchmarks.sections import first
+from benchmarks.sections import mapgather
 from benchmarks.sections import fit
 from benchmarks.sections import model_parallel
 from benchmarks.sections import multi
@@ -24,4 +25,5 @@ REGISTRY = {s.name: s for s in (
     fit.SECTION, custom.SECTION, xla.SECTION, random.SECTION,
     overhead.SECTION, parts.SECTION, update.SECTION, sharding.SECTION,
     embedding.SECTION, allreduce.SECTION, reducescatter.SECTION,
-    first.SECTION, multi.SECTION, exchange.SECTION, model_parallel.SECTION)}
+    mapgather.SECTION, first.SECTION, multi.SECTION, exchange.SECTION,
+    model_parallel.SECTION)}

@@ -75,6 +75,11 @@ class BenchmarkSmokeTest(unittest.TestCase):
       self.assertEqual(set(row["ms"]), {"all_reduce", "reduce_scatter"} | (
           {"mirrored all_reduce"} if row["path"] == "merge_call" else set()))
       self.assertTrue(row["agree"], row)
+    self.assertEqual([r["replicas"] for r in results["mapgather"]], [2, 4])
+    for row in results["mapgather"]:
+      self.assertEqual(sorted(row["ms"]), ["every replica", "map_gather"])
+      self.assertTrue(row["agree"], row)
+    self.assertIn("map_gather vs every replica running every thunk", stdout)
     self.assertEqual(
         [(r["part"], r["replicas"]) for r in results["parts"]],
         [(part, 4) for part in

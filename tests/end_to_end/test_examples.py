@@ -17,6 +17,7 @@ import sys
 import tempfile
 import unittest
 
+import numpy as np
 from parameterized import parameterized
 import pytest
 
@@ -35,14 +36,49 @@ WORKLOADS = [
      "generated digits classified as intended", ["curves.png", "samples.png"]),
     ("sngan_digits.py", ["--loop", "custom"],
      "generated digits classified as intended", ["curves.png", "samples.png"]),
-    ("d4pg_pendulum.py", [], r"average return over \d+ episodes",
-     ["curves.png"]),
+    ("d4pg.py", [], r"average return over \d+ episodes", ["curves.png"]),
+    # A Control Suite task (1000 steps an episode): 2 actors keep it short.
+    ("d4pg.py", ["--env", "cartpole-swingup", "--actors", "2"],
+     r"average return over \d+ episodes", ["curves.png"]),
 ]
 
 
 def reported(stdout, label):
   """The number printed after `label:` (the last such line)."""
   return float(re.findall(label + r": (\S+)", stdout)[-1])
+
+
+def d4pg_module():
+  """keras_examples/d4pg.py, imported (its `main` is not run)."""
+  if str(EXAMPLES) not in sys.path:
+    sys.path.insert(0, str(EXAMPLES))
+  import d4pg  # pylint: disable=g-import-not-at-top
+  return d4pg
+
+
+class ControlSuiteTaskTest(unittest.TestCase):
+  """d4pg.py's Control Suite environment: flat observations, scaled actions."""
+
+  def test_observations_are_flat_and_resets_seeded(self):
+    env = d4pg_module().ControlSuiteTask("cartpole-swingup")
+    # position (cart, cos and sin of the pole) and velocity (2).
+    self.assertEqual((env.observation_size, env.action_size), (5, 1))
+    first = env.reset(seed=3)
+    self.assertEqual(first.shape, (5,))
+    np.testing.assert_array_equal(env.reset(seed=3), first)
+    self.assertFalse(np.array_equal(env.reset(seed=4), first))
+    observation, reward, done = env.step(np.array([1.0]))
+    self.assertEqual(observation.shape, (5,))
+    self.assertTrue(0.0 <= reward <= 1.0)
+    self.assertFalse(done)
+    low, high = env.support(0.99)
+    self.assertEqual(low, 0.0)
+    self.assertAlmostEqual(high, 100.0)
+
+  def test_an_unknown_task_is_named_with_the_choices(self):
+    with self.assertRaisesRegex(
+        ValueError, r"Received: --env cartpole-upside.*cartpole-swingup"):
+      d4pg_module().ControlSuiteTask("cartpole-upside")
 
 
 class ExamplesTest(unittest.TestCase):
@@ -81,7 +117,7 @@ class ExamplesTest(unittest.TestCase):
 
   @parameterized.expand(["train_digits.py", "custom_loop_digits.py",
                          "transformer_digits.py", "resnet_digits.py",
-                         "sngan_digits.py", "d4pg_pendulum.py"])
+                         "sngan_digits.py", "d4pg.py"])
   def test_help_answers_without_importing_tensorflow(self, script):
     # -X importtime lists every module imported, on stderr.
     done = subprocess.run(
@@ -127,7 +163,7 @@ class ExamplesTest(unittest.TestCase):
       done = subprocess.run(
           [sys.executable, "-m", "replicator_strategy.cli.launch", "--workers",
            "2", "--output", "all", "--timeout", "240", "--", sys.executable,
-           str(EXAMPLES / "d4pg_pendulum.py"), "--quick", "--replicas", "2",
+           str(EXAMPLES / "d4pg.py"), "--quick", "--replicas", "2",
            "--output-dir", output_dir],
           capture_output=True, text=True, timeout=300, check=False, env=ENV)
       self.assertEqual(done.returncode, 0, done.stdout[-3000:])

@@ -258,6 +258,35 @@ class SlicingCollectivesTest(RunsOnWorkers, unittest.TestCase):
       assert_close_nested(self, got, by_replica)
 
 
+@pytest.mark.slow
+class MapGatherTest(RunsOnWorkers, unittest.TestCase):
+  """map_gather over 2 workers x 2 replicas: each thunk once, on its owner."""
+  RUNS = ("map_gather",)
+
+  def test_every_replica_gets_what_it_gets_in_one_process(self):
+    expected = in_one_process("map_gather")
+    for mode, results in expected.items():
+      got = {}
+      for worker in self.workers:
+        got.update(worker["map_gather"][mode]["replicas"])
+      assert_close_nested(self, got, results["replicas"])
+      for replica, result in got.items():
+        assert_close_nested(self, result["map_gather"]["values"],
+                            result["everything"]["values"])
+        # The owner's gradient is every replica's, summed.
+        total = np.sum([r["everything"]["gradients"] for r in got.values()],
+                       axis=0)
+        owned = [k % 4 == int(replica) for k in range(len(total))]
+        assert_close_nested(self, result["map_gather"]["gradients"],
+                            np.where(owned, total, 0.0).tolist())
+
+  def test_each_thunk_ran_once_on_its_owner(self):
+    for mode in ("eager", "function", "in_cond"):
+      first, second = (w["map_gather"][mode]["ran"] for w in self.workers)
+      self.assertEqual(first, [[0, 0], [1, 1], [4, 0], [5, 1]], mode)
+      self.assertEqual(second, [[2, 2], [3, 3]], mode)
+
+
 def saved_slots(path):
   """The optimizer slots of the Keras model saved at `path`."""
   loaded = keras.models.load_model(path)

@@ -1,33 +1,43 @@
-"""D4PG on Gymnasium's Pendulum-v1: actors, a replay buffer, a replicated learner.
+"""D4PG on Pendulum-v1 or a DeepMind Control Suite task: actors, a replay
+buffer, a replicated learner.
 
 The paper's third workload: Distributed Distributional DDPG (Barth-Maron et
 al., 2018). A deterministic actor and a distributional critic (a categorical
 distribution over a fixed support of returns, trained on the projected
 n-step Bellman target); target networks that trail the online ones. Actors
-play episodes of Pendulum-v1 with exploration noise, evaluating the policy
-with a NumPy forward pass (no TensorFlow call per environment step), and
-fill a replay buffer with n-step transitions. The learner samples a batch per
-replica and updates both networks with `strategy.run`, several updates per
-`tf.function` call. The result is the average return of the noise-free
-policy (random play scores about -1200, a good policy about -150).
+play episodes with exploration noise, evaluating the policy with a NumPy
+forward pass (no TensorFlow call per environment step), and fill a replay
+buffer with n-step transitions. The learner samples a batch per replica and
+updates both networks with `strategy.run`, several updates per `tf.function`
+call. The result is the average return of the noise-free policy.
+
+`--env` picks the environment: Gymnasium's Pendulum-v1 (200 steps an
+episode; random play scores about -1200, a good policy about -150) or a
+Control Suite task named domain-task, such as cartpole-swingup (1000 steps
+an episode, rewards in [0, 1]; the observations, a dict, are flattened).
 
 Across workers, every worker runs its own actors and buffer (seeded apart)
 and its replicas learn from it; the networks stay identical everywhere.
 
-  python keras_examples/d4pg_pendulum.py --replicas 4
+  python keras_examples/d4pg.py --replicas 4
+  python keras_examples/d4pg.py --env cartpole-swingup --iterations 20 \\
+      --updates 1000 --replicas 4
   replicator-launch --workers 2 -- \\
-      python keras_examples/d4pg_pendulum.py --replicas 2 --quick
+      python keras_examples/d4pg.py --replicas 2 --quick
 """
 
 import harness  # pylint: disable=g-bad-import-order  (nothing heavy)
 
 
-ENV_ID = "Pendulum-v1"  # 200 steps an episode, rewards in [-16.3, 0]
+PENDULUM = "Pendulum-v1"
 NUM_ATOMS = 101
-V_MIN, V_MAX = -1000.0, 0.0  # the critic's support (discount 0.99)
 
 
 def add_arguments(parser):
+  parser.add_argument("--env", default=PENDULUM,
+                      help=f"{PENDULUM} (Gymnasium's) or a DeepMind Control "
+                      "Suite task as domain-task, e.g. cartpole-swingup "
+                      f"(default: {PENDULUM})")
   parser.add_argument("--iterations", type=int, default=20,
                       help="rounds of acting (one episode per actor) and "
                       "learning (default: 20)")
@@ -68,7 +78,8 @@ if __name__ == "__main__":
   # --help and a bad flag answer here, before TensorFlow loads.
   harness.read_command_line(__doc__, add_arguments)
 
-import gymnasium as gym
+import os
+
 import keras
 import numpy as np
 import tensorflow as tf
@@ -157,12 +168,85 @@ class ReplayBuffer:
     return tuple(field[rows] for field in self.fields)
 
 
+class GymnasiumPendulum:
+  """Gymnasium's Pendulum-v1; actions in [-1, 1], scaled to its torque."""
+
+  def __init__(self):
+    import gymnasium  # pylint: disable=g-import-not-at-top
+    self.env = gymnasium.make(PENDULUM)
+    self.scale = self.env.action_space.high
+    self.observation_size = self.env.observation_space.shape[0]
+    self.action_size = self.env.action_space.shape[0]
+
+  def support(self, discount):
+    """The critic's range of returns: rewards lie in [-16.3, 0], and from
+    -1000 on covers what a learning policy meets at discount 0.99."""
+    del discount
+    return -1000.0, 0.0
+
+  def reset(self, seed):
+    return self.env.reset(seed=seed)[0]
+
+  def step(self, action):
+    """(observation, reward, whether the episode ended)."""
+    observation, reward, terminated, truncated, _ = self.env.step(
+        action * self.scale)
+    return observation, reward, terminated or truncated
+
+
+class ControlSuiteTask:
+  """A DeepMind Control Suite task ("cartpole-swingup"); actions in [-1, 1],
+  scaled to its bounds, and its observation dict flattened to one vector.
+
+  The suite's tasks end by time limit, and their rewards lie in [0, 1].
+  """
+
+  def __init__(self, name):
+    os.environ.setdefault("MUJOCO_GL", "disable")  # No rendering here.
+    from dm_control import suite  # pylint: disable=g-import-not-at-top
+    domain, _, task = name.partition("-")
+    if (domain, task) not in suite.ALL_TASKS:
+      raise ValueError(
+          f"Expected --env to be {PENDULUM} or a Control Suite task as "
+          f"domain-task (e.g. cartpole-swingup). Received: --env {name}. "
+          f"The suite's tasks: " + ", ".join(
+              f"{d}-{t}" for d, t in suite.ALL_TASKS))
+    self.env = suite.load(domain, task)
+    spec = self.env.action_spec()
+    self.low, self.high = spec.minimum, spec.maximum
+    self.action_size = spec.shape[0]
+    self.observation_size = sum(
+        int(np.prod(s.shape)) for s in self.env.observation_spec().values())
+
+  def support(self, discount):
+    """Returns of rewards in [0, 1] lie in [0, 1 / (1 - discount)]."""
+    return 0.0, 1.0 / (1.0 - discount)
+
+  def reset(self, seed):
+    self.env.task.random.seed(seed)
+    return _flat(self.env.reset().observation)
+
+  def step(self, action):
+    """(observation, reward, whether the episode ended)."""
+    step = self.env.step(self.low + (action + 1.0) / 2.0 * (
+        self.high - self.low))
+    return _flat(step.observation), step.reward, step.last()
+
+
+def _flat(observation):
+  """A Control Suite observation dict as one vector, in the dict's order."""
+  return np.concatenate([np.ravel(v) for v in observation.values()])
+
+
+def make_environment(name):
+  return GymnasiumPendulum() if name == PENDULUM else ControlSuiteTask(name)
+
+
 class Actors:
   """`count` environments stepped together by one NumPy policy evaluation."""
 
-  def __init__(self, count, seed):
-    self.envs = [gym.make(ENV_ID) for _ in range(count)]
-    self.scale = self.envs[0].action_space.high
+  def __init__(self, env_name, count, seed):
+    self.envs = [make_environment(env_name) for _ in range(count)]
     self.seed = seed
     self.rng = np.random.default_rng(seed)
 
@@ -170,7 +254,7 @@ class Actors:
     """One episode on every environment; returns the arrays and returns."""
     layers = [(np.asarray(layer.kernel), np.asarray(layer.bias))
               for layer in actor.layers]
-    obs = np.stack([env.reset(seed=self.seed + i)[0]
+    obs = np.stack([env.reset(self.seed + i)
                     for i, env in enumerate(self.envs)])
     self.seed += len(self.envs)
     observations, actions, rewards = [obs], [], []
@@ -181,12 +265,12 @@ class Actors:
         h = h @ kernel + bias
         h = np.tanh(h) if i == len(layers) - 1 else np.maximum(h, 0.0)
       action = np.clip(h + noise * self.rng.standard_normal(h.shape), -1, 1)
-      steps = [env.step(a * self.scale) for env, a in zip(self.envs, action)]
+      steps = [env.step(a) for env, a in zip(self.envs, action)]
       obs = np.stack([s[0] for s in steps])
       observations.append(obs)
       actions.append(action)
       rewards.append([s[1] for s in steps])
-      done = any(s[2] or s[3] for s in steps)
+      done = any(s[2] for s in steps)
     rewards = np.array(rewards)
     return (np.array(observations), np.array(actions), rewards,
             rewards.sum(axis=0))
@@ -195,7 +279,7 @@ class Actors:
 class Learner:
   """The networks, their targets and optimizers; `update` runs replicated."""
 
-  def __init__(self, strategy, obs_dim, action_dim, args):
+  def __init__(self, strategy, obs_dim, action_dim, support, args):
     self.strategy = strategy
     self.args = args
     with strategy.scope():
@@ -208,7 +292,7 @@ class Learner:
           args.critic_learning_rate)
     self.target_actor.set_weights(self.actor.get_weights())
     self.target_critic.set_weights(self.critic.get_weights())
-    self.atoms = tf.constant(np.linspace(V_MIN, V_MAX, NUM_ATOMS), tf.float32)
+    self.atoms = tf.constant(np.linspace(*support, NUM_ATOMS), tf.float32)
 
   def replica_update(self, obs, action, returns, discount, next_obs):
     """One update of critic and actor on this replica's transitions."""
@@ -273,7 +357,7 @@ def evaluate(actors, actor, episodes):
 
 
 def main():
-  run = harness.start("d4pg_pendulum", __doc__, add_arguments, quick={
+  run = harness.start("d4pg", __doc__, add_arguments, quick={
       "iterations": 2, "updates": 40, "eval_episodes": 2})
   args = run.args
   strategy = run.strategy
@@ -287,11 +371,11 @@ def main():
         f"{args.updates_per_call}.")
   # Each worker's actors and buffer are seeded apart; the networks are not.
   seed = 1000 * strategy.extended.first_replica_id
-  actors = Actors(args.actors, seed)
+  actors = Actors(args.env, args.actors, seed)
   buffer = ReplayBuffer(100_000, seed)
-  obs_dim = actors.envs[0].observation_space.shape[0]
-  action_dim = actors.envs[0].action_space.shape[0]
-  learner = Learner(strategy, obs_dim, action_dim, args)
+  env = actors.envs[0]
+  learner = Learner(strategy, env.observation_size, env.action_size,
+                    env.support(args.discount), args)
 
   curves = {"training return": [], "critic loss": [], "mean value": []}
   for iteration in range(1, args.iterations + 1):
@@ -306,12 +390,12 @@ def main():
       curves[name].append(float(number))
     run.log("iteration", iteration, curves)
 
-  average_return = evaluate(Actors(args.actors, seed + 10**6), learner.actor,
-                            args.eval_episodes)
+  average_return = evaluate(Actors(args.env, args.actors, seed + 10**6),
+                            learner.actor, args.eval_episodes)
   run.plot_curves("curves.png", {
       name: {name: values} for name, values in curves.items()},
       x_label="iteration", title=(
-          f"D4PG on {ENV_ID}, {run.replicas}, {args.actors} actors per "
+          f"D4PG on {args.env}, {run.replicas}, {args.actors} actors per "
           f"worker"))
   print(f"average return over {args.eval_episodes} episodes: "
         f"{average_return:.1f}")
