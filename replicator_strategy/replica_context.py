@@ -435,8 +435,13 @@ def _own_tensors(value, api):
 
 
 def merge_call_possible():
-  """False inside a replica's control flow, where replicas can't merge."""
+  """False inside a replica's control flow, where replicas can't merge, and
+  in cross-replica context, where there are no replicas to merge: there
+  `maybe_merge_call` (a Keras optimizer's update) runs its merge function
+  itself, as merge_call would."""
   ctx = tf.distribute.get_replica_context()
+  if ctx is None:
+    return False
   return not isinstance(ctx, ReplicaContext) or ctx.can_merge
 
 

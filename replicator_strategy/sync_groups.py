@@ -77,13 +77,19 @@ class Averaging:
   """Averaging rounds of `strategy`'s sync groups, every `average_every` steps.
 
   `outer_optimizer`: None, or a Keras optimizer applying `old - mean` to the
-  trainable weights (`old`: their value at the last round, kept here).
+  trainable weights (`old`: their value at the last round, kept here). It
+  was made before the strategy, outside its scope, so the rounds step a
+  copy made in the scope from its config: `outer_optimizer` here.
   """
 
   def __init__(self, strategy, average_every, outer_optimizer=None):
     self._strategy = strategy
     self.average_every = average_every
-    self.outer_optimizer = outer_optimizer
+    self.outer_optimizer = None
+    if outer_optimizer is not None:
+      with strategy.scope():
+        self.outer_optimizer = type(outer_optimizer).from_config(
+            outer_optimizer.get_config())
     self._anchors = {}  # id of a trainable variable -> its value at the last round.
     self._rounds = {}  # ids of the variables -> the round's tf.function.
 

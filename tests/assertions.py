@@ -22,7 +22,7 @@ def assert_per_replica(test, strategy, value, expected, rtol=0.0, atol=0.0,
   exactly unless `rtol` or `atol` say otherwise.
   """
   local = strategy.experimental_local_results(value)
-  test.assertEqual(len(local), strategy.num_replicas_in_sync,
+  test.assertEqual(len(local), strategy.extended.num_replicas_in_all_groups,
                    f"{what}: one part per replica")
   if callable(expected):
     expected = [expected(replica) for replica in range(len(local))]

@@ -96,10 +96,15 @@ class GroupedCommunicator:
     return [per_replica.wrap(parts[i:i + n]) for i in range(0, len(parts), n)]
 
   def spans_replicas(self, value, destinations):
-    """Whether `value` is every local replica's, going back to them."""
+    """Whether `value` is every local replica's, going back to them.
+
+    Decided by `destinations` (the values' own devices, or a variable's): a
+    part made eagerly (a broadcast's zeros) may sit on another device.
+    """
     return (isinstance(value, tf.distribute.DistributedValues) and
             len(value.values) == len(self.devices) and
-            tfi.devices_match(value, destinations))
+            set(tfi.cross_device_ops.get_devices_from(destinations)) ==
+            set(self.devices))
 
   def ops_for(self, value, destinations):
     del value, destinations
