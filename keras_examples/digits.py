@@ -15,7 +15,8 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 
 
-def parse_args(description, epochs):
+def parse_args(description, epochs, add_arguments=None):
+  """The shared command line; `add_arguments(parser)` adds a script's own."""
   parser = argparse.ArgumentParser(description=description)
   parser.add_argument(
       "--replicas", type=int, default=4,
@@ -27,6 +28,8 @@ def parse_args(description, epochs):
   parser.add_argument(
       "--global-batch-size", type=int, default=64,
       help="examples per step, summed over all replicas (default: 64)")
+  if add_arguments is not None:
+    add_arguments(parser)
   return parser.parse_args()
 
 

@@ -92,6 +92,10 @@ class Averaging:
             outer_optimizer.get_config())
     self._anchors = {}  # id of a trainable variable -> its value at the last round.
     self._rounds = {}  # ids of the variables -> the round's tf.function.
+    # What passed between the groups: rounds, and the bytes of one
+    # replica's weights they averaged (each round's all-reduce input).
+    self.rounds = 0
+    self.bytes_averaged = 0
 
   @property
   def anchors(self):
@@ -143,6 +147,10 @@ class Averaging:
           lambda: self._round(trainable, non_trainable), autograph=False)
     with self._strategy.scope():
       self._rounds[key]()
+    self.rounds += 1
+    self.bytes_averaged += sum(
+        _tf_variable(v).shape.num_elements() * _tf_variable(v).dtype.size
+        for v in trainable + non_trainable)
 
   def _round(self, trainable, non_trainable):
     variables = [_tf_variable(v) for v in trainable + non_trainable]

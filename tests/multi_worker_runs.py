@@ -44,6 +44,8 @@ STRATEGY_OPTIONS = {
     "row_parallel": {"layout_map": _row_parallel_layout()},
     "shard_optimizer_state": {"shard_optimizer_state": True},
     "bfloat16": {"gradient_compression": "bfloat16"},
+    # On 2 workers x 2: a sync group per worker.
+    "2_sync_groups": {"sync_groups": 2, "average_every": 4},
     "4_shards": {"variable_partitioner": (
         tf.distribute.experimental.partitioners.FixedShardsPartitioner(4))},
 }
@@ -218,6 +220,14 @@ def keras_fit(strategy, steps_per_execution=1, accumulation_steps=None,
   prediction = model.predict(xv, batch_size=8, verbose=0)
   return {"history": history.history, "evaluate": evaluation,
           "predict": prediction.tolist(), "weights": _weights(model)}
+
+
+def sync_groups_fit(strategy):
+  """`keras_fit`'s numbers, and what passed between the sync groups: the
+  rounds and the bytes they averaged."""
+  results = keras_fit(strategy)
+  return {**results, "rounds": strategy.averaging.rounds,
+          "bytes_averaged": strategy.averaging.bytes_averaged}
 
 
 def sharded_state(strategy, workdir=None):
@@ -627,7 +637,8 @@ RUNS = {"custom_loop": custom_loop, "primitives": primitives,
         "sharded_state": sharded_state, "embedding_fit": embedding_fit,
         "keras_custom_steps": keras_custom_steps,
         "fewer_rows_than_replicas": fewer_rows_than_replicas,
-        "batch_share": batch_share, "random_layers_fit": random_layers_fit}
+        "batch_share": batch_share, "random_layers_fit": random_layers_fit,
+        "sync_groups_fit": sync_groups_fit}
 # Runs that take the output directory as their working directory.
 TAKES_WORKDIR = ("keras_files", "keras_backup_and_restore", "keras_preempted",
                  "keras_accumulation_restarted",

@@ -21,8 +21,8 @@ uses to exchange between groups.
 ...     sync_groups=2)
 >>> grouped.num_replicas, grouped.num_sync_groups
 (2, 2)
->>> [group.devices[0][-5:] for group in grouped.groups]
-['CPU:0', 'CPU:2']
+>>> [group.devices for group in grouped.groups]
+[('/cpu:0', '/cpu:1'), ('/cpu:2', '/cpu:3')]
 """
 
 import tensorflow as tf
@@ -73,6 +73,8 @@ class GroupedCommunicator:
     self.groups = tuple(
         make_group(everyone.devices[i:i + n])
         for i in range(0, len(everyone.devices), n))
+    self._replica_devices = {tfi.device_util.resolve(d)
+                             for d in everyone.devices}
     self.cross_device_ops = GroupedOps(self)
     self.replica_collectives = GroupedReplicaCollectives(self)
 
@@ -104,7 +106,7 @@ class GroupedCommunicator:
     return (isinstance(value, tf.distribute.DistributedValues) and
             len(value.values) == len(self.devices) and
             set(tfi.cross_device_ops.get_devices_from(destinations)) ==
-            set(self.devices))
+            self._replica_devices)
 
   def ops_for(self, value, destinations):
     del value, destinations

@@ -25,6 +25,7 @@ import keras
 import numpy as np
 import pytest
 
+import models
 import multi_worker_runs
 import test_gradient_compression
 import topology
@@ -263,6 +264,29 @@ def saved_slots(path):
   loaded = keras.models.load_model(path)
   return [v.numpy().tolist() for v in loaded.optimizer.variables
           if v.path.split("/")[-1] not in ("iteration", "learning_rate")]
+
+
+@pytest.mark.slow
+class SyncGroupsTwoWorkersTest(RunsOnWorkers, unittest.TestCase):
+  """sync_groups=2 on 2 workers x 2 (a group per worker) equals one process
+  with 4 in 2 groups, and the workers exchange weights once per round."""
+  RUNS = ("sync_groups_fit",)
+  OPTIONS = "@2_sync_groups"
+  LAUNCH = "sync_groups"
+
+  def test_training_equals_one_process_with_four_replicas_in_two_groups(self):
+    expected = in_one_process("sync_groups_fit" + self.OPTIONS)
+    for worker in self.workers:
+      assert_close_nested(self, worker["sync_groups_fit"], expected)
+
+  def test_weights_cross_between_workers_once_every_four_steps(self):
+    # 58 rows in batches of 16: 4 steps an epoch, 12 in 3 epochs: rounds
+    # after steps 4, 8 and 12, and none at the end (step 12 averaged).
+    weights = sum(np.size(w) for w in models.initial_weights())
+    for worker in self.workers:
+      result = worker["sync_groups_fit"]
+      self.assertEqual(result["rounds"], 3)
+      self.assertEqual(result["bytes_averaged"], 3 * 4 * weights)
 
 
 @pytest.mark.slow
