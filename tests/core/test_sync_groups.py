@@ -35,16 +35,18 @@ def data():
   return x, y
 
 
-def compiled_model(strategy, optimizer=None):
+def compiled_model(strategy, optimizer=None, steps_per_execution=1):
   with strategy.scope():
     model = models.small_mlp()
     model.set_weights(models.initial_weights())
-    model.compile(optimizer or keras.optimizers.SGD(0.1), "mse")
+    model.compile(optimizer or keras.optimizers.SGD(0.1), "mse",
+                  steps_per_execution=steps_per_execution)
   return model
 
 
-def fit(strategy, epochs=2, callbacks=(), optimizer=None):
-  model = compiled_model(strategy, optimizer)
+def fit(strategy, epochs=2, callbacks=(), optimizer=None,
+        steps_per_execution=1):
+  model = compiled_model(strategy, optimizer, steps_per_execution)
   x, y = data()
   history = model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=epochs,
                       shuffle=False, verbose=0, callbacks=list(callbacks))
@@ -133,6 +135,25 @@ class AveragingTest(unittest.TestCase):
       np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL)
     assert_per_replica(self, strategy, model.layers[0].kernel.value,
                        [weights[0]] * 4, rtol=RTOL, atol=ATOL)
+
+  def test_groups_of_one_replica_averaging_every_step_are_synchronous(self):
+    strategy = topology.strategy_over(4, sync_groups=4, average_every=1)
+    self.assertEqual(strategy.num_replicas_in_sync, 1)
+    model, losses = fit(strategy)
+    weights, sync_losses = synchronous_fit()
+    np.testing.assert_allclose(losses, sync_losses, rtol=RTOL)
+    for got, want in zip(model.get_weights(), weights):
+      np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL)
+
+  def test_steps_per_execution_dividing_average_every_keeps_the_rounds(self):
+    one_step, _ = fit(topology.strategy_over(4, sync_groups=2,
+                                             average_every=4))
+    strategy = topology.strategy_over(4, sync_groups=2, average_every=4)
+    two_steps, _ = fit(strategy, steps_per_execution=2)
+    for got, want in zip(two_steps.get_weights(), one_step.get_weights()):
+      np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL)
+    # 12 steps: rounds after steps 4, 8 and 12; none left for the end.
+    self.assertEqual(strategy.averaging.rounds, 3)
 
   def test_between_rounds_groups_differ_and_after_fit_all_agree(self):
     strategy = topology.strategy_over(4, sync_groups=2, average_every=4)
@@ -299,6 +320,16 @@ class BadInputTest(unittest.TestCase):
         r"outer_optimizer=<.*of type GradientDescentOptimizer",
         sync_groups=2, outer_optimizer=tf.compat.v1.train.GradientDescentOptimizer(
             1.0))
+
+  def test_an_outer_step_without_the_weights_before_training(self):
+    strategy = topology.strategy_over(
+        4, sync_groups=2, outer_optimizer=keras.optimizers.SGD(1.0))
+    with strategy.scope():
+      v = tf.Variable(1.0, name="w")
+    with self.assertRaisesRegex(ValueError,
+                                r"not given before training: \['w:0'\]"
+                                r".*sync_groups_step\(0, "):
+      strategy.average_sync_groups([v])
 
   def test_an_outer_optimizer_with_one_group(self):
     self.assert_refused(r"sync_groups=1 has no rounds",
