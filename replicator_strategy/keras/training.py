@@ -283,11 +283,27 @@ def concat_across_workers(reduce_per_replica):
       return reduce_per_replica(values, strategy, reduction)
     # Keras's own gather-and-reorder for MultiWorkerMirroredStrategy fits
     # the input layout, which is the same TF input pipeline.
+    every_replica = _EveryGroup(strategy)
     return tf.nest.map_structure(
-        lambda v: ki.multi_worker_concat(v, strategy),
+        lambda v: ki.multi_worker_concat(v, every_replica),
         values)
 
   return wrapper
+
+
+class _EveryGroup:
+  """`strategy` with every replica of every sync group counted in sync: the
+  replicas a batch was split among, which Keras's gather cuts its rows by."""
+
+  def __init__(self, strategy):
+    self._strategy = strategy
+
+  @property
+  def num_replicas_in_sync(self):
+    return self._strategy.extended.num_replicas_in_all_groups
+
+  def __getattr__(self, name):
+    return getattr(self._strategy, name)
 
 
 def compiled_per_replica(make_function):
