@@ -119,6 +119,11 @@ class ReplicatorStrategy(tf.distribute.Strategy):
       mean) or a Keras optimizer that a round applies the change since the
       last round through (`old - mean` as the gradient; DiLoCo), such as
       `keras.optimizers.SGD(0.7, momentum=0.9, nesterov=True)`.
+    overlap_averaging: with sync_groups > 1, True: a round snapshots the
+      weights and exchanges them in a thread while the groups take the next
+      average_every steps, and the next round applies the result, one round
+      late (Streaming DiLoCo's overlap); one process only for now. Default
+      False: a round exchanges and applies at once.
   """
 
   def __init__(self, devices=None, all_reduce="auto", cluster_resolver=None,
@@ -126,10 +131,11 @@ class ReplicatorStrategy(tf.distribute.Strategy):
                shard_optimizer_state=False, variable_partitioner=None,
                gradient_compression=None, devices_per_replica=1,
                layout_map=None, batch_dim_name=None, sync_groups=1,
-               average_every=1, outer_optimizer=None):
+               average_every=1, outer_optimizer=None,
+               overlap_averaging=False):
     _check_timeout(timeout_seconds)
     sync_groups_lib.check_arguments(sync_groups, average_every,
-                                    outer_optimizer)
+                                    outer_optimizer, overlap_averaging)
     if sync_groups > 1:
       _refuse_with_sync_groups(
           shard_optimizer_state=shard_optimizer_state,
@@ -181,8 +187,15 @@ class ReplicatorStrategy(tf.distribute.Strategy):
     super().__init__(extended_lib.ReplicatorExtended(
         self, groups, all_reduce, cluster, timeout_seconds,
         variable_partitioner, model_layouts, sync_groups))
-    self.averaging = sync_groups_lib.Averaging(self, average_every,
-                                               outer_optimizer)
+    if overlap_averaging and self.extended.num_workers > 1:
+      raise ValueError(
+          f"overlap_averaging=True runs a round's exchange in a thread beside "
+          f"the training steps, which works in one process only for now: "
+          f"across workers the two threads' collectives could meet in "
+          f"different orders. Received: overlap_averaging=True on "
+          f"{self.extended.num_workers} workers. Leave it out.")
+    self.averaging = sync_groups_lib.Averaging(
+        self, average_every, outer_optimizer, overlap=overlap_averaging)
     self.shard_optimizer_state = shard_optimizer_state
     self.gradient_compression = gradient_compression
 
@@ -208,7 +221,8 @@ class ReplicatorStrategy(tf.distribute.Strategy):
     every replica (or, with `outer_optimizer`, the outer step from it), and
     the mean of each float variable of `non_trainable_variables` (batch
     norm's moving statistics). Keras variables or distributed TF ones.
-    Nothing to do with one group.
+    Nothing to do with one group. With `overlap_averaging`, the exchange
+    in flight is applied first.
     """
     self.averaging.average(trainable_variables, non_trainable_variables)
 
@@ -218,13 +232,16 @@ class ReplicatorStrategy(tf.distribute.Strategy):
     such as `optimizer.iterations`) is a positive multiple of
     `average_every`; returns whether it averaged. Call it once before the
     first step (step 0: with an outer optimizer, the weights' values then
-    are the first round's `old`), then after each step."""
+    are the first round's `old`), then after each step. With
+    `overlap_averaging`, a round applies the previous round's exchange and
+    starts its own; `average_sync_groups` then ends with one model."""
     step = int(step)
     self.averaging.start(trainable_variables)
     if not (self.num_sync_groups > 1 and
             self.averaging.rounds_due(step - 1, step) and step > 0):
       return False
-    self.average_sync_groups(trainable_variables, non_trainable_variables)
+    self.averaging.scheduled_round(trainable_variables,
+                                   non_trainable_variables)
     return True
 
   def logical_device_for_variables(self, logical_device_id):

@@ -32,14 +32,21 @@ True
 """
 
 import numbers
+import threading
 
 import tensorflow as tf
 
 from replicator_strategy.collectives import per_replica
 
 
-def check_arguments(sync_groups, average_every, outer_optimizer):
-  """Refuses a bad `sync_groups`, `average_every` or `outer_optimizer`."""
+def check_arguments(sync_groups, average_every, outer_optimizer,
+                    overlap_averaging=False):
+  """Refuses a bad `sync_groups`, `average_every`, `outer_optimizer` or
+  `overlap_averaging`."""
+  if not isinstance(overlap_averaging, bool):
+    raise ValueError(
+        f"Expected `overlap_averaging` to be True or False. Received: "
+        f"overlap_averaging={overlap_averaging!r}.")
   for name, value in (("sync_groups", sync_groups),
                       ("average_every", average_every)):
     if (isinstance(value, bool) or not isinstance(value, numbers.Integral) or
@@ -80,11 +87,24 @@ class Averaging:
   trainable weights (`old`: their value at the last round, kept here). It
   was made before the strategy, outside its scope, so the rounds step a
   copy made in the scope from its config: `outer_optimizer` here.
+
+  `overlap`: a scheduled round (`scheduled_round`) only snapshots the
+  trainable weights and starts their exchange in a thread, which runs while
+  the groups take the next steps; the next round applies it, one round late,
+  as Streaming DiLoCo does: each replica's weights become the round's target
+  (the snapshots' mean, or the outer step from it) plus the replica's own
+  progress since its snapshot. Non-trainable weights average at once.
   """
 
-  def __init__(self, strategy, average_every, outer_optimizer=None):
+  def __init__(self, strategy, average_every, outer_optimizer=None,
+               overlap=False):
     self._strategy = strategy
     self.average_every = average_every
+    self.overlap = overlap
+    # ids of the trainable variables -> their snapshots and the functions of
+    # an overlapped round.
+    self._overlapped = {}
+    self._pending = None  # The exchange in flight: (thread, its result).
     self.outer_optimizer = None
     if outer_optimizer is not None:
       with strategy.scope():
@@ -124,15 +144,43 @@ class Averaging:
     """Whether a multiple of `average_every` lies in (last_step, step]."""
     return step // self.average_every > last_step // self.average_every
 
+  def scheduled_round(self, trainable, non_trainable=()):
+    """The round due after a step: `average`, or with `overlap` the
+    overlapped one."""
+    if self.overlap and self._strategy.num_sync_groups > 1:
+      self._overlapped_round(list(trainable), _floats(non_trainable))
+    else:
+      self.average(trainable, non_trainable)
+
   def average(self, trainable, non_trainable=()):
     """One round now: every replica of every group gets the mean (or the
     outer optimizer's step from the mean) of `trainable`, and the mean of
-    the float variables among `non_trainable`. Call it eagerly."""
+    the float variables among `non_trainable`. Call it eagerly. An
+    overlapped exchange still in flight is applied first."""
     if self._strategy.num_sync_groups == 1:
       return
     trainable = list(trainable)
-    non_trainable = [v for v in non_trainable
-                     if _tf_variable(v).dtype.is_floating]
+    non_trainable = _floats(non_trainable)
+    self._check_anchors(trainable)
+    self._apply_pending(trainable)
+    self._run_round(trainable, non_trainable)
+    self._count(trainable + non_trainable)
+
+  def _run_round(self, trainable, non_trainable):
+    key = tuple(id(v) for v in trainable + non_trainable)
+    if key not in self._rounds:
+      self._rounds[key] = tf.function(
+          lambda: self._round(trainable, non_trainable), autograph=False)
+    with self._strategy.scope():
+      self._rounds[key]()
+
+  def _count(self, variables):
+    self.rounds += 1
+    self.bytes_averaged += sum(
+        _tf_variable(v).shape.num_elements() * _tf_variable(v).dtype.size
+        for v in variables)
+
+  def _check_anchors(self, trainable):
     if self.outer_optimizer is not None:
       missing = [v.name for v in trainable if id(v) not in self._anchors]
       if missing:
@@ -141,24 +189,20 @@ class Averaging:
             f"round are kept, but these weights were not given before "
             f"training: {missing}. Call strategy.sync_groups_step(0, "
             f"trainable_variables) before the first step (Keras's fit does).")
-    key = tuple(id(v) for v in trainable + non_trainable)
-    if key not in self._rounds:
-      self._rounds[key] = tf.function(
-          lambda: self._round(trainable, non_trainable), autograph=False)
-    with self._strategy.scope():
-      self._rounds[key]()
-    self.rounds += 1
-    self.bytes_averaged += sum(
-        _tf_variable(v).shape.num_elements() * _tf_variable(v).dtype.size
-        for v in trainable + non_trainable)
 
   def _round(self, trainable, non_trainable):
     variables = [_tf_variable(v) for v in trainable + non_trainable]
     means = self._means(variables)
     for v, mean in zip(variables[len(trainable):], means[len(trainable):]):
       v.assign(mean)
+    self._step_to(trainable, means[:len(trainable)])
+
+  def _step_to(self, trainable, means):
+    """Sets `trainable` to `means` (each a tensor or a `Mirrored`), or, with
+    an outer optimizer, to its step from them; keeps them as `old`."""
+    variables = [_tf_variable(v) for v in trainable]
     if self.outer_optimizer is None:
-      for v, mean in zip(variables, means[:len(trainable)]):
+      for v, mean in zip(variables, means):
         v.assign(mean)
       return
     deltas = []
@@ -170,6 +214,76 @@ class Averaging:
     self.outer_optimizer.apply_gradients(zip(deltas, trainable))
     for v, weight in zip(trainable, variables):
       self._anchors[id(v)].assign(weight.read_value())
+
+  def _overlapped_round(self, trainable, non_trainable):
+    self._check_anchors(trainable)
+    self._apply_pending(trainable)
+    if non_trainable:
+      self._run_round([], non_trainable)
+    snapshots, take_snapshots, exchange, _ = self._overlapped_functions(
+        trainable)
+    with self._strategy.scope():
+      take_snapshots()
+    result = {}
+
+    def run_exchange():
+      with self._strategy.scope():
+        result["means"] = exchange()
+
+    thread = threading.Thread(target=run_exchange, daemon=True,
+                              name="sync_groups_exchange")
+    thread.start()
+    self._pending = (tuple(id(v) for v in trainable), thread, result)
+    self._count(snapshots + non_trainable)
+
+  def _apply_pending(self, trainable):
+    """Waits for the exchange in flight, if any, and applies it."""
+    if self._pending is None:
+      return
+    key, thread, result = self._pending
+    self._pending = None
+    thread.join()
+    if key != tuple(id(v) for v in trainable):
+      raise ValueError(
+          "An overlapped averaging round was started for other variables "
+          "than these; give every round the same variables.")
+    _, _, _, apply = self._overlapped_functions(trainable)
+    with self._strategy.scope():
+      apply(result["means"])
+
+  def _overlapped_functions(self, trainable):
+    """(snapshots, take them, exchange them, apply the exchanged means) for
+    `trainable`, made once."""
+    key = tuple(id(v) for v in trainable)
+    if key not in self._overlapped:
+      variables = [_tf_variable(v) for v in trainable]
+      with self._strategy.scope():
+        snapshots = [tf.Variable(v.read_value(), trainable=False,
+                                 name="sync_groups_snapshot")
+                     for v in variables]
+
+      def take_snapshots():
+        for v, snapshot in zip(variables, snapshots):
+          for component, kept in zip(v.values, snapshot.values):
+            kept.assign(component.read_value())
+
+      def exchange():
+        # Every replica agrees on each mean: the first part is everyone's.
+        return [per_replica.parts(m)[0] for m in self._means(snapshots)]
+
+      def apply(means):
+        progress = [[c.read_value() - s.read_value()
+                     for c, s in zip(v.values, snapshot.values)]
+                    for v, snapshot in zip(variables, snapshots)]
+        self._step_to(trainable, means)
+        for v, own in zip(variables, progress):
+          for component, delta in zip(v.values, own):
+            component.assign_add(delta)
+
+      self._overlapped[key] = (
+          snapshots, *(tf.function(f, autograph=False)
+                       for f in (take_snapshots, exchange, apply)))
+    return self._overlapped[key]
 
   def _means(self, variables):
     """Each variable's mean over every replica of every group, a `Mirrored`."""
@@ -185,3 +299,8 @@ class Averaging:
       return []
     return everyone.cross_device_ops.batch_reduce(
         tf.distribute.ReduceOp.MEAN, [(p, p) for p in values])
+
+
+def _floats(variables):
+  """The float variables among `variables`: the ones a round averages."""
+  return [v for v in variables if _tf_variable(v).dtype.is_floating]

@@ -6,7 +6,8 @@ function is followed, after each call, by a look at the optimizer's
 multiple of H, an averaging round runs (`replicator_strategy.sync_groups`).
 Before the first step the weights are kept as the first round's `old` (with
 an outer optimizer). When `fit` returns, a last round runs if the last step
-did not average, so `evaluate`, `predict` and saving see one model.
+did not average (or left an overlapped exchange in flight), so `evaluate`,
+`predict` and saving see one model.
 
 >>> import keras
 >>> import numpy as np
@@ -43,10 +44,17 @@ def _grouped(model):
           strategy.num_sync_groups > 1)
 
 
-def _average(model):
-  model.distribute_strategy.average_sync_groups(model.trainable_weights,
-                                                model.non_trainable_weights)
-  _rounds[model].last_step_averaged = True
+def _average(model, scheduled):
+  """A round: the one due after a step (`scheduled`), or one that ends with
+  every replica equal."""
+  averaging = model.distribute_strategy.averaging
+  if scheduled:
+    averaging.scheduled_round(model.trainable_weights,
+                              model.non_trainable_weights)
+  else:
+    averaging.average(model.trainable_weights, model.non_trainable_weights)
+  # An overlapped round leaves its exchange in flight.
+  _rounds[model].last_step_averaged = not (scheduled and averaging.overlap)
 
 
 def rounds_after_steps(make_train_function):
@@ -68,7 +76,7 @@ def rounds_after_steps(make_train_function):
       logs = train_function(*args, **kwargs)
       after = int(self.optimizer.iterations.numpy())
       if averaging.rounds_due(before, after):
-        _average(self)
+        _average(self, scheduled=True)
       elif after != before:
         rounds.last_step_averaged = False
       return logs
@@ -88,7 +96,7 @@ def last_round(fit):
     history = fit(self, *args, **kwargs)
     rounds = _rounds.get(self)
     if _grouped(self) and rounds is not None and not rounds.last_step_averaged:
-      _average(self)
+      _average(self, scheduled=False)
     return history
 
   return wrapper

@@ -252,6 +252,53 @@ class AveragingTest(unittest.TestCase):
                        [np.mean(groups, axis=0)] * 4, rtol=1e-6)
 
 
+class OverlapTest(unittest.TestCase):
+  """overlap_averaging=True: a round's exchange applies one round later."""
+
+  def test_the_exchange_applies_exactly_one_round_later(self):
+    strategy = topology.strategy_over(4, sync_groups=2, average_every=2,
+                                      overlap_averaging=True)
+    with strategy.scope():
+      v = tf.Variable(0.0)
+
+    def set_to(step):
+      ctx = tf.distribute.get_replica_context()
+      v.assign(step * tf.cast(ctx.replica_id_in_sync_group + 1, tf.float32))
+
+    strategy.sync_groups_step(0, [v])
+    seen = {}
+    for step in range(1, 7):
+      strategy.run(set_to, (float(step),))
+      strategy.sync_groups_step(step, [v])
+      seen[step] = [float(x) for x in strategy.experimental_local_results(v)]
+    # Step 2: snapshots 2, 4, 6, 8 (mean 5) leave; nothing applied yet.
+    self.assertEqual(seen[2], [2.0, 4.0, 6.0, 8.0])
+    self.assertEqual(seen[3], [3.0, 6.0, 9.0, 12.0])
+    # Step 4: 5 plus each replica's progress since its snapshot; then
+    # snapshots 7, 9, 11, 13 (mean 10) leave.
+    self.assertEqual(seen[4], [7.0, 9.0, 11.0, 13.0])
+    # Step 6: 10 plus the progress from 7, 9, 11, 13 to 6, 12, 18, 24.
+    self.assertEqual(seen[6], [9.0, 13.0, 17.0, 21.0])
+    strategy.average_sync_groups([v])  # Applies mean 15, then all agree.
+    assert_per_replica(self, strategy, v, [15.0] * 4)
+    self.assertEqual(strategy.averaging.rounds, 4)
+
+  def test_fit_trains_and_ends_with_one_model(self):
+    strategy = topology.strategy_over(4, sync_groups=2, average_every=2,
+                                      overlap_averaging=True)
+    model, losses = fit(strategy, epochs=3)
+    self.assertLess(losses[-1], 0.9 * losses[0])
+    after = kernels(strategy, model)
+    for part in after[1:]:
+      np.testing.assert_array_equal(part, after[0])
+    # 18 steps: 9 overlapped rounds, and fit's last.
+    self.assertEqual(strategy.averaging.rounds, 10)
+
+  def test_overlap_is_true_or_false(self):
+    with self.assertRaisesRegex(ValueError, r"overlap_averaging='yes'"):
+      topology.strategy_over(4, sync_groups=2, overlap_averaging="yes")
+
+
 class CheckpointTest(unittest.TestCase):
 
   def test_a_checkpoint_between_rounds_restores_every_group(self):
