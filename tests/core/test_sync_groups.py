@@ -6,6 +6,8 @@ averaging every step with plain SGD are synchronous training (the mean of
 θ - η·gᵢ is θ - η·mean(gᵢ)); between rounds each group's replicas agree and
 the groups differ; rounds come exactly every H steps; an outer SGD(1.0) is
 plain averaging; checkpoints taken between rounds restore every group.
+The quick loop keeps the equalities and the exact checks; whole `fit` runs
+that only add cases are marked slow.
 """
 
 import functools
@@ -15,6 +17,7 @@ import unittest
 
 import keras
 import numpy as np
+import pytest
 import tensorflow as tf
 
 from assertions import assert_per_replica
@@ -86,6 +89,7 @@ class GroupsTest(unittest.TestCase):
     for got, want in zip(model.get_weights(), weights):
       np.testing.assert_array_equal(got, want)
 
+  @pytest.mark.slow
   def test_replica_collectives_span_the_group(self):
     strategy = topology.strategy_over(4, sync_groups=2)
 
@@ -136,6 +140,7 @@ class AveragingTest(unittest.TestCase):
     assert_per_replica(self, strategy, model.layers[0].kernel.value,
                        [weights[0]] * 4, rtol=RTOL, atol=ATOL)
 
+  @pytest.mark.slow
   def test_groups_of_one_replica_averaging_every_step_are_synchronous(self):
     strategy = topology.strategy_over(4, sync_groups=4, average_every=1)
     self.assertEqual(strategy.num_replicas_in_sync, 1)
@@ -145,6 +150,7 @@ class AveragingTest(unittest.TestCase):
     for got, want in zip(model.get_weights(), weights):
       np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL)
 
+  @pytest.mark.slow
   def test_steps_per_execution_dividing_average_every_keeps_the_rounds(self):
     one_step, _ = fit(topology.strategy_over(4, sync_groups=2,
                                              average_every=4))
@@ -155,6 +161,7 @@ class AveragingTest(unittest.TestCase):
     # 12 steps: rounds after steps 4, 8 and 12; none left for the end.
     self.assertEqual(strategy.averaging.rounds, 3)
 
+  @pytest.mark.slow
   def test_between_rounds_groups_differ_and_after_fit_all_agree(self):
     strategy = topology.strategy_over(4, sync_groups=2, average_every=4)
     seen = {}
@@ -204,6 +211,7 @@ class AveragingTest(unittest.TestCase):
           assert_per_replica(self, strategy, v,
                              [100.0 * step + r for r in range(4)])
 
+  @pytest.mark.slow
   def test_outer_sgd_of_one_is_plain_averaging(self):
     plain_strategy = topology.strategy_over(4, sync_groups=2, average_every=2)
     plain, plain_losses = fit(plain_strategy)
@@ -215,6 +223,7 @@ class AveragingTest(unittest.TestCase):
     for got, want in zip(outer.get_weights(), plain.get_weights()):
       np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL)
 
+  @pytest.mark.slow
   def test_outer_nesterov_trains(self):
     strategy = topology.strategy_over(
         4, sync_groups=2, average_every=2,
@@ -227,6 +236,7 @@ class AveragingTest(unittest.TestCase):
       np.testing.assert_array_equal(part, after[0])
     self.assertEqual(len(strategy.averaging.anchors), 4)
 
+  @pytest.mark.slow
   def test_batch_norm_statistics_are_averaged(self):
     strategy = topology.strategy_over(4, sync_groups=2, average_every=100)
     with strategy.scope():
@@ -283,6 +293,7 @@ class OverlapTest(unittest.TestCase):
     assert_per_replica(self, strategy, v, [15.0] * 4)
     self.assertEqual(strategy.averaging.rounds, 4)
 
+  @pytest.mark.slow
   def test_fit_trains_and_ends_with_one_model(self):
     strategy = topology.strategy_over(4, sync_groups=2, average_every=2,
                                       overlap_averaging=True)
@@ -327,6 +338,7 @@ class CheckpointTest(unittest.TestCase):
                        saved["kernels"])
     self.assertEqual(int(model.optimizer.iterations.numpy()), 3)
 
+  @pytest.mark.slow
   def test_a_checkpoint_of_one_group_loads_into_every_group(self):
     one = compiled_model(topology.strategy_over(4))
     strategy = topology.strategy_over(4, sync_groups=2, average_every=5)
