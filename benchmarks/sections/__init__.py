@@ -17,6 +17,7 @@ from benchmarks.sections import parts
 from benchmarks.sections import random
 from benchmarks.sections import reducescatter
 from benchmarks.sections import sharding
+from benchmarks.sections import sync_groups
 from benchmarks.sections import update
 from benchmarks.sections import xla
 
@@ -24,4 +25,5 @@ REGISTRY = {s.name: s for s in (
     fit.SECTION, custom.SECTION, xla.SECTION, random.SECTION,
     overhead.SECTION, parts.SECTION, update.SECTION, sharding.SECTION,
     embedding.SECTION, allreduce.SECTION, reducescatter.SECTION,
-    first.SECTION, multi.SECTION, exchange.SECTION, model_parallel.SECTION)}
+    first.SECTION, multi.SECTION, exchange.SECTION, model_parallel.SECTION,
+    sync_groups.SECTION)}
