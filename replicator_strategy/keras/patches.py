@@ -140,6 +140,13 @@ PATCHES = (
           _GROUPS + ": averaging rounds every average_every steps"),
     Patch(_MODEL, "fit", sync_group_rounds.last_round,
           _GROUPS + " and the last step did not average"),
+    # Before chief_writes' entries: those wrap these.
+    Patch(_BACKUP, "_save_model",
+          sync_group_rounds.group_state_beside_backup,
+          _GROUPS + ": every group's state beside the backup"),
+    Patch(_BACKUP, "on_train_begin",
+          sync_group_rounds.group_state_from_backup,
+          _GROUPS + " and the backup holds every group's state"),
     Patch(_MODEL, "save", chief_writes.to_scratch_unless_chief,
           _NON_CHIEF),
     Patch(_MODEL, "save_weights", chief_writes.to_scratch_unless_chief,

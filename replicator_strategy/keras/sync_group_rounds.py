@@ -9,6 +9,12 @@ an outer optimizer). When `fit` returns, a last round runs if the last step
 did not average (or left an overlapped exchange in flight), so `evaluate`,
 `predict` and saving see one model.
 
+A `BackupAndRestore` backup, taken between rounds, holds one value per
+weight (its `.weights.h5` file); beside it a `tf.train.Checkpoint` of the
+model and its optimizer, `GROUP_STATE`, holds every group's
+(`replicator_strategy.variables.SyncGroupVariable`), and a resume reads it
+after Keras's load, so every group goes on from its own weights.
+
 >>> import keras
 >>> import numpy as np
 >>> import replicator_strategy as rs
@@ -24,7 +30,10 @@ True
 
 import dataclasses
 import functools
+import os
 import weakref
+
+import tensorflow as tf
 
 from replicator_strategy import strategy as strategy_lib
 
@@ -36,6 +45,9 @@ class _Rounds:
 
 
 _rounds = weakref.WeakKeyDictionary()  # model -> _Rounds
+
+# The checkpoint, in a BackupAndRestore's directory, of every group's state.
+GROUP_STATE = "sync_groups"
 
 
 def _grouped(model):
@@ -98,5 +110,41 @@ def last_round(fit):
     if _grouped(self) and rounds is not None and not rounds.last_step_averaged:
       _average(self, scheduled=False)
     return history
+
+  return wrapper
+
+
+def _group_state(model):
+  """A checkpoint of `model` and its optimizer: every group's values."""
+  parts = {"model": model}
+  if model.optimizer is not None:
+    parts["optimizer"] = model.optimizer
+  return tf.train.Checkpoint(**parts)
+
+
+def group_state_beside_backup(save_model):
+  """`BackupAndRestore`'s save, then every group's state beside it."""
+
+  @functools.wraps(save_model)
+  def wrapper(self):
+    save_model(self)
+    if _grouped(self.model):
+      # Every worker writes (a gather across workers); a non-chief's
+      # backup_dir is its scratch directory here (`chief_writes`).
+      _group_state(self.model).write(os.path.join(self.backup_dir,
+                                                  GROUP_STATE))
+
+  return wrapper
+
+
+def group_state_from_backup(on_train_begin):
+  """`BackupAndRestore`'s load, then every group's state, if saved."""
+
+  @functools.wraps(on_train_begin)
+  def wrapper(self, logs=None):
+    on_train_begin(self, logs)
+    path = os.path.join(self.backup_dir, GROUP_STATE)
+    if _grouped(self.model) and tf.io.gfile.exists(path + ".index"):
+      _group_state(self.model).read(path).assert_existing_objects_matched()
 
   return wrapper

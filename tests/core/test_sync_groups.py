@@ -352,6 +352,45 @@ class CheckpointTest(unittest.TestCase):
                        [models.initial_weights()[0]] * 4)
 
 
+class BackupAndRestoreTest(unittest.TestCase):
+
+  def test_a_resume_between_rounds_ends_where_uninterrupted_training_does(
+      self):
+    # 12 steps; rounds after steps 5 and 10, and fit's last after 12.
+    uninterrupted, _ = fit(topology.strategy_over(4, sync_groups=2,
+                                                  average_every=5))
+
+    class InterruptAfterStep8(keras.callbacks.Callback):
+
+      def on_train_batch_end(self, batch, logs=None):
+        if int(self.model.optimizer.iterations.numpy()) == 8:
+          raise InterruptedError("step 8, between rounds")
+
+    x, y = data()
+    with tempfile.TemporaryDirectory() as directory:
+      backup = os.path.join(directory, "backup")
+      interrupted = compiled_model(topology.strategy_over(
+          4, sync_groups=2, average_every=5))
+      with self.assertRaises(InterruptedError):
+        interrupted.fit(x, y, batch_size=GLOBAL_BATCH, epochs=2,
+                        shuffle=False, verbose=0, callbacks=[
+                            # Saved after epoch 0: step 6, between rounds.
+                            keras.callbacks.BackupAndRestore(backup),
+                            InterruptAfterStep8()])
+      strategy = topology.strategy_over(4, sync_groups=2, average_every=5)
+      resumed = compiled_model(strategy)
+      resumed.layers[0].kernel.assign(tf.zeros([8, 16]))
+      resumed.fit(x, y, batch_size=GLOBAL_BATCH, epochs=2, shuffle=False,
+                  verbose=0, callbacks=[
+                      keras.callbacks.BackupAndRestore(backup)])
+    self.assertEqual(int(resumed.optimizer.iterations.numpy()), 12)
+    for got, want in zip(resumed.get_weights(), uninterrupted.get_weights()):
+      np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL)
+    kernel = kernels(strategy, resumed)
+    for part in kernel[1:]:
+      np.testing.assert_array_equal(part, kernel[0])
+
+
 class BadInputTest(unittest.TestCase):
 
   def assert_refused(self, pattern, **kwargs):
