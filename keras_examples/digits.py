@@ -19,7 +19,8 @@ import replicator_strategy  # (TF's log level: quiet unless set)
 CPU_REPLICAS = 4
 
 
-def parse_args(description, epochs):
+def parse_args(description, epochs, add_arguments=None):
+  """The shared command line; `add_arguments(parser)` adds a script's own."""
   parser = argparse.ArgumentParser(description=description)
   parser.add_argument(
       "--replicas", type=int, default=CPU_REPLICAS,
@@ -31,6 +32,8 @@ def parse_args(description, epochs):
   parser.add_argument(
       "--global-batch-size", type=int, default=64,
       help="examples per step, summed over all replicas (default: 64)")
+  if add_arguments is not None:
+    add_arguments(parser)
   return parser.parse_args()
 
 

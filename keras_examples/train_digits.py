@@ -6,6 +6,9 @@ their gradients are all-reduced every step. Without a GPU the CPU is split
 into `--replicas` logical devices, so the multi-replica path runs anywhere.
 
   python keras_examples/train_digits.py --replicas 4 --epochs 10
+
+With `--sync-groups 2 --average-every 8` the replicas train in two sync
+groups that average their weights every 8 steps (docs/sync-groups.md).
 """
 
 import time
@@ -13,8 +16,20 @@ import time
 import digits  # pylint: disable=g-bad-import-order  (TF env vars; nothing heavy)
 
 
+def add_sync_group_arguments(parser):
+  parser.add_argument(
+      "--sync-groups", type=int, default=1,
+      help="sync groups the replicas form, each synchronous, averaging "
+      "between them every --average-every steps (default: 1, all in sync)")
+  parser.add_argument(
+      "--average-every", type=int, default=8,
+      help="with --sync-groups > 1, steps between averaging rounds "
+      "(default: 8)")
+
+
 def main():
-  args = digits.parse_args(__doc__.splitlines()[0], epochs=10)
+  args = digits.parse_args(__doc__.splitlines()[0], epochs=10,
+                           add_arguments=add_sync_group_arguments)
   start = time.monotonic()
   digits.set_up_devices(args.replicas)
   # Here, not at the top: `--help` answers before TensorFlow loads.
@@ -25,7 +40,9 @@ def main():
   keras.utils.set_random_seed(0)
   x_train, x_test, y_train, y_test = digits.load_data()
 
-  strategy = replicator_strategy.ReplicatorStrategy()
+  strategy = replicator_strategy.ReplicatorStrategy(
+      sync_groups=args.sync_groups,
+      average_every=args.average_every if args.sync_groups > 1 else 1)
   print(strategy)  # the replicas, their devices and the all-reduce, first
   with strategy.scope():
     model = digits.build_model()
@@ -39,6 +56,10 @@ def main():
   _, test_accuracy = model.evaluate(x_test, y_test, verbose=0)
 
   print(f"test accuracy: {test_accuracy:.4f}")
+  if args.sync_groups > 1:
+    averaging = strategy.averaging
+    print(f"averaging rounds: {averaging.rounds}, "
+          f"{averaging.bytes_averaged / averaging.rounds:.0f} bytes each")
   print(f"wall time: {time.monotonic() - start:.1f} s")
 
 

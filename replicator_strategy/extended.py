@@ -49,16 +49,17 @@ class ReplicatorExtended(tfi.StrategyExtendedV1):
   def __init__(self, container_strategy, device_groups, all_reduce,
                cluster=None,
                timeout_seconds=collective_watchdog.DEFAULT_TIMEOUT_SECONDS,
-               variable_partitioner=None, model_layouts=None):
+               variable_partitioner=None, model_layouts=None, sync_groups=1):
     """`device_groups`: each replica's devices (`group_by_replica`);
-    `model_layouts`: a `layouts.ModelLayouts`, or None."""
+    `model_layouts`: a `layouts.ModelLayouts`, or None; `sync_groups`: how
+    many sync groups the replicas form (`collectives.sync_groups`)."""
     super().__init__(container_strategy)
     self.variable_partitioner = variable_partitioner
     self.model_layouts = model_layouts
     self.logical_devices = logical_devices.LogicalDevices(device_groups)
     self.communicator = communicator_lib.for_topology(
         [group[0] for group in self.logical_devices.groups], all_reduce,
-        cluster, timeout_seconds)
+        cluster, timeout_seconds, sync_groups)
     self._devices = self.communicator.devices
     tfi.set_default_device(self, self.communicator.default_device)
     # Partial final batches: a replica may get fewer (or no) examples.
@@ -73,6 +74,17 @@ class ReplicatorExtended(tfi.StrategyExtendedV1):
   @property
   def num_workers(self):
     return self.communicator.num_workers
+
+  @property
+  def num_sync_groups(self):
+    """How many sync groups the replicas form (1: all in sync)."""
+    return self.communicator.num_sync_groups
+
+  @property
+  def num_replicas_in_all_groups(self):
+    """Every replica of every sync group: the replicas a global batch is
+    split among."""
+    return self.communicator.num_replicas * self.communicator.num_sync_groups
 
   @property
   def first_replica_id(self):
@@ -288,8 +300,8 @@ class ReplicatorExtended(tfi.StrategyExtendedV1):
 
   def _experimental_distribute_dataset(self, dataset, options):
     _reject_per_replica_mode(options, "experimental_distribute_dataset")
-    if self._num_replicas_in_sync > 1:
-      _reject_unbatched(dataset, self._num_replicas_in_sync)
+    if self.num_replicas_in_all_groups > 1:
+      _reject_unbatched(dataset, self.num_replicas_in_all_groups)
     self.communicator.check_dataset(dataset)
     if self.num_workers == 1 and global_batch_input.splits_on_host(
         dataset, self._devices, options):
@@ -298,7 +310,7 @@ class ReplicatorExtended(tfi.StrategyExtendedV1):
     return tfi.input_util.get_distributed_dataset(
         dataset, self._input_workers_with_options(options),
         tfi.container_strategy(self),
-        num_replicas_in_sync=self._num_replicas_in_sync,
+        num_replicas_in_sync=self.num_replicas_in_all_groups,
         input_context=self.communicator.dataset_input_context(),
         options=options)
 
@@ -314,7 +326,7 @@ class ReplicatorExtended(tfi.StrategyExtendedV1):
     for i, device in enumerate(self._devices):
       with tf.device(device):
         per_replica.append(value_fn(tf.distribute.experimental.ValueContext(
-            self.first_replica_id + i, self._num_replicas_in_sync)))
+            self.first_replica_id + i, self.num_replicas_in_all_groups)))
     return _utils.regroup(per_replica, always_wrap=True)
 
   def _experimental_make_numpy_dataset(self, numpy_input, session):

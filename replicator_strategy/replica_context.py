@@ -144,7 +144,7 @@ class ReplicaContext(tfi.ThreadReplicaContext):
           f"Expected `source_replica_id` to be an int in [0, "
           f"{num_replicas}). Received: source_replica_id="
           f"{source_replica_id!r}")
-    is_source = tfi.replica_id(self) == source_replica_id
+    is_source = self.replica_id_in_group == source_replica_id
     value = _own_tensors(value, "broadcast")
     flat = tf.nest.flatten(value)
 
@@ -191,7 +191,7 @@ class ReplicaContext(tfi.ThreadReplicaContext):
     in size along `axis`: a partial batch)."""
     size = tf.shape(x)[axis]
     sizes = self.all_gather(tf.reshape(size, [1]), axis=0)
-    start = tf.reduce_sum(sizes[:tfi.replica_id(self)])
+    start = tf.reduce_sum(sizes[:self.replica_id_in_group])
     return tf.gather(self.all_reduce("sum", gathered_dy),
                      tf.range(start, start + size), axis=axis)
 
@@ -323,7 +323,8 @@ class ReplicaContext(tfi.ThreadReplicaContext):
 
     A `BatchRows` (`first`, `count`, `total`: int64 scalars), the global
     batch being every replica's rows in replica order, as one device sees
-    them. Rows are the leading dimension of the first tensor given to
+    them (with sync groups: its group's rows, which the group trains on).
+    Rows are the leading dimension of the first tensor given to
     `strategy.run`; one all-reduce per traced step (a vector of every
     replica's count) counts them.
     """
@@ -334,7 +335,7 @@ class ReplicaContext(tfi.ThreadReplicaContext):
       rows = None
       if leaves:
         count = tf.shape(leaves[0], out_type=tf.int64)[0]
-        replica = tfi.replica_id(self)
+        replica = self.replica_id_in_group
         # Counts travel as float32, exact below 2**24 rows: the all-reduce
         # every path (merge, control flow, workers, GPUs) already carries.
         own = tf.one_hot(replica, self.num_replicas_in_sync,
@@ -352,6 +353,44 @@ class ReplicaContext(tfi.ThreadReplicaContext):
         self.local_index, logical_device_id)
 
   @property
+  def replica_id_in_group(self):
+    """This replica's index within its sync group (see
+    `replicator_strategy.collectives.sync_groups`): the replica id, with one
+    group."""
+    return tfi.replica_id(self) % self.num_replicas_in_sync
+
+  @property
+  def sync_group(self):
+    """The index of this replica's sync group, 0 with one group."""
+    return tfi.replica_id(self) // self.num_replicas_in_sync
+
+  def all_reduce_all_groups(self, reduce_op, value):
+    """`all_reduce` ("sum" or "mean") over every replica of every sync group.
+
+    The one exchange between groups a step may ask for (Keras's per-step
+    logs of global metrics); with one group, `all_reduce` itself.
+    """
+    communicator = self.strategy.extended.communicator
+    if communicator.num_sync_groups == 1:
+      return self.all_reduce(reduce_op, value)
+    checks.refuse_cross_replica_context("all_reduce_all_groups")
+    op = reduce_op_lib.parse(reduce_op)
+    if op.is_extremum:
+      raise ValueError(
+          f"Expected `reduce_op` of all_reduce_all_groups to be 'sum' or "
+          f"'mean'. Received: reduce_op={reduce_op!r}.")
+    flat = [tf.convert_to_tensor(v) for v in tf.nest.flatten(value)]
+    everyone = communicator.everyone.replica_collectives
+    ys = self._exchange(
+        lambda strategy, *values: strategy.extended.communicator.
+        reduce_all_groups(op.to_tf(), values),
+        lambda keys, values: everyone.all_reduce(self.local_index, op, values,
+                                                 keys),
+        flat, grad=lambda xs, ys, dys: self.all_reduce_all_groups(op, dys),
+        collectives=everyone)
+    return tf.nest.pack_sequence_as(value, ys)
+
+  @property
   def local_index(self):
     """This replica's index among this worker's replicas."""
     return tfi.replica_id(self) - self.strategy.extended.first_replica_id
@@ -360,19 +399,22 @@ class ReplicaContext(tfi.ThreadReplicaContext):
   def _collectives(self):
     return self.strategy.extended.communicator.replica_collectives
 
-  def collective_keys(self, count):
-    """Instance keys for this replica's next `count` run-time collectives."""
+  def collective_keys(self, count, collectives=None):
+    """Instance keys for this replica's next `count` run-time collectives
+    (of its own group's, or of `collectives`)."""
     replica_collectives.check_not_in_replica_loop(self._home_graph)
     replica_collectives.check_in_function(self._home_graph)
-    return self._collectives.draw_keys(self.local_index, count,
-                                       self._home_graph)
+    return (collectives or self._collectives).draw_keys(
+        self.local_index, count, self._home_graph)
 
-  def _exchange(self, merge_fn, collective_fn, xs, grad, keys_per_tensor=1):
+  def _exchange(self, merge_fn, collective_fn, xs, grad, keys_per_tensor=1,
+                collectives=None):
     """Differentiable exchange of the tensors `xs` between replicas.
 
     Through `merge_call` (`merge_fn(strategy, *per_replica_xs)`) where the
     replicas can meet, else through run-time collectives
-    (`collective_fn(keys, xs)`). `grad(xs, ys, dys)` gives the gradients,
+    (`collective_fn(keys, xs)`, keys drawn from `collectives`, by default
+    the group's). `grad(xs, ys, dys)` gives the gradients,
     through collectives of the same path (inside a `tf.cond`, its gradient
     branch launches run-time collectives too).
     """
@@ -380,7 +422,7 @@ class ReplicaContext(tfi.ThreadReplicaContext):
     if not merging:
       # Drawn outside the custom gradient, which would otherwise take the
       # key counters for variables to differentiate.
-      keys = self.collective_keys(keys_per_tensor * len(xs))
+      keys = self.collective_keys(keys_per_tensor * len(xs), collectives)
 
     @tf.custom_gradient
     def exchange(*xs):
@@ -477,8 +519,13 @@ def _checked_result(result, what):
 
 
 def merge_call_possible():
-  """False inside a replica's control flow, where replicas can't merge."""
+  """False inside a replica's control flow, where replicas can't merge, and
+  in cross-replica context, where there are no replicas to merge: there
+  `maybe_merge_call` (a Keras optimizer's update) runs its merge function
+  itself, as merge_call would."""
   ctx = tf.distribute.get_replica_context()
+  if ctx is None:
+    return False
   return not isinstance(ctx, ReplicaContext) or ctx.can_merge
 
 
@@ -493,10 +540,11 @@ def _broadcast_from(strategy, source_replica_id, *per_replica):
   The source may be on another worker, so this is an all-reduce, not a copy.
   """
   extended = strategy.extended
+  n = strategy.num_replicas_in_sync
   out = []
   for value in per_replica:
     masked = [
-        part if extended.first_replica_id + i == source_replica_id else
+        part if (extended.first_replica_id + i) % n == source_replica_id else
         tf.zeros_like(part)
         for i, part in enumerate(strategy.experimental_local_results(value))
     ]

@@ -26,6 +26,7 @@ from replicator_strategy.cluster import runtime as worker_runtime
 from replicator_strategy.model_parallel import layouts
 from replicator_strategy.model_parallel import logical_devices
 from replicator_strategy.model_parallel import tpu_names
+from replicator_strategy import sync_groups as sync_groups_lib
 
 # TF turns the timeout into int64 microseconds (collective ops, through a
 # float32) and int64 nanoseconds of a clock (heartbeats), which overflow past
@@ -109,14 +110,42 @@ class ReplicatorStrategy(tf.distribute.Strategy):
       `replicator_strategy.model_parallel.layouts`). Replaces `devices`.
     batch_dim_name: the mesh axis of `layout_map` that is the replicas.
       Default: the mesh's first axis.
+    sync_groups: how many sync groups the replicas form (TF-Replicator's
+      hybrid regime, see docs/sync-groups.md): groups of equal size,
+      contiguous in global replica order and each within one worker, every
+      exchange a step asks for (all-reduce, gather, broadcast, merge, the
+      Keras gradient sum) spanning its group only. `num_replicas_in_sync`
+      is then one group's replicas, `num_sync_groups` the groups. Default 1:
+      every replica in sync.
+    average_every: with sync_groups > 1, every how many steps the groups
+      average their weights (an averaging round, `average_sync_groups`);
+      Keras's `fit` counts its steps, and ends with a round. Default 1.
+    outer_optimizer: with sync_groups > 1, None (default: a round sets the
+      mean) or a Keras optimizer that a round applies the change since the
+      last round through (`old - mean` as the gradient; DiLoCo), such as
+      `keras.optimizers.SGD(0.7, momentum=0.9, nesterov=True)`.
+    overlap_averaging: with sync_groups > 1, True: a round snapshots the
+      weights and exchanges them in a thread while the groups take the next
+      average_every steps, and the next round applies the result, one round
+      late (Streaming DiLoCo's overlap); one process only for now. Default
+      False: a round exchanges and applies at once.
   """
 
   def __init__(self, devices=None, all_reduce="auto", cluster_resolver=None,
                timeout_seconds=collective_watchdog.DEFAULT_TIMEOUT_SECONDS,
                shard_optimizer_state=False, variable_partitioner=None,
                gradient_compression=None, devices_per_replica=1,
-               layout_map=None, batch_dim_name=None):
+               layout_map=None, batch_dim_name=None, sync_groups=1,
+               average_every=1, outer_optimizer=None,
+               overlap_averaging=False):
     _check_timeout(timeout_seconds)
+    sync_groups_lib.check_arguments(sync_groups, average_every,
+                                    outer_optimizer, overlap_averaging)
+    if sync_groups > 1:
+      _refuse_with_sync_groups(
+          shard_optimizer_state=shard_optimizer_state,
+          variable_partitioner=variable_partitioner, layout_map=layout_map,
+          devices_per_replica=devices_per_replica)
     compression_lib.wire_dtype(gradient_compression)  # Checks the name.
     if not isinstance(shard_optimizer_state, bool):
       raise ValueError(
@@ -162,11 +191,65 @@ class ReplicatorStrategy(tf.distribute.Strategy):
           "layout_map) does not combine with variable_partitioner yet.")
     super().__init__(extended_lib.ReplicatorExtended(
         self, groups, all_reduce, cluster, timeout_seconds,
-        variable_partitioner, model_layouts))
+        variable_partitioner, model_layouts, sync_groups))
+    if overlap_averaging and self.extended.num_workers > 1:
+      raise NotImplementedError(
+          f"overlap_averaging=True runs a round's exchange in a thread beside "
+          f"the training steps, which works in one process only for now: "
+          f"across workers the two threads' collectives could meet in "
+          f"different orders. Received: overlap_averaging=True on "
+          f"{self.extended.num_workers} workers. Leave it out.")
+    self.averaging = sync_groups_lib.Averaging(
+        self, average_every, outer_optimizer, overlap=overlap_averaging)
     self.shard_optimizer_state = shard_optimizer_state
     self.gradient_compression = gradient_compression
     for hook in CREATION_HOOKS:
       hook(self)
+
+  @property
+  def num_sync_groups(self):
+    """How many sync groups the replicas form; 1 when all are in sync.
+
+    >>> ReplicatorStrategy(sync_groups=2).num_sync_groups  # 4 replicas here
+    2
+    """
+    return self.extended.num_sync_groups
+
+  @property
+  def average_every(self):
+    """Steps between averaging rounds of the sync groups."""
+    return self.averaging.average_every
+
+  def average_sync_groups(self, trainable_variables,
+                          non_trainable_variables=()):
+    """An averaging round now, between every sync group (call it eagerly).
+
+    Every replica then holds the mean of each of `trainable_variables` over
+    every replica (or, with `outer_optimizer`, the outer step from it), and
+    the mean of each float variable of `non_trainable_variables` (batch
+    norm's moving statistics). Keras variables or distributed TF ones.
+    Nothing to do with one group. With `overlap_averaging`, the exchange
+    in flight is applied first.
+    """
+    self.averaging.average(trainable_variables, non_trainable_variables)
+
+  def sync_groups_step(self, step, trainable_variables,
+                       non_trainable_variables=()):
+    """A custom loop's step counter: a round when `step` (the steps done,
+    such as `optimizer.iterations`) is a positive multiple of
+    `average_every`; returns whether it averaged. Call it once before the
+    first step (step 0: with an outer optimizer, the weights' values then
+    are the first round's `old`), then after each step. With
+    `overlap_averaging`, a round applies the previous round's exchange and
+    starts its own; `average_sync_groups` then ends with one model."""
+    step = int(step)
+    self.averaging.start(trainable_variables)
+    if not (self.num_sync_groups > 1 and
+            self.averaging.rounds_due(step - 1, step) and step > 0):
+      return False
+    self.averaging.scheduled_round(trainable_variables,
+                                   non_trainable_variables)
+    return True
 
   def logical_device_for_variables(self, logical_device_id):
     """Variables created inside live on each replica's `logical_device_id`.
@@ -255,7 +338,11 @@ class ReplicatorStrategy(tf.distribute.Strategy):
     comm = self.extended.communicator
     workers = (f" over {comm.num_workers} workers, this is worker "
                f"{comm.worker_index}" if comm.num_workers > 1 else "")
-    return (f"ReplicatorStrategy({n} replica{'s' if n > 1 else ''}{workers}: "
+    groups = (f" in each of {self.num_sync_groups} sync groups averaging "
+              f"every {self.average_every} steps"
+              if self.num_sync_groups > 1 else "")
+    return (f"ReplicatorStrategy({n} replica{'s' if n > 1 else ''}{groups}"
+            f"{workers}: "
             f"{', '.join(self.extended.worker_devices)}; all-reduce "
             f"{self.extended.all_reduce_choice})")
 
@@ -271,6 +358,20 @@ def _check_timeout(timeout_seconds):
         f"(0, {MAX_TIMEOUT_SECONDS}]. Received: timeout_seconds="
         f"{timeout_seconds!r}. For a timeout that never fires in practice, "
         f"pass timeout_seconds={MAX_TIMEOUT_SECONDS} (about 31 years).")
+
+
+def _refuse_with_sync_groups(**arguments):
+  """Refuses what sync groups do not combine with yet."""
+  defaults = {"shard_optimizer_state": False, "variable_partitioner": None,
+              "layout_map": None, "devices_per_replica": 1}
+  given = [f"{name}={value!r}" for name, value in arguments.items()
+           if value != defaults[name]]
+  if given:
+    raise NotImplementedError(
+        f"sync_groups > 1 does not combine with {', '.join(given)} yet: "
+        f"sharded state and model parallelism would have to shard within "
+        f"each group. Pass sync_groups=1, or leave "
+        f"{', '.join(g.split('=')[0] for g in given)} out.")
 
 
 def _mesh_devices(model_layouts, devices, devices_per_replica):

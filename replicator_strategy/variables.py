@@ -106,7 +106,8 @@ class ReplicaSum(SyncOnReadVariable):
 
   def saved_on_as_many_replicas(self, stacked):
     """Whether `stacked` (a `replica_values()`) has a copy for each replica."""
-    return stacked.shape[0] == self.distribute_strategy.num_replicas_in_sync
+    extended = self.distribute_strategy.extended
+    return stacked.shape[0] == extended.num_replicas_in_all_groups
 
   def assign_replica_values(self, stacked):
     """Gives each replica its copy from `replica_values()` saved on as many
@@ -138,6 +139,65 @@ class ReplicaSum(SyncOnReadVariable):
                        read_value=False)
 
 
+# The checkpoint attribute, beside TF's VARIABLE_VALUE, holding each sync
+# group's value of a `SyncGroupVariable`.
+GROUP_VALUES_KEY = "SYNC_GROUP_VALUES"
+
+
+class SyncGroupVariable(MirroredVariable):
+  """A MirroredVariable under sync groups, whose saves keep every group's value.
+
+  Between averaging rounds each sync group holds its own value (its
+  replicas agree), and TF saves one: the first replica's. Here a save keeps,
+  beside that value (what TF and one device load), each group's, in group
+  order; a load on as many groups gives every group its own back, so a run
+  restored between rounds goes on as it would have. On another number of
+  groups, every replica loads the first group's value.
+  """
+
+  def group_values(self):
+    """Each sync group's value, of every worker, stacked in group order."""
+    strategy = self.distribute_strategy
+    with tfi.distribute_lib.enter_or_assert_strategy(strategy):
+      own = []
+      for component in self.values:
+        with tf.device(component.device):
+          own.append(tf.expand_dims(component.read_value(), 0))
+      every_replica = strategy.gather(tfi.values.PerReplica(own), axis=0)
+      return every_replica[::strategy.num_replicas_in_sync]
+
+  def assign_group_values(self, stacked):
+    """Gives each replica its group's value from `group_values()`."""
+    strategy = self.distribute_strategy
+    first = strategy.extended.first_replica_id
+    n = strategy.num_replicas_in_sync
+    updates = []
+    for i, component in enumerate(self.values):
+      with tf.device(component.device):
+        updates.append(component.assign(
+            tf.cast(stacked[(first + i) // n], self.dtype), read_value=False))
+    return tf.group(updates)
+
+  def _serialize_to_tensors(self):
+    tensors = {tfi.VARIABLE_VALUE_KEY: self.read_value()}
+    if tfi.values_util.is_saving_non_distributed():
+      return tensors
+    restoring = tfi.attributes_being_restored()
+    # A checkpoint saved with one group (or with no strategy) has only the
+    # value: then TF must not be asked for the others.
+    if restoring is None or GROUP_VALUES_KEY in restoring:
+      tensors[GROUP_VALUES_KEY] = self.group_values()
+    return tensors
+
+  def _restore_from_tensors(self, restored_tensors):
+    stacked = restored_tensors.get(GROUP_VALUES_KEY)
+    if (stacked is not None and
+        stacked.shape[0] == self.distribute_strategy.num_sync_groups):
+      return self.assign_group_values(stacked)
+    return self.assign(restored_tensors[tfi.VARIABLE_VALUE_KEY],
+                       read_value=False)
+
+
 _CLASS_MAPPING = {
     **tfi.distribute_utils.VARIABLE_CLASS_MAPPING,
     tf.VariableSynchronization.ON_WRITE: MirroredVariable,
@@ -145,6 +205,8 @@ _CLASS_MAPPING = {
 }
 _REPLICA_SUM_MAPPING = {**_CLASS_MAPPING,
                         tf.VariableSynchronization.ON_READ: ReplicaSum}
+_SYNC_GROUP_MAPPING = {**_CLASS_MAPPING,
+                       tf.VariableSynchronization.ON_WRITE: SyncGroupVariable}
 
 
 def create(strategy, devices, next_creator, replica_sum=False, **kwargs):
@@ -178,9 +240,14 @@ def create(strategy, devices, next_creator, replica_sum=False, **kwargs):
             components.append(next_creator(**kwargs))
     return components
 
+  if replica_sum:
+    mapping = _REPLICA_SUM_MAPPING
+  elif strategy.extended.num_sync_groups > 1:
+    mapping = _SYNC_GROUP_MAPPING
+  else:
+    mapping = _CLASS_MAPPING
   return tfi.distribute_utils.create_mirrored_variable(
-      strategy, create_components,
-      _REPLICA_SUM_MAPPING if replica_sum else _CLASS_MAPPING,
+      strategy, create_components, mapping,
       tfi.distribute_utils.VARIABLE_POLICY_MAPPING, **kwargs)
 
 

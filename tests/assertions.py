@@ -27,8 +27,11 @@ def assert_per_replica(test, strategy, value, expected, rtol=0.0, atol=0.0,
   exactly unless `rtol` or `atol` say otherwise.
   """
   local = strategy.experimental_local_results(value)
-  test.assertEqual(len(local), strategy.num_replicas_in_sync,
-                   f"{what}: one part per replica")
+  # With sync groups, every replica of every group (num_replicas_in_sync
+  # counts one group's).
+  replicas = getattr(strategy.extended, "num_replicas_in_all_groups",
+                     strategy.num_replicas_in_sync)
+  test.assertEqual(len(local), replicas, f"{what}: one part per replica")
   if callable(expected):
     expected = [expected(replica) for replica in range(len(local))]
   test.assertEqual(len(expected), len(local),

@@ -44,6 +44,8 @@ STRATEGY_OPTIONS = {
     "row_parallel": {"layout_map": _row_parallel_layout()},
     "shard_optimizer_state": {"shard_optimizer_state": True},
     "bfloat16": {"gradient_compression": "bfloat16"},
+    # On 2 workers x 2: a sync group per worker.
+    "2_sync_groups": {"sync_groups": 2, "average_every": 4},
     "4_shards": {"variable_partitioner": (
         tf.distribute.experimental.partitioners.FixedShardsPartitioner(4))},
 }
@@ -270,6 +272,59 @@ def keras_fit(strategy, steps_per_execution=1, accumulation_steps=None,
   prediction = model.predict(xv, batch_size=8, verbose=0)
   return {"history": history.history, "evaluate": evaluation,
           "predict": prediction.tolist(), "weights": _weights(model)}
+
+
+def sync_groups_fit(strategy):
+  """`keras_fit`'s numbers, and what passed between the sync groups during
+  it: the rounds and the bytes they averaged."""
+  averaging = strategy.averaging
+  rounds, averaged = averaging.rounds, averaging.bytes_averaged
+  results = keras_fit(strategy)
+  return {**results, "rounds": averaging.rounds - rounds,
+          "bytes_averaged": averaging.bytes_averaged - averaged}
+
+
+def sync_groups_loop(strategy, steps=8):
+  """A custom loop in sync groups, each replica's rows chosen by its global
+  replica id (so on any topology); losses, and weights after each step."""
+  x, y = data(rows=GLOBAL_BATCH * steps)
+  model = _model(strategy)
+  with strategy.scope():
+    optimizer = keras.optimizers.SGD(0.1, momentum=0.5)
+    optimizer.build(model.trainable_variables)
+  per_replica = GLOBAL_BATCH // strategy.extended.num_replicas_in_all_groups
+
+  def rows(step):
+    def of_replica(ctx):
+      first = GLOBAL_BATCH * step + per_replica * ctx.replica_id_in_sync_group
+      return (tf.constant(x[first:first + per_replica]),
+              tf.constant(y[first:first + per_replica]))
+    return strategy.experimental_distribute_values_from_function(of_replica)
+
+  def replica_step(xb, yb):
+    ctx = tf.distribute.get_replica_context()
+    with tf.GradientTape() as tape:
+      loss = tf.reduce_mean(tf.square(model(xb) - yb))
+      # The optimizer sums the gradients over the group: its mean.
+      scaled = loss / ctx.num_replicas_in_sync
+    optimizer.apply_gradients(zip(tape.gradient(scaled,
+                                                model.trainable_variables),
+                                  model.trainable_variables))
+    return ctx.all_reduce_all_groups("mean", loss)
+
+  @tf.function
+  def step(xb, yb):
+    return strategy.run(replica_step, (xb, yb))
+
+  strategy.sync_groups_step(0, model.trainable_variables)
+  losses, kernels = [], []
+  for i in range(steps):
+    losses.append(float(strategy.experimental_local_results(
+        step(*rows(i)))[0]))
+    strategy.sync_groups_step(i + 1, model.trainable_variables)
+    kernels.append([k.numpy().tolist() for k in
+                    strategy.experimental_local_results(model.layers[0].kernel.value)])
+  return {"losses": losses, "kernels": kernels, "weights": _weights(model)}
 
 
 def sharded_state(strategy, workdir=None):
@@ -680,7 +735,9 @@ RUNS = {"custom_loop": custom_loop, "primitives": primitives,
         "sharded_state": sharded_state, "embedding_fit": embedding_fit,
         "keras_custom_steps": keras_custom_steps,
         "fewer_rows_than_replicas": fewer_rows_than_replicas,
-        "batch_share": batch_share, "random_layers_fit": random_layers_fit}
+        "batch_share": batch_share, "random_layers_fit": random_layers_fit,
+        "sync_groups_fit": sync_groups_fit,
+        "sync_groups_loop": sync_groups_loop}
 # Runs that take the output directory as their working directory.
 TAKES_WORKDIR = ("keras_files", "keras_backup_and_restore", "keras_preempted",
                  "keras_accumulation_restarted",

@@ -18,6 +18,7 @@ from benchmarks.sections import parts
 from benchmarks.sections import random
 from benchmarks.sections import reducescatter
 from benchmarks.sections import sharding
+from benchmarks.sections import sync_groups
 from benchmarks.sections import update
 from benchmarks.sections import xla
 
@@ -26,4 +27,4 @@ REGISTRY = {s.name: s for s in (
     overhead.SECTION, parts.SECTION, update.SECTION, sharding.SECTION,
     embedding.SECTION, allreduce.SECTION, reducescatter.SECTION,
     mapgather.SECTION, first.SECTION, multi.SECTION, exchange.SECTION,
-    model_parallel.SECTION)}
+    model_parallel.SECTION, sync_groups.SECTION)}

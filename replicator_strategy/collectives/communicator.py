@@ -26,14 +26,27 @@ from replicator_strategy.collectives import watchdog as collective_watchdog
 from replicator_strategy.collectives import per_replica
 from replicator_strategy.collectives import reduce_op as reduce_op_lib
 from replicator_strategy.collectives import replica_collectives
+from replicator_strategy.collectives import sync_groups as sync_groups_lib
 from replicator_strategy.collectives import worker_collectives
 
 
-def for_topology(devices, all_reduce, cluster, timeout_seconds):
-  """The communicator for this worker's `devices`, in `cluster` (or alone)."""
+def for_topology(devices, all_reduce, cluster, timeout_seconds, sync_groups=1):
+  """The communicator for this worker's `devices`, in `cluster` (or alone).
+
+  With `sync_groups` > 1, a `sync_groups.GroupedCommunicator`: exchanges
+  within each group, the one chosen here between all of them.
+  """
   if cluster:
-    return ClusterCommunicator(devices, all_reduce, cluster, timeout_seconds)
-  return Communicator(devices, all_reduce, timeout_seconds)
+    everyone = ClusterCommunicator(devices, all_reduce, cluster,
+                                   timeout_seconds)
+  else:
+    everyone = Communicator(devices, all_reduce, timeout_seconds)
+  if sync_groups == 1:
+    return everyone
+  return sync_groups_lib.GroupedCommunicator(
+      everyone, sync_groups,
+      lambda group_devices: Communicator(group_devices, all_reduce,
+                                         timeout_seconds))
 
 
 class Communicator:
@@ -49,6 +62,7 @@ class Communicator:
   """
 
   cluster = None
+  num_sync_groups = 1
   num_workers = 1
   worker_index = 0
   is_chief = True

@@ -9,6 +9,8 @@
 - `chief_writes`: across workers, files written once, by the chief.
 - `preemption_saves`: `BackupAndRestore` saves at the step every worker
   agreed to stop at after a SIGTERM.
+- `sync_group_rounds`: with sync groups, `fit`'s averaging rounds and every
+  group's state in `BackupAndRestore` backups.
 - `step_context`: what the wrappers of one optimizer step tell each other
   (whether its gradients are summed over the replicas already).
 - `_internal`: Keras's private names, behind a Keras version check.

@@ -44,6 +44,7 @@ from replicator_strategy.keras import preemption_saves
 from replicator_strategy.keras import random_layers
 from replicator_strategy.keras import sharded_optimizer
 from replicator_strategy.keras import sharded_weights
+from replicator_strategy.keras import sync_group_rounds
 
 @dataclasses.dataclass(frozen=True)
 class Patch:
@@ -65,6 +66,7 @@ _SHARDING = "the strategy is a ReplicatorStrategy(shard_optimizer_state=True)"
 _SHARDED = "a weight is sharded by ReplicatorStrategy(variable_partitioner=...)"
 _SPLIT_KERNEL = ("a ReplicatorStrategy(layout_map=...) replica runs the layer, "
                  "its kernel split by the layout")
+_GROUPS = "the strategy is a ReplicatorStrategy(sync_groups=G > 1)"
 _ROWS = "a ReplicatorStrategy replica (of several) runs the layer on a batch"
 _IN_ROW_LAYER = ("in a random layer's call that _ROWS marked, for draws of "
                  "rank 1 or more")
@@ -153,6 +155,18 @@ PATCHES = (
     Patch(ki.tf_trainer, "reduce_per_replica",
           training.concat_across_workers,
           "predict across several ReplicatorStrategy workers"),
+    Patch(_MODEL, "make_train_function",
+          sync_group_rounds.rounds_after_steps,
+          _GROUPS + ": averaging rounds every average_every steps"),
+    Patch(_MODEL, "fit", sync_group_rounds.last_round,
+          _GROUPS + " and the last step did not average"),
+    # Before chief_writes' entries: those wrap these.
+    Patch(_BACKUP, "_save_model",
+          sync_group_rounds.group_state_beside_backup,
+          _GROUPS + ": every group's state beside the backup"),
+    Patch(_BACKUP, "on_train_begin",
+          sync_group_rounds.group_state_from_backup,
+          _GROUPS + " and the backup holds every group's state"),
     Patch(_MODEL, "save", chief_writes.to_scratch_unless_chief,
           _NON_CHIEF),
     Patch(_MODEL, "save_weights", chief_writes.to_scratch_unless_chief,

@@ -74,7 +74,7 @@ from replicator_strategy import strategy as strategy_lib
 def _in_our_replicas():
   ctx = tf.distribute.get_replica_context()
   return (isinstance(ctx, replica_context.ReplicaContext) and
-          ctx.num_replicas_in_sync > 1)
+          ctx.strategy.extended.num_replicas_in_all_groups > 1)
 
 
 def global_metrics_result(get_metrics_result):
@@ -87,8 +87,10 @@ def global_metrics_result(get_metrics_result):
     variables = [v for metric in self.metrics for v in metric.variables]
     if not variables:
       return get_metrics_result(self)
-    # Keras metric state is additive (totals, counts, confusion entries).
-    summed = ctx.all_reduce("sum", [tf.convert_to_tensor(v) for v in variables])
+    # Keras metric state is additive (totals, counts, confusion entries);
+    # with sync groups, summed over every group's replicas, as one device's.
+    summed = ctx.all_reduce_all_groups(
+        "sum", [tf.convert_to_tensor(v) for v in variables])
     with keras.StatelessScope(state_mapping=list(zip(variables, summed))):
       return get_metrics_result(self)
 
@@ -174,7 +176,7 @@ def split_predict_on_batch(predict_on_batch):
   def wrapper(self, x):
     strategy = self.distribute_strategy
     if (isinstance(strategy, strategy_lib.ReplicatorStrategy) and
-        strategy.num_replicas_in_sync > 1):
+        strategy.extended.num_replicas_in_all_groups > 1):
       x = split_batch(strategy, x)
     return predict_on_batch(self, x)
 
@@ -283,11 +285,27 @@ def concat_across_workers(reduce_per_replica):
       return reduce_per_replica(values, strategy, reduction)
     # Keras's own gather-and-reorder for MultiWorkerMirroredStrategy fits
     # the input layout, which is the same TF input pipeline.
+    every_replica = _EveryGroup(strategy)
     return tf.nest.map_structure(
-        lambda v: ki.multi_worker_concat(v, strategy),
+        lambda v: ki.multi_worker_concat(v, every_replica),
         values)
 
   return wrapper
+
+
+class _EveryGroup:
+  """`strategy` with every replica of every sync group counted in sync: the
+  replicas a batch was split among, which Keras's gather cuts its rows by."""
+
+  def __init__(self, strategy):
+    self._strategy = strategy
+
+  @property
+  def num_replicas_in_sync(self):
+    return self._strategy.extended.num_replicas_in_all_groups
+
+  def __getattr__(self, name):
+    return getattr(self._strategy, name)
 
 
 def compiled_per_replica(make_function):
@@ -410,11 +428,11 @@ def _compiled_per_device(step_function):
 
 def split_batch(strategy, batch):
   """A batch (any nest) as per-replica contiguous parts, sizes within one."""
-  n = strategy.num_replicas_in_sync
   batch = tf.nest.map_structure(tf.convert_to_tensor, batch)
 
   def part(ctx):
-    i = ctx.replica_id_in_sync_group
+    # Every replica of every sync group takes its part.
+    i, n = ctx.replica_id_in_sync_group, ctx.num_replicas_in_sync
 
     def rows(t):
       total = tf.shape(t)[0]

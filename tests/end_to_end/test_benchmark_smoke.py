@@ -105,6 +105,16 @@ class BenchmarkSmokeTest(unittest.TestCase):
                      ["plain", "bfloat16", "accumulate 4"])
     for row in results["multi"]:
       self.assertTrue(row["agree"], row)
+    self.assertEqual([r["variant"] for r in results["sync_groups"]],
+                     ["sync", "2 groups, H=1", "2 groups, H=8",
+                      "2 groups, H=32"])
+    sync_bytes = results["sync_groups"][0]["bytes per step"]
+    for row in results["sync_groups"]:
+      self.assertTrue(row["agree"], row)  # The workers end with one model.
+      self.assertEqual(sorted(row["ms"]), ["1 process x 4", "2 workers x 2"])
+    # A round every step moves the weights' bytes; every 8, fewer.
+    self.assertEqual(results["sync_groups"][1]["bytes per step"], sync_bytes)
+    self.assertLess(results["sync_groups"][2]["bytes per step"], sync_bytes)
     exchange, = results["exchange"]
     self.assertEqual(len(exchange["ms"]), 8)  # 4 exchanges, 1 x 4 and 2 x 2.
     self.assertTrue(exchange["agree"], exchange)

@@ -25,6 +25,7 @@ import keras
 import numpy as np
 import pytest
 
+import models
 import multi_worker_runs
 import test_gradient_compression
 import topology
@@ -292,6 +293,50 @@ def saved_slots(path):
   loaded = keras.models.load_model(path)
   return [v.numpy().tolist() for v in loaded.optimizer.variables
           if v.path.split("/")[-1] not in ("iteration", "learning_rate")]
+
+
+@pytest.mark.slow
+class SyncGroupsTwoWorkersTest(RunsOnWorkers, unittest.TestCase):
+  """sync_groups=2 (average_every=4) on 2 workers x 2: a group per worker."""
+  RUNS = ("sync_groups_loop", "sync_groups_fit")
+  OPTIONS = "@2_sync_groups"
+  LAUNCH = "sync_groups"
+
+  def test_a_custom_loop_equals_one_process_with_four_replicas(self):
+    # Each replica's rows are chosen by its replica id: the same anywhere.
+    expected = in_one_process("sync_groups_loop" + self.OPTIONS)
+    self.assertFalse(np.allclose(expected["kernels"][0][0],
+                                 expected["kernels"][0][2]))
+    for worker in self.workers:
+      loop = worker["sync_groups_loop"]
+      assert_close_nested(self, loop["losses"], expected["losses"])
+      assert_close_nested(self, loop["weights"], expected["weights"])
+    # Each worker holds its own group: replicas 0, 1 on worker 0.
+    for step in range(8):
+      assert_close_nested(self, self.workers[0]["sync_groups_loop"]["kernels"][
+          step], expected["kernels"][step][:2])
+      assert_close_nested(self, self.workers[1]["sync_groups_loop"]["kernels"][
+          step], expected["kernels"][step][2:])
+
+  def test_fit_ends_with_one_model_on_every_worker(self):
+    # TF's input deals a global batch's replica parts round-robin over the
+    # workers, so a worker's group trains on other rows than group 0 of one
+    # process does: the workers agree with each other, not with it.
+    first, second = (w["sync_groups_fit"] for w in self.workers)
+    assert_close_nested(self, second["weights"], first["weights"], rtol=0,
+                        atol=0)
+    assert_close_nested(self, second["predict"], first["predict"])
+    losses = first["history"]["loss"]
+    self.assertLess(losses[-1], losses[0])
+
+  def test_weights_cross_between_workers_once_every_four_steps(self):
+    # 58 rows in batches of 16: 4 steps an epoch, 12 in 3 epochs: rounds
+    # after steps 4, 8 and 12, and none at the end (step 12 averaged).
+    weights = sum(np.size(w) for w in models.initial_weights())
+    for worker in self.workers:
+      result = worker["sync_groups_fit"]
+      self.assertEqual(result["rounds"], 3)
+      self.assertEqual(result["bytes_averaged"], 3 * 4 * weights)
 
 
 @pytest.mark.slow

@@ -18,6 +18,7 @@ import tensorflow as tf
 
 import replicator_strategy as rs
 from replicator_strategy import devices
+from replicator_strategy import extended as extended_lib
 from replicator_strategy import strategy as strategy_lib
 import topology
 
@@ -41,9 +42,25 @@ OPTIONS = {
             tf.distribute.experimental.partitioners.FixedShardsPartitioner(2)},
     "`gradient_compression`": {"gradient_compression": "bfloat16"},
     "`shard_optimizer_state`": {"shard_optimizer_state": True},
+    "sync groups": {"sync_groups": 2},
 }
 # The pairs of options the constructor refuses, as README's items name them.
-REFUSED_PAIRS = {("model parallelism", "`variable_partitioner`")}
+REFUSED_PAIRS = {("model parallelism", "`variable_partitioner`"),
+                 ("sync groups", "`shard_optimizer_state`"),
+                 ("sync groups", "`variable_partitioner`"),
+                 ("sync groups", "model parallelism")}
+# Where the constructor raises NotImplementedError: TPUs, model parallelism
+# with variable_partitioner, sync groups with sharding or model parallelism,
+# and overlap_averaging across workers.
+NOT_IMPLEMENTED_SITES = 4
+
+
+def refuses_overlapped_averaging_across_workers(test):
+  with mock.patch.object(extended_lib.ReplicatorExtended, "num_workers",
+                         new_callable=mock.PropertyMock, return_value=2):
+    with test.assertRaisesRegex(NotImplementedError,
+                                "overlap_averaging=True .* one process only"):
+      topology.strategy_over(4, sync_groups=2, overlap_averaging=True)
 
 
 def refuses_tpus(test):
@@ -81,6 +98,8 @@ def refuses_persistent_tapes_through_collectives_in_a_cond(test):
 
 # Words that identify a README item -> the check that it is refused.
 CHECKS = {
+    "`overlap_averaging=True` across workers":
+        refuses_overlapped_averaging_across_workers,
     "TPU execution": refuses_tpus,
     "`InputReplicationMode.PER_REPLICA`": refuses_per_replica_input,
     "persistent (or nested) `GradientTape`":
@@ -92,7 +111,7 @@ class ReadmeNotYetTest(unittest.TestCase):
 
   def test_every_item_is_checked_and_every_check_is_an_item(self):
     items = not_yet_items()
-    self.assertEqual(len(items), 4, items)
+    self.assertEqual(len(items), 5, items)
     names = [*CHECKS, *(f"{a} with {b}" for a, b in REFUSED_PAIRS)]
     for item in items:
       with self.subTest(item):
@@ -121,13 +140,12 @@ class ReadmeNotYetTest(unittest.TestCase):
         check(self)
 
   def test_the_constructor_raises_no_other_not_implemented_error(self):
-    # Its NotImplementedErrors: TPUs and the refused pairs, no other.
-    source = inspect.getsource(strategy_lib.ReplicatorStrategy.__init__)
-    raised = [node for node in ast.walk(ast.parse(inspect.cleandoc(
-        "\n" + source)))
+    # Its module's NotImplementedErrors: those checked above, no other.
+    source = inspect.getsource(strategy_lib)
+    raised = [node for node in ast.walk(ast.parse(source))
               if isinstance(node, ast.Raise) and
               "NotImplementedError" in ast.unparse(node.exc)]
-    self.assertEqual(len(raised), 1 + len(REFUSED_PAIRS))
+    self.assertEqual(len(raised), NOT_IMPLEMENTED_SITES)
 
 
 def _named(name, item):

@@ -1,0 +1,229 @@
+"""Sync groups: replicas synchronous inside a group, the groups apart.
+
+TF-Replicator's RFC (tensorflow/community, rfcs/20181016-replicator.md)
+names them: `num_replicas_in_sync` replicas form a sync group, and
+`num_sync_groups` groups train side by side, exchanging nothing between
+their rounds of averaging (`replicator_strategy.sync_groups`).
+
+Groups are contiguous in global replica order and lie within one worker, so
+a group's exchange is local: a `Communicator` over a slice of this worker's
+devices. `GroupedCommunicator` stands where the strategy's communicator
+stands and answers every exchange a replica asks for (an all-reduce, a
+gather, a reduce-scatter, an all-to-all, inside control flow too) within its
+group; a reduction that leaves the replicas (`strategy.reduce` onto the
+host) and everything about the worker, its input and its cluster come from
+the all-replica communicator, `everyone`, which only the averaging round
+uses to exchange between groups.
+
+>>> from replicator_strategy.collectives import communicator
+>>> grouped = communicator.for_topology(
+...     ("/cpu:0", "/cpu:1", "/cpu:2", "/cpu:3"), "auto", None, 120,
+...     sync_groups=2)
+>>> grouped.num_replicas, grouped.num_sync_groups
+(2, 2)
+>>> [group.devices for group in grouped.groups]
+[('/cpu:0', '/cpu:1'), ('/cpu:2', '/cpu:3')]
+"""
+
+import tensorflow as tf
+
+from replicator_strategy import _tf_internal as tfi
+from replicator_strategy.collectives import per_replica
+
+
+def check_divides(num_groups, num_replicas, local_replicas):
+  """Refuses `num_groups` that does not cut the replicas into equal groups,
+  each within one worker."""
+  if num_replicas % num_groups:
+    divisors = [d for d in range(1, num_replicas + 1) if num_replicas % d == 0]
+    raise ValueError(
+        f"Expected `sync_groups` to divide the {num_replicas} replicas into "
+        f"groups of equal size. Received: sync_groups={num_groups}. Pass one "
+        f"of {divisors}.")
+  size = num_replicas // num_groups
+  if local_replicas % size:
+    raise ValueError(
+        f"Each sync group must lie within one worker: sync_groups="
+        f"{num_groups} makes groups of {size} replicas, but each worker has "
+        f"{local_replicas}. Pass sync_groups={num_replicas // local_replicas}"
+        f" (one group per worker) or a multiple of it.")
+
+
+class GroupedCommunicator:
+  """`everyone`'s replicas in `num_groups` sync groups, each exchanging alone.
+
+  Attributes:
+    everyone: the communicator among every replica of every group.
+    groups: one `Communicator` per sync group of this worker, over its slice
+      of the devices, in replica order.
+    num_replicas: replicas in one group (`num_replicas_in_sync`).
+    num_sync_groups: how many groups, over every worker.
+
+  Anything else (the devices, the host, the cluster, input contexts, the
+  first value of a variable) is `everyone`'s.
+  """
+
+  def __init__(self, everyone, num_groups, make_group):
+    """`make_group(devices)`: the `Communicator` of one group's devices."""
+    check_divides(num_groups, everyone.num_replicas, len(everyone.devices))
+    self.everyone = everyone
+    self.num_sync_groups = num_groups
+    self.num_replicas = everyone.num_replicas // num_groups
+    n = self.num_replicas
+    self.groups = tuple(
+        make_group(everyone.devices[i:i + n])
+        for i in range(0, len(everyone.devices), n))
+    self._replica_devices = {tfi.device_util.resolve(d)
+                             for d in everyone.devices}
+    self.cross_device_ops = GroupedOps(self)
+    self.replica_collectives = GroupedReplicaCollectives(self)
+
+  def __getattr__(self, name):
+    # Only reached for what this class does not define: the worker's.
+    return getattr(self.everyone, name)
+
+  def describe(self):
+    return (f"{self.everyone.describe()}, in {self.num_sync_groups} sync "
+            f"groups of {self.num_replicas}")
+
+  def group_of(self, local_index):
+    """(the group's `Communicator`, the index within it) of a local replica."""
+    return (self.groups[local_index // self.num_replicas],
+            local_index % self.num_replicas)
+
+  def split(self, value):
+    """A distributed `value` of every local replica, as one per group."""
+    parts = per_replica.parts(value)
+    n = self.num_replicas
+    return [per_replica.wrap(parts[i:i + n]) for i in range(0, len(parts), n)]
+
+  def spans_replicas(self, value, destinations):
+    """Whether `value` is every local replica's, going back to them.
+
+    Decided by `destinations` (the values' own devices, or a variable's): a
+    part made eagerly (a broadcast's zeros) may sit on another device.
+    """
+    return (isinstance(value, tf.distribute.DistributedValues) and
+            len(value.values) == len(self.devices) and
+            set(tfi.cross_device_ops.get_devices_from(destinations)) ==
+            self._replica_devices)
+
+  def ops_for(self, value, destinations):
+    del value, destinations
+    return self.cross_device_ops
+
+  @property
+  def gather_ops(self):
+    return self.cross_device_ops
+
+  def reduce_scatter(self, op, value, axis):
+    return _joined([group.reduce_scatter(op, part, axis)
+                    for group, part in zip(self.groups, self.split(value))])
+
+  def all_gather(self, value, axis, options=None):
+    return _joined([group.all_gather(part, axis, options)
+                    for group, part in zip(self.groups, self.split(value))],
+                   tfi.values.Mirrored)
+
+  def all_to_all(self, value, split_axis, concat_axis):
+    return _joined([group.all_to_all(part, split_axis, concat_axis)
+                    for group, part in zip(self.groups, self.split(value))])
+
+  def reduce_all_groups(self, reduce_op, values):
+    """Each of the per-replica `values` reduced over every replica of every
+    group (the exchange between groups), back on the replicas."""
+    return [self.everyone.ops_for(v, v).reduce(reduce_op, v, v)
+            for v in values]
+
+
+class GroupedOps(tf.distribute.CrossDeviceOps):
+  """Reductions and gathers of every local replica's values, group by group.
+
+  A value going back to the replicas is reduced within each group: the
+  result, a `Mirrored`, holds each group's own on its replicas. Other
+  destinations (one device) get the reduction over every replica.
+  """
+
+  def __init__(self, grouped):
+    super().__init__()
+    self._grouped = grouped
+
+  def reduce_implementation(self, reduce_op, per_replica_value, destinations,
+                            options):
+    grouped = self._grouped
+    if not grouped.spans_replicas(per_replica_value, destinations):
+      return grouped.everyone.ops_for(per_replica_value, destinations).reduce(
+          reduce_op, per_replica_value, destinations, options)
+    return _joined([
+        group.ops_for(part, part).reduce(reduce_op, part, part, options)
+        for group, part in zip(grouped.groups, grouped.split(per_replica_value))
+    ], tfi.values.Mirrored)
+
+  def batch_reduce_implementation(self, reduce_op, value_destination_pairs,
+                                  options):
+    grouped = self._grouped
+    if not all(grouped.spans_replicas(v, d)
+               for v, d in value_destination_pairs):
+      return [self.reduce_implementation(reduce_op, v, d, options)
+              for v, d in value_destination_pairs]
+    per_group = [grouped.split(v) for v, _ in value_destination_pairs]
+    reduced = [
+        _group_batch_reduce(group, reduce_op, [parts[g] for parts in per_group],
+                            options)
+        for g, group in enumerate(grouped.groups)]
+    return [_joined([results[i] for results in reduced], tfi.values.Mirrored)
+            for i in range(len(value_destination_pairs))]
+
+  def broadcast_implementation(self, tensor, destinations):
+    return self._grouped.everyone.ops_for(tensor, None).broadcast(
+        tensor, destinations)
+
+  def _gather_implementation(self, per_replica_value, destinations, axis,
+                             options):
+    grouped = self._grouped
+    if not grouped.spans_replicas(per_replica_value, destinations):
+      return tfi.gather(grouped.everyone.gather_ops, per_replica_value,
+                        destinations, axis, options)
+    return _joined([
+        tfi.gather(group.gather_ops, part, part, axis, options)
+        for group, part in zip(grouped.groups, grouped.split(per_replica_value))
+    ], tfi.values.Mirrored)
+
+
+def _group_batch_reduce(group, reduce_op, parts, options):
+  """One group's reduction of several values, batched where one op serves."""
+  ops = group.cross_device_ops
+  if all(group.ops_for(p, p) is ops for p in parts):
+    return ops.batch_reduce(reduce_op, [(p, p) for p in parts], options)
+  return [group.ops_for(p, p).reduce(reduce_op, p, p, options) for p in parts]
+
+
+def _joined(per_group, wrap_class=tfi.values.PerReplica):
+  """One distributed value from each group's, in replica order."""
+  return tfi.distribute_utils.regroup(
+      [part for value in per_group for part in per_replica.parts(value)],
+      wrap_class=wrap_class, always_wrap=True)
+
+
+def _in_own_group(method):
+  def call(self, local_index, *args):
+    group, index = self._grouped.group_of(local_index)
+    return getattr(group.replica_collectives, method)(index, *args)
+  call.__name__ = method
+  call.__doc__ = (f"`ReplicaCollectives.{method}` among the replicas of "
+                  f"`local_index`'s group.")
+  return call
+
+
+class GroupedReplicaCollectives:
+  """Run-time collectives (inside control flow) within each sync group:
+  `ReplicaCollectives`' methods, by a local replica index."""
+
+  def __init__(self, grouped):
+    self._grouped = grouped
+
+  draw_keys = _in_own_group("draw_keys")
+  all_reduce = _in_own_group("all_reduce")
+  all_gather = _in_own_group("all_gather")
+  all_to_all = _in_own_group("all_to_all")
+  reduce_scatter = _in_own_group("reduce_scatter")

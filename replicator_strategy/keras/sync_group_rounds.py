@@ -1,0 +1,150 @@
+"""Averaging rounds of sync groups in Keras's `fit`, unchanged for users.
+
+With `ReplicatorStrategy(sync_groups=G, average_every=H)` Keras's train
+function is followed, after each call, by a look at the optimizer's
+`iterations` (the steps done, which checkpoints keep): when it passed a
+multiple of H, an averaging round runs (`replicator_strategy.sync_groups`).
+Before the first step the weights are kept as the first round's `old` (with
+an outer optimizer). When `fit` returns, a last round runs if the last step
+did not average (or left an overlapped exchange in flight), so `evaluate`,
+`predict` and saving see one model.
+
+A `BackupAndRestore` backup, taken between rounds, holds one value per
+weight (its `.weights.h5` file); beside it a `tf.train.Checkpoint` of the
+model and its optimizer, `GROUP_STATE`, holds every group's
+(`replicator_strategy.variables.SyncGroupVariable`), and a resume reads it
+after Keras's load, so every group goes on from its own weights.
+
+>>> import keras
+>>> import numpy as np
+>>> import replicator_strategy as rs
+>>> strategy = rs.ReplicatorStrategy(sync_groups=2, average_every=3)
+>>> with strategy.scope():
+...   model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+...   model.compile("sgd", "mse")
+>>> _ = model.fit(np.ones((40, 3)), np.ones((40, 1)), batch_size=8, verbose=0)
+>>> kernels = strategy.experimental_local_results(model.layers[0].kernel.value)
+>>> all(np.array_equal(k, kernels[0]) for k in kernels)  # 5 steps, then a round
+True
+"""
+
+import dataclasses
+import functools
+import os
+import weakref
+
+import tensorflow as tf
+
+from replicator_strategy import strategy as strategy_lib
+
+
+@dataclasses.dataclass
+class _Rounds:
+  """One model's training under sync groups: whether its last step averaged."""
+  last_step_averaged: bool = True
+
+
+_rounds = weakref.WeakKeyDictionary()  # model -> _Rounds
+
+# The checkpoint, in a BackupAndRestore's directory, of every group's state.
+GROUP_STATE = "sync_groups"
+
+
+def _grouped(model):
+  strategy = model.distribute_strategy
+  return (isinstance(strategy, strategy_lib.ReplicatorStrategy) and
+          strategy.num_sync_groups > 1)
+
+
+def _average(model, scheduled):
+  """A round: the one due after a step (`scheduled`), or one that ends with
+  every replica equal."""
+  averaging = model.distribute_strategy.averaging
+  if scheduled:
+    averaging.scheduled_round(model.trainable_weights,
+                              model.non_trainable_weights)
+  else:
+    averaging.average(model.trainable_weights, model.non_trainable_weights)
+  # An overlapped round leaves its exchange in flight.
+  _rounds[model].last_step_averaged = not (scheduled and averaging.overlap)
+
+
+def rounds_after_steps(make_train_function):
+  """Keras's train function, followed by the rounds due after each call."""
+
+  @functools.wraps(make_train_function)
+  def wrapper(self, force=False):
+    built = make_train_function(self, force)
+    train_function = self.train_function
+    if (not _grouped(self) or train_function is None or
+        getattr(train_function, "counts_sync_group_rounds", False)):
+      return built
+    rounds = _rounds.setdefault(self, _Rounds())
+    averaging = self.distribute_strategy.averaging
+
+    def with_rounds(*args, **kwargs):
+      averaging.start(self.trainable_weights)
+      before = int(self.optimizer.iterations.numpy())
+      logs = train_function(*args, **kwargs)
+      after = int(self.optimizer.iterations.numpy())
+      if averaging.rounds_due(before, after):
+        _average(self, scheduled=True)
+      elif after != before:
+        rounds.last_step_averaged = False
+      return logs
+
+    with_rounds.counts_sync_group_rounds = True
+    self.train_function = with_rounds
+    return built if built is None else with_rounds
+
+  return wrapper
+
+
+def last_round(fit):
+  """Keras's `fit`, then a round if its last step did not average."""
+
+  @functools.wraps(fit)
+  def wrapper(self, *args, **kwargs):
+    history = fit(self, *args, **kwargs)
+    rounds = _rounds.get(self)
+    if _grouped(self) and rounds is not None and not rounds.last_step_averaged:
+      _average(self, scheduled=False)
+    return history
+
+  return wrapper
+
+
+def _group_state(model):
+  """A checkpoint of `model` and its optimizer: every group's values."""
+  parts = {"model": model}
+  if model.optimizer is not None:
+    parts["optimizer"] = model.optimizer
+  return tf.train.Checkpoint(**parts)
+
+
+def group_state_beside_backup(save_model):
+  """`BackupAndRestore`'s save, then every group's state beside it."""
+
+  @functools.wraps(save_model)
+  def wrapper(self):
+    save_model(self)
+    if _grouped(self.model):
+      # Every worker writes (a gather across workers); a non-chief's
+      # backup_dir is its scratch directory here (`chief_writes`).
+      _group_state(self.model).write(os.path.join(self.backup_dir,
+                                                  GROUP_STATE))
+
+  return wrapper
+
+
+def group_state_from_backup(on_train_begin):
+  """`BackupAndRestore`'s load, then every group's state, if saved."""
+
+  @functools.wraps(on_train_begin)
+  def wrapper(self, logs=None):
+    on_train_begin(self, logs)
+    path = os.path.join(self.backup_dir, GROUP_STATE)
+    if _grouped(self.model) and tf.io.gfile.exists(path + ".index"):
+      _group_state(self.model).read(path).assert_existing_objects_matched()
+
+  return wrapper

@@ -1,0 +1,306 @@
+"""Averaging rounds between sync groups: local SGD, and DiLoCo's outer step.
+
+With `ReplicatorStrategy(sync_groups=G, average_every=H)` each group trains
+on its own (`replicator_strategy.collectives.sync_groups`); every H steps an
+averaging round makes the weights of every replica of every group their
+mean (local SGD; Lin et al., 2018). With `outer_optimizer` the round instead
+applies the averaged change since the last round, `old - mean`, through that
+Keras optimizer as a gradient (DiLoCo; Douillard et al., 2023, arXiv:2311.08105):
+`keras.optimizers.SGD(1.0)` gives the mean again, DiLoCo's choice is
+`SGD(0.7, momentum=0.9, nesterov=True)`. Non-trainable float weights (batch
+norm's moving statistics) are averaged in every round; optimizer slots stay
+each group's own.
+
+`Averaging` is what the strategy holds; Keras's `fit` calls it after each
+step (`replicator_strategy.keras.sync_group_rounds`), a custom loop through
+`ReplicatorStrategy.average_sync_groups` and `sync_groups_step`.
+
+>>> import replicator_strategy as rs
+>>> strategy = rs.ReplicatorStrategy(sync_groups=2, average_every=4)
+>>> with strategy.scope():
+...   v = tf.Variable(0.0, aggregation=tf.VariableAggregation.MEAN)
+>>> def own_value():  # each group's mean, its own until a round
+...   ctx = tf.distribute.get_replica_context()
+...   v.assign(tf.cast(ctx.replica_id_in_sync_group, tf.float32))
+>>> strategy.run(own_value)
+>>> [float(x) for x in strategy.experimental_local_results(v)]
+[0.5, 0.5, 2.5, 2.5]
+>>> strategy.sync_groups_step(4, [v])  # step 4 of average_every=4: a round
+True
+>>> [float(x) for x in strategy.experimental_local_results(v)]
+[1.5, 1.5, 1.5, 1.5]
+"""
+
+import numbers
+import threading
+
+import tensorflow as tf
+
+from replicator_strategy.collectives import per_replica
+
+
+def check_arguments(sync_groups, average_every, outer_optimizer,
+                    overlap_averaging=False):
+  """Refuses a bad `sync_groups`, `average_every`, `outer_optimizer` or
+  `overlap_averaging`."""
+  if not isinstance(overlap_averaging, bool):
+    raise ValueError(
+        f"Expected `overlap_averaging` to be True or False. Received: "
+        f"overlap_averaging={overlap_averaging!r}.")
+  for name, value in (("sync_groups", sync_groups),
+                      ("average_every", average_every)):
+    if (isinstance(value, bool) or not isinstance(value, numbers.Integral) or
+        value < 1):
+      raise ValueError(
+          f"Expected `{name}` to be an int of at least 1. Received: "
+          f"{name}={value!r}. " + (
+              "Pass the number of groups the replicas form (1: all "
+              "synchronous)." if name == "sync_groups" else
+              "Pass how many steps each group takes between averaging "
+              "rounds (1: every step)."))
+  if outer_optimizer is None:
+    return
+  import keras  # pylint: disable=g-import-not-at-top  # Only to check the type.
+  if not isinstance(outer_optimizer, keras.optimizers.Optimizer):
+    raise ValueError(
+        f"Expected `outer_optimizer` to be None (plain averaging) or a Keras "
+        f"optimizer, such as keras.optimizers.SGD(0.7, momentum=0.9, "
+        f"nesterov=True) (DiLoCo's). Received: outer_optimizer="
+        f"{outer_optimizer!r} of type {type(outer_optimizer).__name__}.")
+  if sync_groups == 1:
+    raise ValueError(
+        f"`outer_optimizer` applies the change between sync groups' "
+        f"averaging rounds, but sync_groups=1 has no rounds. Received: "
+        f"outer_optimizer={outer_optimizer!r}. Pass sync_groups > 1, or "
+        f"leave outer_optimizer out.")
+
+
+def _tf_variable(variable):
+  """The distributed TF variable behind `variable` (a Keras one: its value)."""
+  return variable if isinstance(variable, tf.Variable) else variable.value
+
+
+class Averaging:
+  """Averaging rounds of `strategy`'s sync groups, every `average_every` steps.
+
+  `outer_optimizer`: None, or a Keras optimizer applying `old - mean` to the
+  trainable weights (`old`: their value at the last round, kept here). It
+  was made before the strategy, outside its scope, so the rounds step a
+  copy made in the scope from its config: `outer_optimizer` here.
+
+  `overlap`: a scheduled round (`scheduled_round`) only snapshots the
+  trainable weights and starts their exchange in a thread, which runs while
+  the groups take the next steps; the next round applies it, one round late,
+  as Streaming DiLoCo does: each replica's weights become the round's target
+  (the snapshots' mean, or the outer step from it) plus the replica's own
+  progress since its snapshot. Non-trainable weights average at once.
+  """
+
+  def __init__(self, strategy, average_every, outer_optimizer=None,
+               overlap=False):
+    self._strategy = strategy
+    self.average_every = average_every
+    self.overlap = overlap
+    # ids of the trainable variables -> their snapshots and the functions of
+    # an overlapped round.
+    self._overlapped = {}
+    self._pending = None  # The exchange in flight: (thread, its result).
+    self.outer_optimizer = None
+    if outer_optimizer is not None:
+      with strategy.scope():
+        self.outer_optimizer = type(outer_optimizer).from_config(
+            outer_optimizer.get_config())
+    self._anchors = {}  # id of a trainable variable -> its value at the last round.
+    self._rounds = {}  # ids of the variables -> the round's tf.function.
+    # What passed between the groups: rounds, and the bytes of one
+    # replica's weights they averaged (each round's all-reduce input).
+    self.rounds = 0
+    self.bytes_averaged = 0
+
+  @property
+  def anchors(self):
+    """The trainable weights' values at the last round (with an outer
+    optimizer), to checkpoint with them: a list of variables."""
+    return list(self._anchors.values())
+
+  def start(self, trainable):
+    """Keeps the `trainable` weights' values now as the last round's (with an
+    outer optimizer; the groups must agree: before training, or after a round)
+    and builds the outer optimizer. Once per variable."""
+    if self.outer_optimizer is None:
+      return
+    new = [v for v in trainable if id(v) not in self._anchors]
+    if not new:
+      return
+    with self._strategy.scope():
+      for v in new:
+        self._anchors[id(v)] = tf.Variable(
+            _tf_variable(v).read_value(), trainable=False,
+            name="sync_groups_anchor")
+      if not self.outer_optimizer.built:
+        self.outer_optimizer.build(list(trainable))
+
+  def rounds_due(self, last_step, step):
+    """Whether a multiple of `average_every` lies in (last_step, step]."""
+    return step // self.average_every > last_step // self.average_every
+
+  def scheduled_round(self, trainable, non_trainable=()):
+    """The round due after a step: `average`, or with `overlap` the
+    overlapped one."""
+    if self.overlap and self._strategy.num_sync_groups > 1:
+      self._overlapped_round(list(trainable), _floats(non_trainable))
+    else:
+      self.average(trainable, non_trainable)
+
+  def average(self, trainable, non_trainable=()):
+    """One round now: every replica of every group gets the mean (or the
+    outer optimizer's step from the mean) of `trainable`, and the mean of
+    the float variables among `non_trainable`. Call it eagerly. An
+    overlapped exchange still in flight is applied first."""
+    if self._strategy.num_sync_groups == 1:
+      return
+    trainable = list(trainable)
+    non_trainable = _floats(non_trainable)
+    self._check_anchors(trainable)
+    self._apply_pending(trainable)
+    self._run_round(trainable, non_trainable)
+    self._count(trainable + non_trainable)
+
+  def _run_round(self, trainable, non_trainable):
+    key = tuple(id(v) for v in trainable + non_trainable)
+    if key not in self._rounds:
+      self._rounds[key] = tf.function(
+          lambda: self._round(trainable, non_trainable), autograph=False)
+    with self._strategy.scope():
+      self._rounds[key]()
+
+  def _count(self, variables):
+    self.rounds += 1
+    self.bytes_averaged += sum(
+        _tf_variable(v).shape.num_elements() * _tf_variable(v).dtype.size
+        for v in variables)
+
+  def _check_anchors(self, trainable):
+    if self.outer_optimizer is not None:
+      missing = [v.name for v in trainable if id(v) not in self._anchors]
+      if missing:
+        raise ValueError(
+            f"With an `outer_optimizer`, the weights' values before the first "
+            f"round are kept, but these weights were not given before "
+            f"training: {missing}. Call strategy.sync_groups_step(0, "
+            f"trainable_variables) before the first step (Keras's fit does).")
+
+  def _round(self, trainable, non_trainable):
+    variables = [_tf_variable(v) for v in trainable + non_trainable]
+    means = self._means(variables)
+    for v, mean in zip(variables[len(trainable):], means[len(trainable):]):
+      v.assign(mean)
+    self._step_to(trainable, means[:len(trainable)])
+
+  def _step_to(self, trainable, means):
+    """Sets `trainable` to `means` (each a tensor or a `Mirrored`), or, with
+    an outer optimizer, to its step from them; keeps them as `old`."""
+    variables = [_tf_variable(v) for v in trainable]
+    if self.outer_optimizer is None:
+      for v, mean in zip(variables, means):
+        v.assign(mean)
+      return
+    deltas = []
+    for v, weight, mean in zip(trainable, variables, means):
+      anchor = self._anchors[id(v)]
+      # Every replica agrees on both: the first one's is everyone's.
+      deltas.append(anchor.read_value() - per_replica.parts(mean)[0])
+      weight.assign(anchor.read_value())
+    self.outer_optimizer.apply_gradients(zip(deltas, trainable))
+    for v, weight in zip(trainable, variables):
+      self._anchors[id(v)].assign(weight.read_value())
+
+  def _overlapped_round(self, trainable, non_trainable):
+    self._check_anchors(trainable)
+    self._apply_pending(trainable)
+    if non_trainable:
+      self._run_round([], non_trainable)
+    snapshots, take_snapshots, exchange, _ = self._overlapped_functions(
+        trainable)
+    with self._strategy.scope():
+      take_snapshots()
+    result = {}
+
+    def run_exchange():
+      with self._strategy.scope():
+        result["means"] = exchange()
+
+    thread = threading.Thread(target=run_exchange, daemon=True,
+                              name="sync_groups_exchange")
+    thread.start()
+    self._pending = (tuple(id(v) for v in trainable), thread, result)
+    self._count(snapshots + non_trainable)
+
+  def _apply_pending(self, trainable):
+    """Waits for the exchange in flight, if any, and applies it."""
+    if self._pending is None:
+      return
+    key, thread, result = self._pending
+    self._pending = None
+    thread.join()
+    if key != tuple(id(v) for v in trainable):
+      raise ValueError(
+          "An overlapped averaging round was started for other variables "
+          "than these; give every round the same variables.")
+    _, _, _, apply = self._overlapped_functions(trainable)
+    with self._strategy.scope():
+      apply(result["means"])
+
+  def _overlapped_functions(self, trainable):
+    """(snapshots, take them, exchange them, apply the exchanged means) for
+    `trainable`, made once."""
+    key = tuple(id(v) for v in trainable)
+    if key not in self._overlapped:
+      variables = [_tf_variable(v) for v in trainable]
+      with self._strategy.scope():
+        snapshots = [tf.Variable(v.read_value(), trainable=False,
+                                 name="sync_groups_snapshot")
+                     for v in variables]
+
+      def take_snapshots():
+        for v, snapshot in zip(variables, snapshots):
+          for component, kept in zip(v.values, snapshot.values):
+            kept.assign(component.read_value())
+
+      def exchange():
+        # Every replica agrees on each mean: the first part is everyone's.
+        return [per_replica.parts(m)[0] for m in self._means(snapshots)]
+
+      def apply(means):
+        progress = [[c.read_value() - s.read_value()
+                     for c, s in zip(v.values, snapshot.values)]
+                    for v, snapshot in zip(variables, snapshots)]
+        self._step_to(trainable, means)
+        for v, own in zip(variables, progress):
+          for component, delta in zip(v.values, own):
+            component.assign_add(delta)
+
+      self._overlapped[key] = (
+          snapshots, *(tf.function(f, autograph=False)
+                       for f in (take_snapshots, exchange, apply)))
+    return self._overlapped[key]
+
+  def _means(self, variables):
+    """Each variable's mean over every replica of every group, a `Mirrored`."""
+    everyone = self._strategy.extended.communicator.everyone
+    values = []
+    for v in variables:
+      parts = []
+      for component in v.values:
+        with tf.device(component.device):
+          parts.append(component.read_value())
+      values.append(per_replica.wrap(parts))
+    if not values:
+      return []
+    return everyone.cross_device_ops.batch_reduce(
+        tf.distribute.ReduceOp.MEAN, [(p, p) for p in values])
+
+
+def _floats(variables):
+  """The float variables among `variables`: the ones a round averages."""
+  return [v for v in variables if _tf_variable(v).dtype.is_floating]

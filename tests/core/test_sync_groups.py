@@ -1,0 +1,451 @@
+"""Sync groups: synchronous inside a group, averaging rounds between groups.
+
+`ReplicatorStrategy(sync_groups=G, average_every=H, outer_optimizer=None)` on
+4 logical CPUs. One group is the synchronous strategy exactly; two groups
+averaging every step with plain SGD are synchronous training (the mean of
+θ - η·gᵢ is θ - η·mean(gᵢ)); between rounds each group's replicas agree and
+the groups differ; rounds come exactly every H steps; an outer SGD(1.0) is
+plain averaging; checkpoints taken between rounds restore every group.
+The quick loop keeps the equalities and the exact checks; whole `fit` runs
+that only add cases are marked slow.
+"""
+
+import functools
+import os
+import tempfile
+import unittest
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from assertions import assert_per_replica
+import models
+import topology
+import replicator_strategy as rs
+from replicator_strategy.collectives import communicator as communicator_lib
+
+GLOBAL_BATCH = 16
+ROWS = 96  # 6 steps an epoch.
+RTOL, ATOL = 1e-5, 1e-6
+
+
+def data():
+  rng = np.random.default_rng(0)
+  x = rng.normal(size=(ROWS, 8)).astype(np.float32)
+  y = rng.normal(size=(ROWS, 3)).astype(np.float32)
+  return x, y
+
+
+def compiled_model(strategy, optimizer=None, steps_per_execution=1):
+  with strategy.scope():
+    model = models.small_mlp()
+    model.set_weights(models.initial_weights())
+    model.compile(optimizer or keras.optimizers.SGD(0.1), "mse",
+                  steps_per_execution=steps_per_execution)
+  return model
+
+
+def fit(strategy, epochs=2, callbacks=(), optimizer=None,
+        steps_per_execution=1):
+  model = compiled_model(strategy, optimizer, steps_per_execution)
+  x, y = data()
+  history = model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=epochs,
+                      shuffle=False, verbose=0, callbacks=list(callbacks))
+  return model, history.history["loss"]
+
+
+@functools.cache
+def synchronous_fit():
+  model, losses = fit(topology.strategy_over(4))
+  return tuple(model.get_weights()), tuple(losses)
+
+
+def kernels(strategy, model):
+  """Each replica's first kernel."""
+  return [np.array(k) for k in
+          strategy.experimental_local_results(model.layers[0].kernel.value)]
+
+
+class GroupsTest(unittest.TestCase):
+
+  def test_the_groups_count_and_size(self):
+    strategy = topology.strategy_over(4, sync_groups=2, average_every=3)
+    self.assertEqual(strategy.num_replicas_in_sync, 2)
+    self.assertEqual(strategy.num_sync_groups, 2)
+    self.assertEqual(strategy.average_every, 3)
+    self.assertIn("in each of 2 sync groups", repr(strategy))
+
+  def test_one_group_is_the_synchronous_strategy_exactly(self):
+    strategy = topology.strategy_over(4, sync_groups=1, average_every=5)
+    # The same code path: the plain communicator, no grouping around it.
+    self.assertIs(type(strategy.extended.communicator),
+                  communicator_lib.Communicator)
+    self.assertEqual(strategy.num_sync_groups, 1)
+    model, losses = fit(strategy)
+    weights, sync_losses = synchronous_fit()
+    self.assertEqual(tuple(losses), sync_losses)
+    for got, want in zip(model.get_weights(), weights):
+      np.testing.assert_array_equal(got, want)
+
+  @pytest.mark.slow
+  def test_replica_collectives_span_the_group(self):
+    strategy = topology.strategy_over(4, sync_groups=2)
+
+    def step():
+      ctx = tf.distribute.get_replica_context()
+      r = tf.cast(ctx.replica_id_in_sync_group, tf.float32)
+      return (ctx.all_reduce("sum", r), ctx.broadcast(r + 10.0),
+              ctx.all_gather(tf.reshape(r, [1]), axis=0),
+              ctx.all_reduce_all_groups("sum", r),
+              tf.constant([ctx.replica_id_in_group, ctx.sync_group]))
+
+    group_sums = [1.0, 1.0, 5.0, 5.0]
+    expected = lambda r: (group_sums[r], 10.0 + 2 * (r // 2),
+                          np.array([2 * (r // 2), 2 * (r // 2) + 1], "f"),
+                          6.0, np.array([r % 2, r // 2], "i"))
+    assert_per_replica(self, strategy, strategy.run(step), expected)
+    assert_per_replica(self, strategy, tf.function(
+        lambda: strategy.run(step))(), expected)
+
+  def test_collectives_inside_control_flow_span_the_group(self):
+    strategy = topology.strategy_over(4, sync_groups=2)
+
+    @tf.function
+    def run():
+      def step():
+        ctx = tf.distribute.get_replica_context()
+        r = tf.cast(ctx.replica_id_in_sync_group, tf.float32)
+        # Inside a tf.cond each replica launches its own collectives.
+        return tf.cond(r >= 0.0,
+                       lambda: (ctx.all_reduce("sum", r),
+                                ctx.all_reduce_all_groups("sum", r)),
+                       lambda: (r, r))
+      return strategy.run(step)
+
+    assert_per_replica(self, strategy, run(),
+                       lambda r: ([1.0, 1.0, 5.0, 5.0][r], 6.0))
+
+
+class AveragingTest(unittest.TestCase):
+
+  def test_two_groups_averaging_every_step_with_sgd_are_synchronous(self):
+    strategy = topology.strategy_over(4, sync_groups=2, average_every=1)
+    model, losses = fit(strategy)
+    weights, sync_losses = synchronous_fit()
+    np.testing.assert_allclose(losses, sync_losses, rtol=RTOL)
+    for got, want in zip(model.get_weights(), weights):
+      np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL)
+    assert_per_replica(self, strategy, model.layers[0].kernel.value,
+                       [weights[0]] * 4, rtol=RTOL, atol=ATOL)
+
+  @pytest.mark.slow
+  def test_groups_of_one_replica_averaging_every_step_are_synchronous(self):
+    strategy = topology.strategy_over(4, sync_groups=4, average_every=1)
+    self.assertEqual(strategy.num_replicas_in_sync, 1)
+    model, losses = fit(strategy)
+    weights, sync_losses = synchronous_fit()
+    np.testing.assert_allclose(losses, sync_losses, rtol=RTOL)
+    for got, want in zip(model.get_weights(), weights):
+      np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL)
+
+  @pytest.mark.slow
+  def test_steps_per_execution_dividing_average_every_keeps_the_rounds(self):
+    one_step, _ = fit(topology.strategy_over(4, sync_groups=2,
+                                             average_every=4))
+    strategy = topology.strategy_over(4, sync_groups=2, average_every=4)
+    two_steps, _ = fit(strategy, steps_per_execution=2)
+    for got, want in zip(two_steps.get_weights(), one_step.get_weights()):
+      np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL)
+    # 12 steps: rounds after steps 4, 8 and 12; none left for the end.
+    self.assertEqual(strategy.averaging.rounds, 3)
+
+  @pytest.mark.slow
+  def test_between_rounds_groups_differ_and_after_fit_all_agree(self):
+    strategy = topology.strategy_over(4, sync_groups=2, average_every=4)
+    seen = {}
+
+    class Look(keras.callbacks.Callback):
+
+      def on_train_batch_end(self, batch, logs=None):
+        seen[int(self.model.optimizer.iterations.numpy())] = kernels(
+            strategy, self.model)
+
+    model, _ = fit(strategy, epochs=1, callbacks=[Look()])
+    self.assertEqual(sorted(seen), [1, 2, 3, 4, 5, 6])
+    for step, parts in seen.items():
+      with self.subTest(step=step):
+        np.testing.assert_array_equal(parts[0], parts[1])
+        np.testing.assert_array_equal(parts[2], parts[3])
+        if step == 4:  # A round: every replica the same.
+          np.testing.assert_array_equal(parts[0], parts[2])
+        else:
+          self.assertFalse(np.allclose(parts[0], parts[2]))
+    # Step 6 did not average; fit ends with a round.
+    after = kernels(strategy, model)
+    for part in after[1:]:
+      np.testing.assert_array_equal(part, after[0])
+    np.testing.assert_allclose(after[0], np.mean(seen[6], axis=0), rtol=1e-6)
+
+  def test_rounds_come_exactly_every_average_every_steps(self):
+    h = 3
+    strategy = topology.strategy_over(4, sync_groups=2, average_every=h)
+    with strategy.scope():
+      v = tf.Variable(0.0)
+
+    def set_to_replica_id(step):
+      ctx = tf.distribute.get_replica_context()
+      v.assign(100.0 * step + tf.cast(ctx.replica_id_in_sync_group,
+                                      tf.float32))
+
+    self.assertFalse(strategy.sync_groups_step(0, [v]))
+    for step in range(1, 3 * h + 1):
+      strategy.run(set_to_replica_id, (float(step),))
+      averaged = strategy.sync_groups_step(step, [v])
+      with self.subTest(step=step):
+        self.assertEqual(averaged, step % h == 0)
+        if averaged:  # The exact mean of 0, 1, 2, 3.
+          assert_per_replica(self, strategy, v, [100.0 * step + 1.5] * 4)
+        else:
+          assert_per_replica(self, strategy, v,
+                             [100.0 * step + r for r in range(4)])
+
+  @pytest.mark.slow
+  def test_outer_sgd_of_one_is_plain_averaging(self):
+    plain_strategy = topology.strategy_over(4, sync_groups=2, average_every=2)
+    plain, plain_losses = fit(plain_strategy)
+    outer_strategy = topology.strategy_over(
+        4, sync_groups=2, average_every=2,
+        outer_optimizer=keras.optimizers.SGD(1.0))
+    outer, outer_losses = fit(outer_strategy)
+    np.testing.assert_allclose(outer_losses, plain_losses, rtol=RTOL)
+    for got, want in zip(outer.get_weights(), plain.get_weights()):
+      np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL)
+
+  @pytest.mark.slow
+  def test_outer_nesterov_trains(self):
+    strategy = topology.strategy_over(
+        4, sync_groups=2, average_every=2,
+        outer_optimizer=keras.optimizers.SGD(0.7, momentum=0.9,
+                                             nesterov=True))
+    model, losses = fit(strategy, epochs=4)
+    self.assertLess(losses[-1], 0.9 * losses[0])
+    after = kernels(strategy, model)
+    for part in after[1:]:
+      np.testing.assert_array_equal(part, after[0])
+    self.assertEqual(len(strategy.averaging.anchors), 4)
+
+  @pytest.mark.slow
+  def test_batch_norm_statistics_are_averaged(self):
+    strategy = topology.strategy_over(4, sync_groups=2, average_every=100)
+    with strategy.scope():
+      model = keras.Sequential([keras.Input((8,)),
+                                keras.layers.BatchNormalization(),
+                                keras.layers.Dense(3)])
+      model.compile(keras.optimizers.SGD(0.1), "mse")
+    before_round = {}
+
+    class Look(keras.callbacks.Callback):
+
+      def on_train_end(self, logs=None):  # Before fit's last round.
+        before_round["mean"] = [np.array(m) for m in
+                                strategy.experimental_local_results(
+                                    model.layers[0].moving_mean.value)]
+
+    x, y = data()
+    model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=1, shuffle=False,
+              verbose=0, callbacks=[Look()])
+    groups = before_round["mean"]
+    self.assertFalse(np.allclose(groups[0], groups[2]))
+    assert_per_replica(self, strategy, model.layers[0].moving_mean.value,
+                       [np.mean(groups, axis=0)] * 4, rtol=1e-6)
+
+
+class OverlapTest(unittest.TestCase):
+  """overlap_averaging=True: a round's exchange applies one round later."""
+
+  def test_the_exchange_applies_exactly_one_round_later(self):
+    strategy = topology.strategy_over(4, sync_groups=2, average_every=2,
+                                      overlap_averaging=True)
+    with strategy.scope():
+      v = tf.Variable(0.0)
+
+    def set_to(step):
+      ctx = tf.distribute.get_replica_context()
+      v.assign(step * tf.cast(ctx.replica_id_in_sync_group + 1, tf.float32))
+
+    strategy.sync_groups_step(0, [v])
+    seen = {}
+    for step in range(1, 7):
+      strategy.run(set_to, (float(step),))
+      strategy.sync_groups_step(step, [v])
+      seen[step] = [float(x) for x in strategy.experimental_local_results(v)]
+    # Step 2: snapshots 2, 4, 6, 8 (mean 5) leave; nothing applied yet.
+    self.assertEqual(seen[2], [2.0, 4.0, 6.0, 8.0])
+    self.assertEqual(seen[3], [3.0, 6.0, 9.0, 12.0])
+    # Step 4: 5 plus each replica's progress since its snapshot; then
+    # snapshots 7, 9, 11, 13 (mean 10) leave.
+    self.assertEqual(seen[4], [7.0, 9.0, 11.0, 13.0])
+    # Step 6: 10 plus the progress from 7, 9, 11, 13 to 6, 12, 18, 24.
+    self.assertEqual(seen[6], [9.0, 13.0, 17.0, 21.0])
+    strategy.average_sync_groups([v])  # Applies mean 15, then all agree.
+    assert_per_replica(self, strategy, v, [15.0] * 4)
+    self.assertEqual(strategy.averaging.rounds, 4)
+
+  @pytest.mark.slow
+  def test_fit_trains_and_ends_with_one_model(self):
+    strategy = topology.strategy_over(4, sync_groups=2, average_every=2,
+                                      overlap_averaging=True)
+    model, losses = fit(strategy, epochs=3)
+    self.assertLess(losses[-1], 0.9 * losses[0])
+    after = kernels(strategy, model)
+    for part in after[1:]:
+      np.testing.assert_array_equal(part, after[0])
+    # 18 steps: 9 overlapped rounds, and fit's last.
+    self.assertEqual(strategy.averaging.rounds, 10)
+
+  def test_overlap_is_true_or_false(self):
+    with self.assertRaisesRegex(ValueError, r"overlap_averaging='yes'"):
+      topology.strategy_over(4, sync_groups=2, overlap_averaging="yes")
+
+
+class CheckpointTest(unittest.TestCase):
+
+  def test_a_checkpoint_between_rounds_restores_every_group(self):
+    strategy = topology.strategy_over(4, sync_groups=2, average_every=1000)
+    model = compiled_model(strategy)
+    checkpoint = tf.train.Checkpoint(model=model, optimizer=model.optimizer)
+    saved = {}
+
+    class SaveAtStep3(keras.callbacks.Callback):
+
+      def on_train_batch_end(self, batch, logs=None):
+        if batch == 2:  # Between rounds: the groups differ.
+          saved["kernels"] = kernels(strategy, model)
+          saved["path"] = checkpoint.save(os.path.join(directory, "ckpt"))
+
+    x, y = data()
+    with tempfile.TemporaryDirectory() as directory:
+      model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=1, shuffle=False,
+                verbose=0, callbacks=[SaveAtStep3()])
+      # fit ended with a round: every replica differs from the saved ones.
+      self.assertFalse(np.allclose(kernels(strategy, model)[0],
+                                   saved["kernels"][0]))
+      checkpoint.restore(saved["path"]).assert_consumed()
+    self.assertFalse(np.allclose(saved["kernels"][0], saved["kernels"][2]))
+    assert_per_replica(self, strategy, model.layers[0].kernel.value,
+                       saved["kernels"])
+    self.assertEqual(int(model.optimizer.iterations.numpy()), 3)
+
+  @pytest.mark.slow
+  def test_a_checkpoint_of_one_group_loads_into_every_group(self):
+    one = compiled_model(topology.strategy_over(4))
+    strategy = topology.strategy_over(4, sync_groups=2, average_every=5)
+    grouped = compiled_model(strategy)
+    with tempfile.TemporaryDirectory() as directory:
+      path = tf.train.Checkpoint(model=one).save(
+          os.path.join(directory, "ckpt"))
+      grouped.layers[0].kernel.assign(tf.zeros([8, 16]))
+      tf.train.Checkpoint(model=grouped).restore(path).assert_consumed()
+    assert_per_replica(self, strategy, grouped.layers[0].kernel.value,
+                       [models.initial_weights()[0]] * 4)
+
+
+class BackupAndRestoreTest(unittest.TestCase):
+
+  def test_a_resume_between_rounds_ends_where_uninterrupted_training_does(
+      self):
+    # 12 steps; rounds after steps 5 and 10, and fit's last after 12.
+    uninterrupted, _ = fit(topology.strategy_over(4, sync_groups=2,
+                                                  average_every=5))
+
+    class InterruptAfterStep8(keras.callbacks.Callback):
+
+      def on_train_batch_end(self, batch, logs=None):
+        if int(self.model.optimizer.iterations.numpy()) == 8:
+          raise InterruptedError("step 8, between rounds")
+
+    x, y = data()
+    with tempfile.TemporaryDirectory() as directory:
+      backup = os.path.join(directory, "backup")
+      interrupted = compiled_model(topology.strategy_over(
+          4, sync_groups=2, average_every=5))
+      with self.assertRaises(InterruptedError):
+        interrupted.fit(x, y, batch_size=GLOBAL_BATCH, epochs=2,
+                        shuffle=False, verbose=0, callbacks=[
+                            # Saved after epoch 0: step 6, between rounds.
+                            keras.callbacks.BackupAndRestore(backup),
+                            InterruptAfterStep8()])
+      strategy = topology.strategy_over(4, sync_groups=2, average_every=5)
+      resumed = compiled_model(strategy)
+      resumed.layers[0].kernel.assign(tf.zeros([8, 16]))
+      resumed.fit(x, y, batch_size=GLOBAL_BATCH, epochs=2, shuffle=False,
+                  verbose=0, callbacks=[
+                      keras.callbacks.BackupAndRestore(backup)])
+    self.assertEqual(int(resumed.optimizer.iterations.numpy()), 12)
+    for got, want in zip(resumed.get_weights(), uninterrupted.get_weights()):
+      np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL)
+    kernel = kernels(strategy, resumed)
+    for part in kernel[1:]:
+      np.testing.assert_array_equal(part, kernel[0])
+
+
+class BadInputTest(unittest.TestCase):
+
+  def assert_refused(self, pattern, error=ValueError, **kwargs):
+    with self.assertRaisesRegex(error, pattern):
+      topology.strategy_over(4, **kwargs)
+
+  def test_groups_that_do_not_divide_the_replicas(self):
+    self.assert_refused(r"`sync_groups` to divide the 4 replicas.*"
+                        r"sync_groups=3\. Pass one of \[1, 2, 4\]",
+                        sync_groups=3)
+
+  def test_not_a_count(self):
+    self.assert_refused(r"sync_groups=0", sync_groups=0)
+    self.assert_refused(r"sync_groups=True", sync_groups=True)
+    self.assert_refused(r"`average_every` to be an int of at least 1.*"
+                        r"average_every=0", sync_groups=2, average_every=0)
+    self.assert_refused(r"average_every=2\.5", sync_groups=2,
+                        average_every=2.5)
+
+  def test_an_outer_optimizer_that_is_not_keras(self):
+    self.assert_refused(r"`outer_optimizer` to be None .* a Keras optimizer"
+                        r".*outer_optimizer='sgd'",
+                        sync_groups=2, outer_optimizer="sgd")
+    self.assert_refused(
+        r"outer_optimizer=<.*of type GradientDescentOptimizer",
+        sync_groups=2, outer_optimizer=tf.compat.v1.train.GradientDescentOptimizer(
+            1.0))
+
+  def test_an_outer_step_without_the_weights_before_training(self):
+    strategy = topology.strategy_over(
+        4, sync_groups=2, outer_optimizer=keras.optimizers.SGD(1.0))
+    with strategy.scope():
+      v = tf.Variable(1.0, name="w")
+    with self.assertRaisesRegex(ValueError,
+                                r"not given before training: \['w:0'\]"
+                                r".*sync_groups_step\(0, "):
+      strategy.average_sync_groups([v])
+
+  def test_an_outer_optimizer_with_one_group(self):
+    self.assert_refused(r"sync_groups=1 has no rounds",
+                        outer_optimizer=keras.optimizers.SGD(1.0))
+
+  def test_what_does_not_combine_yet(self):
+    self.assert_refused(r"does not combine with shard_optimizer_state=True",
+                        NotImplementedError, sync_groups=2,
+                        shard_optimizer_state=True)
+    self.assert_refused(
+        r"variable_partitioner=", NotImplementedError,
+        sync_groups=2,
+        variable_partitioner=tf.distribute.experimental.partitioners
+        .FixedShardsPartitioner(2))
+    with self.assertRaisesRegex(NotImplementedError, "devices_per_replica=2"):
+      rs.ReplicatorStrategy(devices=["/cpu:0", "/cpu:1", "/cpu:2", "/cpu:3"],
+                            devices_per_replica=2, sync_groups=2)
+
+
+if __name__ == "__main__":
+  unittest.main()
