@@ -352,6 +352,7 @@ class CheckpointTest(unittest.TestCase):
                        [models.initial_weights()[0]] * 4)
 
 
+@pytest.mark.slow  # Fits three times.
 class BackupAndRestoreTest(unittest.TestCase):
 
   def test_a_resume_between_rounds_ends_where_uninterrupted_training_does(

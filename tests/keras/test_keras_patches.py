@@ -13,6 +13,7 @@ from unittest import mock
 
 import keras
 import numpy as np
+import pytest
 
 import replicator_strategy as rs
 from replicator_strategy.keras import _internal as keras_internal
@@ -104,6 +105,7 @@ print(json.dumps(seen))
 """
 
 
+@pytest.mark.slow  # A fresh process, with TensorFlow started in it.
 class PatchLifetimeTest(unittest.TestCase):
 
   def test_patches_live_with_strategies_and_stay_out_of_other_tracebacks(self):
