@@ -411,21 +411,6 @@ def xla_on_accelerators(resolve_auto_jit_compile):
   return wrapper
 
 
-def _compiled_per_device(step_function):
-  """`step_function` with its ops compiled by XLA in one cluster per device.
-
-  XLA compiles a function for one device, but a replica over several
-  devices has variables on each: under `jit_scope` TF clusters the
-  compilable ops of each device apart, and sends values between them.
-  """
-  @functools.wraps(step_function)
-  def step(*args, **kwargs):
-    with tf.xla.experimental.jit_scope(separate_compiled_gradients=False):
-      return step_function(*args, **kwargs)
-
-  return step
-
-
 def split_batch(strategy, batch):
   """A batch (any nest) as per-replica contiguous parts, sizes within one."""
   batch = tf.nest.map_structure(tf.convert_to_tensor, batch)
