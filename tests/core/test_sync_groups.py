@@ -352,14 +352,22 @@ class CheckpointTest(unittest.TestCase):
                        [models.initial_weights()[0]] * 4)
 
 
-@pytest.mark.slow  # Fits three times.
-class BackupAndRestoreTest(unittest.TestCase):
+def nesterov():
+  """DiLoCo's outer optimizer."""
+  return keras.optimizers.SGD(0.7, momentum=0.9, nesterov=True)
 
-  def test_a_resume_between_rounds_ends_where_uninterrupted_training_does(
-      self):
+
+@pytest.mark.slow  # Each test fits three times.
+class BackupAndRestoreTest(unittest.TestCase):
+  """A `fit` interrupted between rounds and resumed from its backup ends
+  where uninterrupted training does."""
+
+  def assert_resume_ends_uninterrupted(self, **grouping):
     # 12 steps; rounds after steps 5 and 10, and fit's last after 12.
-    uninterrupted, _ = fit(topology.strategy_over(4, sync_groups=2,
-                                                  average_every=5))
+    make = lambda: topology.strategy_over(4, sync_groups=2, average_every=5,
+                                          **{k: f() for k, f in
+                                             grouping.items()})
+    uninterrupted, _ = fit(make())
 
     class InterruptAfterStep8(keras.callbacks.Callback):
 
@@ -370,15 +378,14 @@ class BackupAndRestoreTest(unittest.TestCase):
     x, y = data()
     with tempfile.TemporaryDirectory() as directory:
       backup = os.path.join(directory, "backup")
-      interrupted = compiled_model(topology.strategy_over(
-          4, sync_groups=2, average_every=5))
+      interrupted = compiled_model(make())
       with self.assertRaises(InterruptedError):
         interrupted.fit(x, y, batch_size=GLOBAL_BATCH, epochs=2,
                         shuffle=False, verbose=0, callbacks=[
                             # Saved after epoch 0: step 6, between rounds.
                             keras.callbacks.BackupAndRestore(backup),
                             InterruptAfterStep8()])
-      strategy = topology.strategy_over(4, sync_groups=2, average_every=5)
+      strategy = make()
       resumed = compiled_model(strategy)
       resumed.layers[0].kernel.assign(tf.zeros([8, 16]))
       resumed.fit(x, y, batch_size=GLOBAL_BATCH, epochs=2, shuffle=False,
@@ -390,6 +397,18 @@ class BackupAndRestoreTest(unittest.TestCase):
     kernel = kernels(strategy, resumed)
     for part in kernel[1:]:
       np.testing.assert_array_equal(part, kernel[0])
+
+  def test_plain_averaging(self):
+    self.assert_resume_ends_uninterrupted()
+
+  def test_an_outer_nesterov_step(self):
+    # The backup keeps the outer momentum and the weights of round 5.
+    self.assert_resume_ends_uninterrupted(outer_optimizer=nesterov)
+
+  def test_an_overlapped_exchange_in_flight(self):
+    # At the backup, round 5's exchange is in flight; round 10 applies it.
+    self.assert_resume_ends_uninterrupted(outer_optimizer=nesterov,
+                                          overlap_averaging=lambda: True)
 
 
 class BadInputTest(unittest.TestCase):
