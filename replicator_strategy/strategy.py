@@ -220,6 +220,16 @@ class ReplicatorStrategy(tf.distribute.Strategy):
     """Steps between averaging rounds of the sync groups."""
     return self.averaging.average_every
 
+  @property
+  def sync_groups_state(self):
+    """What a checkpoint keeps of the rounds between sync groups: the outer
+    optimizer's state, the weights at the last round and an overlapped
+    round's exchange in flight (`replicator_strategy.sync_groups.
+    SyncGroupsState`). Save it beside the model:
+    `tf.train.Checkpoint(model=model, optimizer=optimizer,
+    sync_groups=strategy.sync_groups_state)`; `BackupAndRestore` does."""
+    return self.averaging.state
+
   def average_sync_groups(self, trainable_variables,
                           non_trainable_variables=()):
     """An averaging round now, between every sync group (call it eagerly).

@@ -31,6 +31,7 @@ True
 [1.5, 1.5, 1.5, 1.5]
 """
 
+import functools
 import numbers
 import threading
 
@@ -80,11 +81,109 @@ def _tf_variable(variable):
   return variable if isinstance(variable, tf.Variable) else variable.value
 
 
+class ExchangeInFlight(tf.train.experimental.PythonState):
+  """An overlapped round's exchange, running in a thread until the next
+  round takes its means.
+
+  A checkpoint keeps whether one is in flight; its inputs, the snapshots,
+  are variables beside it (`SyncGroupsState.snapshots`). Restored, the next
+  round redoes the exchange from the restored snapshots: the same means, as
+  if it had never stopped.
+  """
+
+  def __init__(self):
+    self._thread = None
+    self._result = {}
+    self._key = None  # Ids of the variables it was started for.
+    self._redo = False  # Restored in flight: redo it from the snapshots.
+
+  @property
+  def in_flight(self):
+    return self._thread is not None or self._redo
+
+  def start(self, key, exchange):
+    """Runs `exchange` (returning the means) in a thread, for the variables
+    with ids `key`."""
+    result = {}
+
+    def run():
+      result["means"] = exchange()
+
+    thread = threading.Thread(target=run, daemon=True,
+                              name="sync_groups_exchange")
+    thread.start()
+    self._thread, self._result, self._key, self._redo = (
+        thread, result, key, False)
+
+  def take(self, key, exchange):
+    """The exchange's means, once it is done (redone by `exchange` when it
+    was restored in flight)."""
+    thread, result, started_for = self._thread, self._result, self._key
+    self._thread, self._key, self._redo = None, None, False
+    if thread is None:
+      return exchange()
+    thread.join()
+    if started_for != key:
+      raise ValueError(
+          "An overlapped averaging round was started for other variables "
+          "than these; give every round the same variables.")
+    return result["means"]
+
+  def serialize(self):
+    return "in flight" if self.in_flight else ""
+
+  def deserialize(self, string_value):
+    if self._thread is not None:
+      self._thread.join()  # Its snapshots are being replaced: drop it.
+    self._thread, self._key = None, None
+    self._redo = bool(string_value)
+
+
+class SyncGroupsState(tf.Module):
+  """What a checkpoint keeps of the rounds between sync groups.
+
+  `strategy.sync_groups_state`: save it beside the model and its optimizer,
+  `tf.train.Checkpoint(model=..., optimizer=..., sync_groups=...)`, and a
+  run restored between rounds goes on exactly as it would have. It holds
+  the outer optimizer's copy (`outer_optimizer`, with its momentum and
+  iterations), the trainable weights' values at the last round (`anchors`,
+  with an outer optimizer) and, with overlap, the snapshots of the round in
+  flight (`snapshots`) and whether it is (`exchange`). Anchors, snapshots
+  and the outer optimizer's slots are made at the first step (or round);
+  restored before that, TF restores them when they are made.
+
+  >>> import keras
+  >>> import replicator_strategy as rs
+  >>> strategy = rs.ReplicatorStrategy(
+  ...     sync_groups=2, average_every=4,
+  ...     outer_optimizer=keras.optimizers.SGD(0.7, momentum=0.9,
+  ...                                          nesterov=True))
+  >>> with strategy.scope():
+  ...   model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+  ...   model.compile("sgd", "mse")
+  >>> checkpoint = tf.train.Checkpoint(model=model, optimizer=model.optimizer,
+  ...                                  sync_groups=strategy.sync_groups_state)
+  >>> _ = model.fit(tf.ones((48, 3)), tf.ones((48, 1)), batch_size=8,
+  ...               verbose=0)  # 6 steps: a round after step 4, and fit's last
+  >>> len(strategy.sync_groups_state.anchors)  # The kernel's and the bias's
+  2
+  >>> int(strategy.sync_groups_state.outer_optimizer.iterations.numpy())
+  2
+  """
+
+  def __init__(self, outer_optimizer):
+    super().__init__(name="sync_groups")
+    self.outer_optimizer = outer_optimizer
+    self.anchors = []
+    self.snapshots = []
+    self.exchange = ExchangeInFlight()
+
+
 class Averaging:
   """Averaging rounds of `strategy`'s sync groups, every `average_every` steps.
 
   `outer_optimizer`: None, or a Keras optimizer applying `old - mean` to the
-  trainable weights (`old`: their value at the last round, kept here). It
+  trainable weights (`old`: their value at the last round, its anchor). It
   was made before the strategy, outside its scope, so the rounds step a
   copy made in the scope from its config: `outer_optimizer` here.
 
@@ -94,6 +193,8 @@ class Averaging:
   as Streaming DiLoCo does: each replica's weights become the round's target
   (the snapshots' mean, or the outer step from it) plus the replica's own
   progress since its snapshot. Non-trainable weights average at once.
+
+  `state`: what a checkpoint keeps of it (`SyncGroupsState`).
   """
 
   def __init__(self, strategy, average_every, outer_optimizer=None,
@@ -104,24 +205,18 @@ class Averaging:
     # ids of the trainable variables -> their snapshots and the functions of
     # an overlapped round.
     self._overlapped = {}
-    self._pending = None  # The exchange in flight: (thread, its result).
     self.outer_optimizer = None
     if outer_optimizer is not None:
       with strategy.scope():
         self.outer_optimizer = type(outer_optimizer).from_config(
             outer_optimizer.get_config())
+    self.state = SyncGroupsState(self.outer_optimizer)
     self._anchors = {}  # id of a trainable variable -> its value at the last round.
     self._rounds = {}  # ids of the variables -> the round's tf.function.
     # What passed between the groups: rounds, and the bytes of one
     # replica's weights they averaged (each round's all-reduce input).
     self.rounds = 0
     self.bytes_averaged = 0
-
-  @property
-  def anchors(self):
-    """The trainable weights' values at the last round (with an outer
-    optimizer), to checkpoint with them: a list of variables."""
-    return list(self._anchors.values())
 
   def start(self, trainable):
     """Keeps the `trainable` weights' values now as the last round's (with an
@@ -137,6 +232,8 @@ class Averaging:
         self._anchors[id(v)] = tf.Variable(
             _tf_variable(v).read_value(), trainable=False,
             name="sync_groups_anchor")
+        # Tracked: restored now if a checkpoint was read before.
+        self.state.anchors.append(self._anchors[id(v)])
       if not self.outer_optimizer.built:
         self.outer_optimizer.build(list(trainable))
 
@@ -224,32 +321,23 @@ class Averaging:
         trainable)
     with self._strategy.scope():
       take_snapshots()
-    result = {}
-
-    def run_exchange():
-      with self._strategy.scope():
-        result["means"] = exchange()
-
-    thread = threading.Thread(target=run_exchange, daemon=True,
-                              name="sync_groups_exchange")
-    thread.start()
-    self._pending = (tuple(id(v) for v in trainable), thread, result)
+    self.state.exchange.start(tuple(id(v) for v in trainable),
+                              functools.partial(self._in_scope, exchange))
     self._count(snapshots + non_trainable)
 
   def _apply_pending(self, trainable):
     """Waits for the exchange in flight, if any, and applies it."""
-    if self._pending is None:
+    if not self.state.exchange.in_flight:
       return
-    key, thread, result = self._pending
-    self._pending = None
-    thread.join()
-    if key != tuple(id(v) for v in trainable):
-      raise ValueError(
-          "An overlapped averaging round was started for other variables "
-          "than these; give every round the same variables.")
-    _, _, _, apply = self._overlapped_functions(trainable)
+    _, _, exchange, apply = self._overlapped_functions(trainable)
+    means = self.state.exchange.take(
+        tuple(id(v) for v in trainable),
+        functools.partial(self._in_scope, exchange))
+    self._in_scope(apply, means)
+
+  def _in_scope(self, function, *args):
     with self._strategy.scope():
-      apply(result["means"])
+      return function(*args)
 
   def _overlapped_functions(self, trainable):
     """(snapshots, take them, exchange them, apply the exchanged means) for
@@ -261,6 +349,8 @@ class Averaging:
         snapshots = [tf.Variable(v.read_value(), trainable=False,
                                  name="sync_groups_snapshot")
                      for v in variables]
+      # Tracked: restored now if a checkpoint was read before.
+      self.state.snapshots.extend(snapshots)
 
       def take_snapshots():
         for v, snapshot in zip(variables, snapshots):

@@ -11,9 +11,12 @@ did not average (or left an overlapped exchange in flight), so `evaluate`,
 
 A `BackupAndRestore` backup, taken between rounds, holds one value per
 weight (its `.weights.h5` file); beside it a `tf.train.Checkpoint` of the
-model and its optimizer, `GROUP_STATE`, holds every group's
+model, its optimizer and the rounds' state (`strategy.sync_groups_state`:
+the outer optimizer's, the weights at the last round, an overlapped
+exchange in flight), `GROUP_STATE`, holds every group's
 (`replicator_strategy.variables.SyncGroupVariable`), and a resume reads it
-after Keras's load, so every group goes on from its own weights.
+after Keras's load, so every group goes on from its own weights and the
+rounds as they would have.
 
 >>> import keras
 >>> import numpy as np
@@ -115,8 +118,10 @@ def last_round(fit):
 
 
 def _group_state(model):
-  """A checkpoint of `model` and its optimizer: every group's values."""
-  parts = {"model": model}
+  """A checkpoint of `model`, its optimizer and the rounds' state: every
+  group's values."""
+  parts = {"model": model,
+           "sync_groups": model.distribute_strategy.sync_groups_state}
   if model.optimizer is not None:
     parts["optimizer"] = model.optimizer
   return tf.train.Checkpoint(**parts)

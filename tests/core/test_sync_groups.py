@@ -234,7 +234,7 @@ class AveragingTest(unittest.TestCase):
     after = kernels(strategy, model)
     for part in after[1:]:
       np.testing.assert_array_equal(part, after[0])
-    self.assertEqual(len(strategy.averaging.anchors), 4)
+    self.assertEqual(len(strategy.sync_groups_state.anchors), 4)
 
   @pytest.mark.slow
   def test_batch_norm_statistics_are_averaged(self):
