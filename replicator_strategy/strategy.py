@@ -252,7 +252,7 @@ class ReplicatorStrategy(tf.distribute.Strategy):
     are the first round's `old`), then after each step. With
     `overlap_averaging`, a round applies the previous round's exchange and
     starts its own; `average_sync_groups` then ends with one model."""
-    step = int(step)
+    step = int(tf.convert_to_tensor(step))  # Also a (Keras) variable.
     self.averaging.start(trainable_variables)
     if not (self.num_sync_groups > 1 and
             self.averaging.rounds_due(step - 1, step) and step > 0):

@@ -149,8 +149,10 @@ class SyncGroupsState(tf.Module):
   iterations), the trainable weights' values at the last round (`anchors`,
   with an outer optimizer) and, with overlap, the snapshots of the round in
   flight (`snapshots`) and whether it is (`exchange`). Anchors, snapshots
-  and the outer optimizer's slots are made at the first step (or round);
-  restored before that, TF restores them when they are made.
+  and the outer optimizer's slots are made before the first step
+  (`strategy.sync_groups_step(0, trainable_variables)`, or Keras's `fit`);
+  a checkpoint read before that is restored into them as they are made,
+  so its files must stay until then.
 
   >>> import keras
   >>> import replicator_strategy as rs
@@ -219,11 +221,17 @@ class Averaging:
     self.bytes_averaged = 0
 
   def start(self, trainable):
-    """Keeps the `trainable` weights' values now as the last round's (with an
-    outer optimizer; the groups must agree: before training, or after a round)
-    and builds the outer optimizer. Once per variable."""
-    if self.outer_optimizer is None:
-      return
+    """Makes the rounds' state for the `trainable` weights, once per
+    variable: with an outer optimizer, their anchors (their values now: the
+    groups must agree, before training or after a round) and its slots;
+    with overlap, their snapshots. Made after a checkpoint was read, TF
+    restores them as they are made."""
+    if self.outer_optimizer is not None:
+      self._start_anchors(trainable)
+    if self.overlap and self._strategy.num_sync_groups > 1:
+      self._overlapped_functions(list(trainable))
+
+  def _start_anchors(self, trainable):
     new = [v for v in trainable if id(v) not in self._anchors]
     if not new:
       return
@@ -232,7 +240,6 @@ class Averaging:
         self._anchors[id(v)] = tf.Variable(
             _tf_variable(v).read_value(), trainable=False,
             name="sync_groups_anchor")
-        # Tracked: restored now if a checkpoint was read before.
         self.state.anchors.append(self._anchors[id(v)])
       if not self.outer_optimizer.built:
         self.outer_optimizer.build(list(trainable))
@@ -349,7 +356,6 @@ class Averaging:
         snapshots = [tf.Variable(v.read_value(), trainable=False,
                                  name="sync_groups_snapshot")
                      for v in variables]
-      # Tracked: restored now if a checkpoint was read before.
       self.state.snapshots.extend(snapshots)
 
       def take_snapshots():

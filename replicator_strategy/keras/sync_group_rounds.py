@@ -150,6 +150,9 @@ def group_state_from_backup(on_train_begin):
     on_train_begin(self, logs)
     path = os.path.join(self.backup_dir, GROUP_STATE)
     if _grouped(self.model) and tf.io.gfile.exists(path + ".index"):
+      # Made first, so the read fills them now (the backup goes at the end).
+      self.model.distribute_strategy.averaging.start(
+          self.model.trainable_weights)
       _group_state(self.model).read(path).assert_existing_objects_matched()
 
   return wrapper

@@ -56,6 +56,11 @@ def fit(strategy, epochs=2, callbacks=(), optimizer=None,
   return model, history.history["loss"]
 
 
+def nesterov():
+  """DiLoCo's outer optimizer."""
+  return keras.optimizers.SGD(0.7, momentum=0.9, nesterov=True)
+
+
 @functools.cache
 def synchronous_fit():
   model, losses = fit(topology.strategy_over(4))
@@ -338,6 +343,65 @@ class CheckpointTest(unittest.TestCase):
                        saved["kernels"])
     self.assertEqual(int(model.optimizer.iterations.numpy()), 3)
 
+  @pytest.mark.slow  # Trains three times.
+  def test_a_custom_loop_restored_between_rounds_goes_on_exactly(self):
+    # DiLoCo's outer step, overlapped: saved after step 4, round 3's
+    # exchange in flight. Read before the anchors, snapshots and outer slots
+    # exist (sync_groups_step(0, ...) makes them), which TF restores as
+    # they are made.
+    def make():
+      strategy = topology.strategy_over(
+          4, sync_groups=2, average_every=3, outer_optimizer=nesterov(),
+          overlap_averaging=True)
+      with strategy.scope():
+        model = models.small_mlp()
+        model.set_weights(models.initial_weights())
+        optimizer = keras.optimizers.SGD(0.1)
+      checkpoint = tf.train.Checkpoint(
+          model=model, optimizer=optimizer,
+          sync_groups=strategy.sync_groups_state)
+      return strategy, model, optimizer, checkpoint
+
+    def train(strategy, model, optimizer, until):
+      x, y = (tf.constant(a) for a in data())
+      rows = GLOBAL_BATCH // 4
+
+      def replica_step():
+        ctx = tf.distribute.get_replica_context()
+        start = (tf.cast(optimizer.iterations % (ROWS // GLOBAL_BATCH),
+                         tf.int32) * GLOBAL_BATCH +
+                 ctx.replica_id_in_sync_group * rows)
+        with tf.GradientTape() as tape:
+          loss = tf.reduce_mean(tf.square(
+              model(x[start:start + rows]) - y[start:start + rows]))
+        optimizer.apply_gradients(zip(
+            tape.gradient(loss, model.trainable_variables),
+            model.trainable_variables))
+
+      step = tf.function(lambda: strategy.run(replica_step))
+      strategy.sync_groups_step(0, model.trainable_variables)
+      while int(optimizer.iterations.numpy()) < until:
+        step()
+        strategy.sync_groups_step(optimizer.iterations,
+                                  model.trainable_variables)
+
+    strategy, uninterrupted, optimizer, _ = make()
+    train(strategy, uninterrupted, optimizer, until=8)
+    strategy.average_sync_groups(uninterrupted.trainable_variables)
+
+    strategy, model, optimizer, checkpoint = make()
+    train(strategy, model, optimizer, until=4)
+    self.assertTrue(strategy.sync_groups_state.exchange.in_flight)
+    with tempfile.TemporaryDirectory() as directory:
+      path = checkpoint.write(os.path.join(directory, "ckpt"))
+      strategy, resumed, optimizer, checkpoint = make()
+      checkpoint.read(path).assert_existing_objects_matched()
+      self.assertEqual(list(strategy.sync_groups_state.anchors), [])
+      train(strategy, resumed, optimizer, until=8)
+    strategy.average_sync_groups(resumed.trainable_variables)
+    for got, want in zip(resumed.get_weights(), uninterrupted.get_weights()):
+      np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL)
+
   @pytest.mark.slow
   def test_a_checkpoint_of_one_group_loads_into_every_group(self):
     one = compiled_model(topology.strategy_over(4))
@@ -350,11 +414,6 @@ class CheckpointTest(unittest.TestCase):
       tf.train.Checkpoint(model=grouped).restore(path).assert_consumed()
     assert_per_replica(self, strategy, grouped.layers[0].kernel.value,
                        [models.initial_weights()[0]] * 4)
-
-
-def nesterov():
-  """DiLoCo's outer optimizer."""
-  return keras.optimizers.SGD(0.7, momentum=0.9, nesterov=True)
 
 
 @pytest.mark.slow  # Each test fits three times.
