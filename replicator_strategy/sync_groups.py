@@ -169,7 +169,13 @@ class SyncGroupsState(tf.Module):
   ...               verbose=0)  # 6 steps: a round after step 4, and fit's last
   >>> len(strategy.sync_groups_state.anchors)  # The kernel's and the bias's
   2
-  >>> int(strategy.sync_groups_state.outer_optimizer.iterations.numpy())
+  >>> outer = strategy.sync_groups_state.outer_optimizer
+  >>> int(outer.iterations.numpy())  # Two outer steps, with their momentum
+  2
+  >>> path = checkpoint.write("diloco_checkpoint")
+  >>> _ = outer.iterations.assign(0)
+  >>> checkpoint.read(path).assert_existing_objects_matched() and None
+  >>> int(outer.iterations.numpy())
   2
   """
 

@@ -3,8 +3,10 @@
 TF's `MirroredVariable` (on-write, every aggregation) and `SyncOnReadVariable`
 (on-read, e.g. Keras metrics) carry checkpointing, SavedModel export and
 Keras integration, so they are reused; this module decides where the
-components live and what each starts from, and what a SUM on-read variable
-saves and loads (`ReplicaSum`: every replica's copy besides their sum).
+components live and what each starts from, and what a variable whose
+replicas hold different copies saves and loads (`SavedCopies`: a SUM on-read
+variable's every copy besides their sum, `ReplicaSum`; each sync group's
+value, `SyncGroupVariable`).
 
 >>> from replicator_strategy import ReplicatorStrategy
 >>> strategy = ReplicatorStrategy()
@@ -75,15 +77,74 @@ class SyncOnReadVariable(tfi.values.SyncOnReadVariable):
       return self.read_value()
 
 
-# The checkpoint attribute, beside TF's VARIABLE_VALUE, holding every replica's
-# copy of a `ReplicaSum`.
-REPLICA_VALUES_KEY = "REPLICA_VALUES"
+class SavedCopies:
+  """A distributed variable whose saves keep a copy per replica or per group.
+
+  TF saves one value of a distributed variable. A subclass saves, beside it
+  (what TF and one device load), the copies its replicas hold (one per
+  `replicas_per_copy` replicas, in global replica order) under
+  `COPIES_KEY`; a load on as many replicas (and groups) gives every replica
+  its own copy back, and otherwise assigns the one value.
+  """
+
+  COPIES_KEY = None  # The checkpoint attribute holding the copies.
+  replicas_per_copy = 1
+
+  def saved_copies(self):
+    """The copies, of every worker, stacked in global replica order."""
+    strategy = self.distribute_strategy
+    with tfi.distribute_lib.enter_or_assert_strategy(strategy):
+      own = []
+      for component in self.values:
+        with tf.device(component.device):
+          own.append(tf.expand_dims(component.read_value(), 0))
+      every_replica = strategy.gather(tfi.values.PerReplica(own), axis=0)
+      return every_replica[::self.replicas_per_copy]
+
+  def restores_copies(self, stacked):
+    """Whether `stacked` (a `saved_copies()`) has a copy for each copy here:
+    saved on as many replicas (and groups)."""
+    extended = self.distribute_strategy.extended
+    return (stacked.shape[0] * self.replicas_per_copy ==
+            extended.num_replicas_in_all_groups)
+
+  def assign_copies(self, stacked):
+    """Gives each replica its copy from `saved_copies()` that
+    `restores_copies`."""
+    first = self.distribute_strategy.extended.first_replica_id
+    updates = []
+    for i, component in enumerate(self.values):
+      with tf.device(component.device):
+        updates.append(component.assign(
+            tf.cast(stacked[(first + i) // self.replicas_per_copy],
+                    self.dtype), read_value=False))
+    return tf.group(updates)
+
+  def _serialize_to_tensors(self):
+    tensors = {tfi.VARIABLE_VALUE_KEY: self.read_value()}
+    if tfi.values_util.is_saving_non_distributed():
+      return tensors
+    restoring = tfi.attributes_being_restored()
+    # A checkpoint saved with no strategy (or before the copies were saved)
+    # has only the value: then TF must not be asked for the others.
+    if restoring is None or self.COPIES_KEY in restoring:
+      tensors[self.COPIES_KEY] = self.saved_copies()
+    return tensors
+
+  def _restore_from_tensors(self, restored_tensors):
+    stacked = restored_tensors.get(self.COPIES_KEY)
+    if stacked is not None and self.restores_copies(stacked):
+      return self.assign_copies(stacked)
+    return self.assign(restored_tensors[tfi.VARIABLE_VALUE_KEY],
+                       read_value=False)
+
+
 # `tf.Variable` argument, read by the strategy's variable creator: the variable
 # is a `ReplicaSum` (Keras does not pass it on, so a creator scope adds it).
 REPLICA_SUM = "replica_sum"
 
 
-class ReplicaSum(SyncOnReadVariable):
+class ReplicaSum(SavedCopies, SyncOnReadVariable):
   """A SUM on-read variable whose saves keep every replica's copy.
 
   Reads, and saves where TF and Keras look, as the sum of every replica's
@@ -94,57 +155,10 @@ class ReplicaSum(SyncOnReadVariable):
   the first replica and zeros to the others.
   """
 
-  def replica_values(self):
-    """Every replica's copy, of every worker, stacked in global replica order."""
-    strategy = self.distribute_strategy
-    with tfi.distribute_lib.enter_or_assert_strategy(strategy):
-      own = []
-      for component in self.values:
-        with tf.device(component.device):
-          own.append(tf.expand_dims(component.read_value(), 0))
-      return strategy.gather(tfi.values.PerReplica(own), axis=0)
-
-  def saved_on_as_many_replicas(self, stacked):
-    """Whether `stacked` (a `replica_values()`) has a copy for each replica."""
-    extended = self.distribute_strategy.extended
-    return stacked.shape[0] == extended.num_replicas_in_all_groups
-
-  def assign_replica_values(self, stacked):
-    """Gives each replica its copy from `replica_values()` saved on as many
-    replicas (`saved_on_as_many_replicas`)."""
-    first = self.distribute_strategy.extended.first_replica_id
-    updates = []
-    for i, component in enumerate(self.values):
-      with tf.device(component.device):
-        updates.append(component.assign(
-            tf.cast(stacked[first + i], self.dtype), read_value=False))
-    return tf.group(updates)
-
-  def _serialize_to_tensors(self):
-    if tfi.values_util.is_saving_non_distributed():
-      return super()._serialize_to_tensors()
-    tensors = {tfi.VARIABLE_VALUE_KEY: self.read_value()}
-    restoring = tfi.attributes_being_restored()
-    # A checkpoint saved with no strategy (or before replica values were
-    # saved) has only the value: then TF must not be asked for the others.
-    if restoring is None or REPLICA_VALUES_KEY in restoring:
-      tensors[REPLICA_VALUES_KEY] = self.replica_values()
-    return tensors
-
-  def _restore_from_tensors(self, restored_tensors):
-    stacked = restored_tensors.get(REPLICA_VALUES_KEY)
-    if stacked is not None and self.saved_on_as_many_replicas(stacked):
-      return self.assign_replica_values(stacked)
-    return self.assign(restored_tensors[tfi.VARIABLE_VALUE_KEY],
-                       read_value=False)
+  COPIES_KEY = "REPLICA_VALUES"
 
 
-# The checkpoint attribute, beside TF's VARIABLE_VALUE, holding each sync
-# group's value of a `SyncGroupVariable`.
-GROUP_VALUES_KEY = "SYNC_GROUP_VALUES"
-
-
-class SyncGroupVariable(MirroredVariable):
+class SyncGroupVariable(SavedCopies, MirroredVariable):
   """A MirroredVariable under sync groups, whose saves keep every group's value.
 
   Between averaging rounds each sync group holds its own value (its
@@ -155,47 +169,11 @@ class SyncGroupVariable(MirroredVariable):
   groups, every replica loads the first group's value.
   """
 
-  def group_values(self):
-    """Each sync group's value, of every worker, stacked in group order."""
-    strategy = self.distribute_strategy
-    with tfi.distribute_lib.enter_or_assert_strategy(strategy):
-      own = []
-      for component in self.values:
-        with tf.device(component.device):
-          own.append(tf.expand_dims(component.read_value(), 0))
-      every_replica = strategy.gather(tfi.values.PerReplica(own), axis=0)
-      return every_replica[::strategy.num_replicas_in_sync]
+  COPIES_KEY = "SYNC_GROUP_VALUES"
 
-  def assign_group_values(self, stacked):
-    """Gives each replica its group's value from `group_values()`."""
-    strategy = self.distribute_strategy
-    first = strategy.extended.first_replica_id
-    n = strategy.num_replicas_in_sync
-    updates = []
-    for i, component in enumerate(self.values):
-      with tf.device(component.device):
-        updates.append(component.assign(
-            tf.cast(stacked[(first + i) // n], self.dtype), read_value=False))
-    return tf.group(updates)
-
-  def _serialize_to_tensors(self):
-    tensors = {tfi.VARIABLE_VALUE_KEY: self.read_value()}
-    if tfi.values_util.is_saving_non_distributed():
-      return tensors
-    restoring = tfi.attributes_being_restored()
-    # A checkpoint saved with one group (or with no strategy) has only the
-    # value: then TF must not be asked for the others.
-    if restoring is None or GROUP_VALUES_KEY in restoring:
-      tensors[GROUP_VALUES_KEY] = self.group_values()
-    return tensors
-
-  def _restore_from_tensors(self, restored_tensors):
-    stacked = restored_tensors.get(GROUP_VALUES_KEY)
-    if (stacked is not None and
-        stacked.shape[0] == self.distribute_strategy.num_sync_groups):
-      return self.assign_group_values(stacked)
-    return self.assign(restored_tensors[tfi.VARIABLE_VALUE_KEY],
-                       read_value=False)
+  @property
+  def replicas_per_copy(self):
+    return self.distribute_strategy.num_replicas_in_sync
 
 
 _CLASS_MAPPING = {

@@ -94,7 +94,7 @@ def save_replica_values(save_own_variables):
     store.make(_entry(path))
     # Every worker gathers (a collective), in the same order.
     for key, variable in sums:
-      store[key] = variable.replica_values()
+      store[key] = variable.saved_copies()
 
   return wrapper
 
@@ -114,7 +114,7 @@ def load_replica_values(load_own_variables):
     store.get(_entry(path))
     for key, variable in sums:
       # On another number of replicas, Keras's load of the sum stands.
-      if key in store and variable.saved_on_as_many_replicas(store[key]):
-        variable.assign_replica_values(store[key])
+      if key in store and variable.restores_copies(store[key]):
+        variable.assign_copies(store[key])
 
   return wrapper
