@@ -66,10 +66,10 @@ def add_arguments(parser):
   parser.add_argument("--actor-learning-rate", type=float, default=1e-4,
                       help="Adam's learning rate for the actor "
                       "(default: 1e-4)")
-  parser.add_argument("--saturation-penalty", type=float, default=0.01,
+  parser.add_argument("--saturation-penalty", type=float, default=1e-3,
                       help="weight of the squared pre-tanh action in the "
                       "actor's loss, which pulls a saturated actor back "
-                      "(default: 0.01)")
+                      "(default: 0.001)")
   parser.add_argument("--target-update-rate", type=float, default=0.005,
                       help="how far target networks move toward the online "
                       "ones per update (default: 0.005)")
