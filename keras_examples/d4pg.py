@@ -4,12 +4,15 @@ buffer, a replicated learner.
 The paper's third workload: Distributed Distributional DDPG (Barth-Maron et
 al., 2018). A deterministic actor and a distributional critic (a categorical
 distribution over a fixed support of returns, trained on the projected
-n-step Bellman target); target networks that trail the online ones. Actors
-play episodes with exploration noise, evaluating the policy with a NumPy
-forward pass (no TensorFlow call per environment step), and fill a replay
-buffer with n-step transitions. The learner samples a batch per replica and
-updates both networks with `strategy.run`, several updates per `tf.function`
-call. The result is the average return of the noise-free policy.
+n-step Bellman target); target networks that trail the online ones; a
+small penalty on the actor's pre-tanh output, without which it saturates
+(a bang-bang policy that stops learning). Actors play episodes with
+exploration noise, evaluating the policy with a NumPy forward pass (no
+TensorFlow call per environment step), and fill a replay buffer with n-step
+transitions. The learner draws a global batch, each replica takes its
+slice, and updates both networks with `strategy.run`, several updates per
+`tf.function` call. The result is the average return of the noise-free
+policy.
 
 `--env` picks the environment: Gymnasium's Pendulum-v1 (200 steps an
 episode; random play scores about -1200, a good policy about -150) or a
@@ -93,8 +96,7 @@ def torso(inputs, width):
   """Acme's layer-norm torso: Dense, LayerNorm, tanh, then two elu layers.
 
   The normalized first layer keeps the features bounded however large the
-  observations (a pole's angular velocity reaches 20), which keeps the
-  actor's tanh out of saturation.
+  observations (a pole's angular velocity reaches 20).
   """
   h = keras.layers.Dense(width)(inputs)
   h = keras.layers.LayerNormalization()(h)
