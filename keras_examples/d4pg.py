@@ -4,12 +4,15 @@ buffer, a replicated learner.
 The paper's third workload: Distributed Distributional DDPG (Barth-Maron et
 al., 2018). A deterministic actor and a distributional critic (a categorical
 distribution over a fixed support of returns, trained on the projected
-n-step Bellman target); target networks that trail the online ones. Actors
-play episodes with exploration noise, evaluating the policy with a NumPy
-forward pass (no TensorFlow call per environment step), and fill a replay
-buffer with n-step transitions. The learner samples a batch per replica and
-updates both networks with `strategy.run`, several updates per `tf.function`
-call. The result is the average return of the noise-free policy.
+n-step Bellman target); target networks that trail the online ones; a
+small penalty on the actor's pre-tanh output, without which it saturates
+(a bang-bang policy that stops learning). Actors play episodes with
+exploration noise, evaluating the policy with a NumPy forward pass (no
+TensorFlow call per environment step), and fill a replay buffer with n-step
+transitions. The learner draws a global batch, each replica takes its
+slice, and updates both networks with `strategy.run`, several updates per
+`tf.function` call. The result is the average return of the noise-free
+policy.
 
 `--env` picks the environment: Gymnasium's Pendulum-v1 (200 steps an
 episode; random play scores about -1200, a good policy about -150) or a
@@ -57,15 +60,19 @@ def add_arguments(parser):
   parser.add_argument("--discount", type=float, default=0.99,
                       help="per-step discount of future rewards "
                       "(default: 0.99)")
-  parser.add_argument("--noise", type=float, default=0.2,
+  parser.add_argument("--noise", type=float, default=0.3,
                       help="exploration noise's standard deviation, in "
-                      "units of the largest action (default: 0.2)")
+                      "units of the largest action (default: 0.3)")
   parser.add_argument("--critic-learning-rate", type=float, default=1e-3,
                       help="Adam's learning rate for the critic "
                       "(default: 1e-3)")
   parser.add_argument("--actor-learning-rate", type=float, default=1e-4,
                       help="Adam's learning rate for the actor "
                       "(default: 1e-4)")
+  parser.add_argument("--saturation-penalty", type=float, default=1e-3,
+                      help="weight of the squared pre-tanh action in the "
+                      "actor's loss, which pulls a saturated actor back "
+                      "(default: 0.001)")
   parser.add_argument("--target-update-rate", type=float, default=0.005,
                       help="how far target networks move toward the online "
                       "ones per update (default: 0.005)")
@@ -85,25 +92,72 @@ import numpy as np
 import tensorflow as tf
 
 
+def torso(inputs, width):
+  """Acme's layer-norm torso: Dense, LayerNorm, tanh, then two elu layers.
+
+  The normalized first layer keeps the features bounded however large the
+  observations (a pole's angular velocity reaches 20).
+  """
+  h = keras.layers.Dense(width)(inputs)
+  h = keras.layers.LayerNormalization()(h)
+  h = keras.layers.Activation("tanh")(h)
+  h = keras.layers.Dense(width, activation="elu")(h)
+  return keras.layers.Dense(width, activation="elu")(h)
+
+
 def build_actor(obs_dim, action_dim):
-  """Observation -> action in [-1, 1] (scaled to the action bounds)."""
-  return keras.Sequential([
-      keras.Input((obs_dim,)),
-      keras.layers.Dense(256, activation="relu"),
-      keras.layers.Dense(256, activation="relu"),
-      keras.layers.Dense(action_dim, activation="tanh"),
-  ], name="actor")
+  """Observation -> action in [-1, 1] (scaled to the action bounds).
+
+  The last layer starts near zero (Acme's D4PG), so the first actions are
+  small and the critic's gradient moves them from there.
+  """
+  obs = keras.Input((obs_dim,))
+  pre_tanh = keras.layers.Dense(
+      action_dim, kernel_initializer=keras.initializers.VarianceScaling(1e-4))(
+          torso(obs, 256))
+  return keras.Model(obs, keras.layers.Activation("tanh")(pre_tanh),
+                     name="actor")
 
 
 def build_critic(obs_dim, action_dim):
   """(observation, action) -> logits of the return's distribution."""
   obs = keras.Input((obs_dim,))
   action = keras.Input((action_dim,))
-  h = keras.layers.Concatenate()([obs, action])
-  h = keras.layers.Dense(256, activation="relu")(h)
-  h = keras.layers.Dense(256, activation="relu")(h)
+  h = torso(keras.layers.Concatenate()([obs, action]), 256)
   return keras.Model([obs, action], keras.layers.Dense(NUM_ATOMS)(h),
                      name="critic")
+
+
+def numpy_policy(actor):
+  """The actor as a NumPy function of a batch of observations.
+
+  Actors step their environments with it: no TensorFlow call per step.
+  """
+  activations = {"tanh": np.tanh, "linear": lambda x: x,
+                 "elu": lambda x: np.where(x > 0, x, np.expm1(x))}
+  steps = []
+  for layer in actor.layers:
+    if isinstance(layer, keras.layers.Dense):
+      kernel, bias = np.asarray(layer.kernel), np.asarray(layer.bias)
+      steps.append(lambda h, k=kernel, b=bias: h @ k + b)
+      steps.append(activations[keras.activations.serialize(
+          layer.activation)])
+    elif isinstance(layer, keras.layers.LayerNormalization):
+      gamma, beta = np.asarray(layer.gamma), np.asarray(layer.beta)
+      steps.append(lambda h, g=gamma, b=beta, e=layer.epsilon: (
+          h - h.mean(-1, keepdims=True)) / np.sqrt(
+              h.var(-1, keepdims=True) + e) * g + b)
+    elif isinstance(layer, keras.layers.Activation):
+      steps.append(activations[keras.activations.serialize(
+          layer.activation)])
+
+  def policy(observations):
+    h = observations
+    for step in steps:
+      h = step(h)
+    return h
+
+  return policy
 
 
 def project(target_atoms, probabilities, atoms):
@@ -252,19 +306,16 @@ class Actors:
 
   def play(self, actor, noise):
     """One episode on every environment; returns the arrays and returns."""
-    layers = [(np.asarray(layer.kernel), np.asarray(layer.bias))
-              for layer in actor.layers]
+    policy = numpy_policy(actor)
     obs = np.stack([env.reset(self.seed + i)
                     for i, env in enumerate(self.envs)])
     self.seed += len(self.envs)
     observations, actions, rewards = [obs], [], []
     done = False
     while not done:
-      h = obs
-      for i, (kernel, bias) in enumerate(layers):
-        h = h @ kernel + bias
-        h = np.tanh(h) if i == len(layers) - 1 else np.maximum(h, 0.0)
-      action = np.clip(h + noise * self.rng.standard_normal(h.shape), -1, 1)
+      mean = policy(obs)
+      action = np.clip(
+          mean + noise * self.rng.standard_normal(mean.shape), -1, 1)
       steps = [env.step(a) for env, a in zip(self.envs, action)]
       obs = np.stack([s[0] for s in steps])
       observations.append(obs)
@@ -290,6 +341,9 @@ class Learner:
       self.actor_optimizer = keras.optimizers.Adam(args.actor_learning_rate)
       self.critic_optimizer = keras.optimizers.Adam(
           args.critic_learning_rate)
+    # The actor up to its tanh, with the same weights.
+    self.actor_pre_tanh = keras.Model(self.actor.inputs,
+                                      self.actor.layers[-1].input)
     self.target_actor.set_weights(self.actor.get_weights())
     self.target_critic.set_weights(self.critic.get_weights())
     self.atoms = tf.constant(np.linspace(*support, NUM_ATOMS), tf.float32)
@@ -309,9 +363,12 @@ class Learner:
         zip(tape.gradient(critic_loss, weights), weights))
 
     with tf.GradientTape() as tape:
-      probabilities = tf.nn.softmax(self.critic([obs, self.actor(obs)]))
+      pre_tanh = self.actor_pre_tanh(obs)
+      probabilities = tf.nn.softmax(self.critic([obs, tf.tanh(pre_tanh)]))
       values = tf.reduce_sum(probabilities * self.atoms, axis=-1)
-      actor_loss = tf.nn.compute_average_loss(-values)
+      actor_loss = tf.nn.compute_average_loss(
+          -values + self.args.saturation_penalty * tf.reduce_sum(
+              tf.square(pre_tanh), axis=-1))
     weights = self.actor.trainable_weights
     self.actor_optimizer.apply_gradients(
         zip(tape.gradient(actor_loss, weights), weights))
@@ -336,16 +393,23 @@ class Learner:
             value_sum / self.args.updates_per_call)
 
   def sample_batches(self, buffer):
-    """Each replica's [updates_per_call, batch / replicas, ...] samples."""
+    """Each replica's [updates_per_call, batch / replicas, ...] samples.
+
+    The global batch is drawn once and each replica takes its slice, so
+    every update sees the same transitions whatever the replica count.
+    """
     per_replica = self.args.global_batch_size // (
         self.strategy.num_replicas_in_sync)
+    batches = buffer.sample(self.args.updates_per_call,
+                            self.args.global_batch_size)
 
-    def sample(context):
-      del context
-      return tuple(tf.constant(t) for t in buffer.sample(
-          self.args.updates_per_call, per_replica))
+    def replica_slice(context):
+      start = context.replica_id_in_sync_group * per_replica
+      return tuple(tf.constant(t[:, start:start + per_replica])
+                   for t in batches)
 
-    return self.strategy.experimental_distribute_values_from_function(sample)
+    return self.strategy.experimental_distribute_values_from_function(
+        replica_slice)
 
 
 def evaluate(actors, actor, episodes):

@@ -22,6 +22,7 @@ from parameterized import parameterized
 import pytest
 
 import default_output
+import topology
 
 EXAMPLES = pathlib.Path(__file__).resolve().parents[2] / "keras_examples"
 TOPOLOGY_2_REPLICAS = r"ReplicatorStrategy\(2 replicas: .*CPU:0.*CPU:1"
@@ -79,6 +80,43 @@ class ControlSuiteTaskTest(unittest.TestCase):
     with self.assertRaisesRegex(
         ValueError, r"Received: --env cartpole-upside.*cartpole-swingup"):
       d4pg_module().ControlSuiteTask("cartpole-upside")
+
+
+class D4pgLearnerTest(unittest.TestCase):
+  """d4pg.py's actors and learner: the NumPy policy, the replicas' batches."""
+
+  def learner(self, num_replicas):
+    d4pg = d4pg_module()
+    import harness  # pylint: disable=g-import-not-at-top
+    args = harness.parse_args(d4pg.__doc__, d4pg.add_arguments,
+                              ["--updates-per-call", "3",
+                               "--global-batch-size", "8"])
+    return d4pg.Learner(topology.strategy_over(num_replicas), 5, 1,
+                        (0.0, 100.0), args)
+
+  def test_the_numpy_policy_is_the_actor(self):
+    actor = self.learner(1).actor
+    observations = np.random.default_rng(0).normal(
+        0, 5, (16, 5)).astype("float32")
+    np.testing.assert_allclose(
+        d4pg_module().numpy_policy(actor)(observations),
+        actor(observations), rtol=1e-5, atol=1e-7)
+
+  def test_every_replica_count_trains_on_the_same_global_batch(self):
+    def global_batch(num_replicas):
+      buffer = d4pg_module().ReplayBuffer(100, seed=0)
+      buffer.add(tuple(np.arange(50 * width, dtype="float32").reshape(
+          50, width) for width in (5, 1, 1, 1, 5)))
+      learner = self.learner(num_replicas)
+      replicas = learner.strategy.experimental_local_results(
+          learner.sample_batches(buffer))
+      return [np.concatenate([r[field] for r in replicas], axis=1)
+              for field in range(5)]
+
+    one, four = global_batch(1), global_batch(4)
+    self.assertEqual(one[0].shape, (3, 8, 5))
+    for field_one, field_four in zip(one, four):
+      np.testing.assert_array_equal(field_one, field_four)
 
 
 class ExamplesTest(unittest.TestCase):
