@@ -303,11 +303,16 @@ def reference_loop(optimizer_name):
   return losses, model.get_weights()
 
 
-_IN_COND_CASES = [(f"{n}_replicas_{name}_in_cond", n, name, True, True)
-                  for n in topology.REPLICA_COUNTS
-                  for name in ("momentum", "adam", "adam_clipnorm")] + [
-                      (f"4_replicas_{name}_in_cond", 4, name, True, True)
-                      for name in ("nadam", "ftrl")]
+# In a tf.cond: adam_clipnorm (adam's step, clipped) on every count, nadam
+# and ftrl on 4; momentum and adam alone (the same in-cond path as
+# adam_clipnorm, whose steps the merge cases check) only with the slow tests.
+_IN_COND_CASES = [(f"{n}_replicas_adam_clipnorm_in_cond", n, "adam_clipnorm",
+                   True, True) for n in topology.REPLICA_COUNTS] + [
+                       (f"4_replicas_{name}_in_cond", 4, name, True, True)
+                       for name in ("nadam", "ftrl")]
+_SLOW_IN_COND_CASES = [(f"{n}_replicas_{name}_in_cond", n, name, True, True)
+                       for n in topology.REPLICA_COUNTS
+                       for name in ("momentum", "adam")]
 
 
 class CustomLoopTest(unittest.TestCase):
@@ -316,6 +321,15 @@ class CustomLoopTest(unittest.TestCase):
                         _IN_COND_CASES)
   def test_apply_gradients_in_run_matches_one_device(
       self, _, n, optimizer_name, prebuilt, in_cond):
+    self.check_apply_gradients_in_run(n, optimizer_name, prebuilt, in_cond)
+
+  @parameterized.expand(_SLOW_IN_COND_CASES)
+  @pytest.mark.slow
+  def test_apply_gradients_in_a_cond_matches_one_device(
+      self, _, n, optimizer_name, prebuilt, in_cond):
+    self.check_apply_gradients_in_run(n, optimizer_name, prebuilt, in_cond)
+
+  def check_apply_gradients_in_run(self, n, optimizer_name, prebuilt, in_cond):
     """In a tf.cond no merge is possible: each replica steps its own shard."""
     strategy = sharding(n)
     with strategy.scope():
