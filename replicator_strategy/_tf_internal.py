@@ -19,8 +19,10 @@ private. Upgrading TF means re-checking this one file.
 """
 
 import collections
+import functools
 import os
 import sys
+import weakref
 
 import tensorflow as tf
 
@@ -63,6 +65,7 @@ from tensorflow.python.framework import composite_tensor
 from tensorflow.python.framework import composite_tensor_gradient
 from tensorflow.python.framework import func_graph
 from tensorflow.python.framework import kernels
+from tensorflow.python.framework import ops
 from tensorflow.python.ops import collective_ops
 from tensorflow.python.ops import control_flow_util_v2
 from tensorflow.python.ops import control_flow_v2_func_graphs
@@ -313,3 +316,77 @@ def attributes_being_restored():
       return {attribute.name for attribute in position.object_proto.attributes}
     frame = frame.f_back
   return None
+
+
+def custom_gradient(f):
+  """`tf.custom_gradient(f)`, its gradient function living as long as the
+  graph that can differentiate its op, not as long as the process.
+
+  In a graph, TF registers each custom gradient in its global gradient
+  registry for good, and with it all the gradient function holds (for a
+  collective: the replica context, hence the strategy). Here the registry
+  holds it weakly and the op's graph strongly: it goes, its registry entry
+  too, with the graph (a `tf.function` or Keras model dropped).
+
+  >>> @custom_gradient
+  ... def double_grad(x):
+  ...   return tf.identity(x), lambda dy: 2.0 * dy
+  >>> @tf.function
+  ... def slope(x):
+  ...   with tf.GradientTape() as tape:
+  ...     tape.watch(x)
+  ...     y = double_grad(x)
+  ...   return tape.gradient(y, x)
+  >>> float(slope(tf.constant(3.0)))
+  2.0
+  """
+  differentiable = tf.custom_gradient(f)
+
+  @functools.wraps(f)
+  def call(*args):
+    result = differentiable(*args)
+    if not tf.executing_eagerly():
+      _held_by_graph(tf.nest.flatten(result, expand_composites=True)[0].op)
+    return result
+
+  return call
+
+
+def owned_by(tf_object, name):
+  """The dict `name` of ours that `tf_object` (a graph, a `tf.function`)
+  holds, made empty on first ask: it goes with `tf_object`.
+
+  What it holds may refer back to `tf_object` (a graph's tensors, a
+  function's Python code): a global `weakref.WeakKeyDictionary` would keep
+  such values, and their keys, for good.
+
+  >>> graph = tf.Graph()
+  >>> owned_by(graph, "notes")["a"] = 1
+  >>> owned_by(graph, "notes")
+  {'a': 1}
+  """
+  attribute = f"_replicator_strategy_{name}"
+  owned = getattr(tf_object, attribute, None)
+  if owned is None:
+    owned = {}
+    setattr(tf_object, attribute, owned)
+  return owned
+
+
+def _held_by_graph(op):
+  """Moves the registry's hold on `op`'s custom gradient (named by the
+  `_gradient_op_type` attribute custom_gradient gave `op`) to `op.graph`."""
+  name = op.get_attr("_gradient_op_type").decode()
+  entry = ops._gradient_registry._registry[name]  # pylint: disable=protected-access
+  names = owned_by(op.graph, "custom_gradient_names")  # Strings only.
+  if not names:
+    weakref.finalize(op.graph, _unregister_gradients, names).atexit = False
+  names[name] = None
+  owned_by(op.graph, "custom_gradients")[name] = entry["type"]
+  function = weakref.ref(entry["type"])
+  entry["type"] = lambda op, *grads: function()(op, *grads)
+
+
+def _unregister_gradients(names):
+  for name in names:
+    ops._gradient_registry._registry.pop(name, None)  # pylint: disable=protected-access

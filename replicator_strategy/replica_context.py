@@ -424,7 +424,7 @@ class ReplicaContext(tfi.ThreadReplicaContext):
       # key counters for variables to differentiate.
       keys = self.collective_keys(keys_per_tensor * len(xs), collectives)
 
-    @tf.custom_gradient
+    @tfi.custom_gradient
     def exchange(*xs):
       if merging:
         # Cut from the other replicas' inputs, which a TF1 graph holds too:

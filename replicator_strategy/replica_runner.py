@@ -18,14 +18,11 @@ of unknown rows.
 """
 
 import contextlib
-import weakref
 
 import tensorflow as tf
 
 from replicator_strategy import _tf_internal as tfi
 from replicator_strategy import replica_context
-
-_lifted_functions = weakref.WeakKeyDictionary()
 
 
 def call_for_each_replica(strategy, fn, args, kwargs):
@@ -38,9 +35,10 @@ def call_for_each_replica(strategy, fn, args, kwargs):
   the collectives between them run as TensorFlow ops.
   """
   if isinstance(fn, tfi.def_function.Function):
-    per_strategy = _lifted_functions.setdefault(strategy,
-                                                weakref.WeakKeyDictionary())
-    lifted = per_strategy.get(fn)
+    # Held by `fn` (its code may hold `fn`: a Keras model's step), not by
+    # a global map, which would keep both for good.
+    per_strategy = tfi.owned_by(fn, "lifted_for_strategies")
+    lifted = per_strategy.get(strategy)
     if lifted is None:
       python_fn = fn.python_function
       scope = (tf.xla.experimental.jit_scope if tfi.asks_for_xla(fn)
@@ -51,7 +49,7 @@ def call_for_each_replica(strategy, fn, args, kwargs):
           return call_for_each_replica(strategy, python_fn, a, k)
 
       lifted = tfi.clone_function_without_xla(fn, replicated)
-      per_strategy[fn] = lifted
+      per_strategy[strategy] = lifted
     return lifted(*args, **kwargs)
   if not tf.executing_eagerly():
     fn = tfi.autograph.tf_convert(fn, tfi.ag_ctx.control_status_ctx())

@@ -9,8 +9,8 @@ from benchmarks.sections import custom
 from benchmarks.sections import embedding
 from benchmarks.sections import exchange
 from benchmarks.sections import first
-from benchmarks.sections import mapgather
 from benchmarks.sections import fit
+from benchmarks.sections import mapgather
 from benchmarks.sections import model_parallel
 from benchmarks.sections import multi
 from benchmarks.sections import overhead

@@ -4,8 +4,8 @@ Keras 3 has no hook for what ReplicatorStrategy must change (global logs,
 exact loss scaling, files written once across workers, saving on
 preemption), so the package wraps Keras functions while a ReplicatorStrategy
 lives: from the first one made until the last one is gone (a model compiled
-under one keeps it alive, and so does a traced step: TensorFlow keeps the
-gradient functions of traced collectives). A script that makes none, with
+under one keeps it alive, and so does a `tf.function` that traced a step
+with it, until they are dropped). A script that makes none, with
 MirroredStrategy say, runs Keras as shipped: no frame of ours in its
 tracebacks. Every wrapper is listed in `PATCHES`: what it wraps, why, and
 when it acts; each calls Keras's own code unchanged where it does not act.

@@ -27,11 +27,9 @@ array([[3., 3., 3., 3.],
        [3., 3., 3., 3.]], dtype=float32)
 """
 
-import weakref
-
 import tensorflow as tf
 
-_outputs_in_parts = weakref.WeakKeyDictionary()  # graph -> {ref: (parts, axis)}
+from replicator_strategy import _tf_internal as tfi
 
 
 def on_device(device, fn, *args):
@@ -41,7 +39,7 @@ def on_device(device, fn, *args):
   (dropout) is differentiated with the values it drew.
   """
 
-  @tf.custom_gradient
+  @tfi.custom_gradient
   def placed(*args):
     with tf.device(device), tf.GradientTape() as tape:
       tape.watch(args)
@@ -78,8 +76,7 @@ def assembled(parts, devices, axis):
   with tf.device(devices[0]):
     whole = tf.concat(parts, axis=axis)
   if not tf.executing_eagerly():
-    graph = tf.compat.v1.get_default_graph()
-    _outputs_in_parts.setdefault(graph, {})[whole.ref()] = (tuple(parts), axis)
+    _outputs_in_parts()[whole.ref()] = (tuple(parts), axis)
   return whole
 
 
@@ -87,12 +84,16 @@ def parts_of(tensor, k, axis):
   """The k parts `tensor` was assembled from along `axis`, or None."""
   if tf.executing_eagerly() or not isinstance(tensor, tf.Tensor):
     return None
-  recorded = _outputs_in_parts.get(tf.compat.v1.get_default_graph(), {})
-  parts, parts_axis = recorded.get(tensor.ref(), ((), None))
+  parts, parts_axis = _outputs_in_parts().get(tensor.ref(), ((), None))
   rank = tensor.shape.rank
   if len(parts) != k or rank is None or parts_axis % rank != axis % rank:
     return None
   return parts
+
+
+def _outputs_in_parts():
+  """The current graph's outputs in parts: {tensor ref: (parts, axis)}."""
+  return tfi.owned_by(tf.compat.v1.get_default_graph(), "outputs_in_parts")
 
 
 def split(tensor, k, axis, devices):

@@ -212,7 +212,7 @@ def gather_whole(ctx, layout, shard_value, shard):
   """
   wire = _wire(ctx)
 
-  @tf.custom_gradient
+  @tfi.custom_gradient
   def gather(padded):
     def grad(dy):
       return compression_lib.from_wire(ctx.reduce_scatter(
@@ -264,7 +264,7 @@ def _rows_to_their_replicas(ctx, picked):
   if wire is None:
     return ctx.reduce_scatter("sum", picked, axis=0)
 
-  @tf.custom_gradient
+  @tfi.custom_gradient
   def scatter(picked):
     def grad(dy):
       return compression_lib.from_wire(ctx.all_gather(

@@ -92,12 +92,28 @@ strategy = rs.ReplicatorStrategy(devices=["/cpu:0", "/cpu:1"])
 with strategy.scope():
   model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
   model.compile("sgd", "mse")
+model.fit(np.ones((8, 2)), np.ones((8, 1)), batch_size=4, verbose=0)
+
+@tf.function
+def custom_step(x):
+  def replica_step(x):
+    with tf.GradientTape() as tape:
+      loss = tf.reduce_sum(model(x))
+    grads = tape.gradient(loss, model.trainable_variables)
+    return tf.distribute.get_replica_context().all_reduce("sum", grads)
+  return strategy.run(replica_step, (x,))
+
+custom_step(tf.ones((4, 2)))
 seen["alive"] = rs.keras.installed()
 seen["alive_frames"] = our_frames_in_a_mirrored_strategy_error()
 del strategy
 gc.collect()
 seen["model_alive"] = rs.keras.installed()  # The model holds its strategy.
 del model
+gc.collect()
+# The traced step's collectives (their gradients) hold it.
+seen["function_alive"] = rs.keras.installed()
+del custom_step
 gc.collect()
 seen["none_alive"] = rs.keras.installed()
 seen["none_alive_frames"] = our_frames_in_a_mirrored_strategy_error()
@@ -117,6 +133,10 @@ class PatchLifetimeTest(unittest.TestCase):
     self.assertFalse(seen["loaded"])
     self.assertTrue(seen["alive"])
     self.assertTrue(seen["model_alive"])
+    self.assertTrue(seen["function_alive"])
+    # Trained with fit and a custom loop, the strategy is gone once the
+    # user drops it, its model and its function: TF's global registry of
+    # the collectives' gradients does not keep it.
     self.assertFalse(seen["none_alive"])
     # While a ReplicatorStrategy lives, the error passes through our
     # wrappers (inert for MirroredStrategy): the check sees them. Once none
