@@ -350,6 +350,7 @@ class OverlappedSyncGroupsTwoWorkersTest(SyncGroupsTwoWorkersTest):
   """The same with overlap_averaging=True: each round's exchange between the
   workers runs in a thread while the groups take the next steps."""
   OPTIONS = "@2_sync_groups+overlap"
+  LAUNCH = "sharded_variables"  # Beside the keras launch's, each stays short.
   # Steps 4, 8 and 12 start exchanges; the end of fit applies the last one
   # and averages at once.
   ROUNDS_IN_FIT = 4
