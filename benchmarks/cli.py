@@ -42,6 +42,9 @@ DESCRIPTION = ("ReplicatorStrategy vs MirroredStrategy vs no strategy, side "
 def main(argv=None):
   options = options_lib.parse(
       argv, DESCRIPTION, {name: s.measures for name, s in REGISTRY.items()})
+  if options.threads:  # Before TensorFlow's runtime starts.
+    tf.config.threading.set_intra_op_parallelism_threads(options.threads)
+    tf.config.threading.set_inter_op_parallelism_threads(options.threads)
   if not tf.config.list_physical_devices("GPU"):
     rs.split_cpu(options.devices)
   if options.child:
@@ -142,6 +145,8 @@ def machine(options):
   return {"python": platform.python_version(), "tensorflow": tf.__version__,
           "keras": keras.__version__, "cpus": os.cpu_count(),
           "devices": list(contenders.devices()), "quick": options.quick,
+          "worker threads": (options_lib.worker_threads()
+                             if options.share_cores else "default"),
           "platform": platform.platform()}
 
 

@@ -2,6 +2,7 @@
 
 import argparse
 import dataclasses
+import os
 
 SIZES = {  # name: (full run, --quick)
     "mlp_hidden": (512, 16),
@@ -55,6 +56,13 @@ class Options:
     sections: the names of the sections to run, in order.
     json: where to write the results too, or None.
     child: in a child process, what it runs ("section:spec"), else None.
+    share_cores: each of the 2 workers gets TensorFlow threads (intra- and
+      inter-op) for its share of the cores, half, as on a machine of its
+      own with half the cores; one process keeps TensorFlow's default, a
+      thread per core. Default False: every process sizes its thread pools
+      to every core.
+    threads: in a child process, the TensorFlow threads it sets (intra- and
+      inter-op), or None: TensorFlow's default.
     size: each of `SIZES` at the chosen scale.
   """
   quick: bool = False
@@ -62,17 +70,28 @@ class Options:
   sections: tuple[str, ...] = ()
   json: str | None = None
   child: str | None = None
+  share_cores: bool = False
+  threads: int | None = None
   size: dict = dataclasses.field(init=False)
 
   def __post_init__(self):
     object.__setattr__(self, "size",
                        {k: v[int(self.quick)] for k, v in SIZES.items()})
 
-  def child_flags(self, devices=None):
-    """The flags a child process needs to see the same run."""
+  def child_flags(self, devices=None, worker=False):
+    """The flags a child process (a `worker` of 2, or not) needs to see the
+    same run."""
+    threads = ["--threads", str(worker_threads())] if (
+        worker and self.share_cores) else []
     return (["--devices", str(devices or self.devices),
              "--sections", ",".join(self.sections)] +
-            (["--quick"] if self.quick else []))
+            (["--quick"] if self.quick else []) + threads)
+
+
+def worker_threads():
+  """With `share_cores`, each of 2 workers' TensorFlow threads: half the
+  cores."""
+  return max(1, os.cpu_count() // 2)
 
 
 def parse(argv, description, sections):
@@ -92,7 +111,14 @@ def parse(argv, description, sections):
   parser.add_argument("--sections", default=every,
                       help="comma-separated subset of the sections below "
                       "(default: all)")
+  parser.add_argument("--share-cores", action="store_true",
+                      help="sections on 2 workers: each worker gets "
+                      "TensorFlow threads for half the cores (as on a "
+                      "machine of its own), the one process all of them "
+                      "(default: every process sizes its thread pools to "
+                      "every core)")
   parser.add_argument("--child", help=argparse.SUPPRESS)
+  parser.add_argument("--threads", type=int, help=argparse.SUPPRESS)
   args = parser.parse_args(argv)
   chosen = tuple(args.sections.split(","))
   unknown = [name for name in chosen if name not in sections]
@@ -100,4 +126,5 @@ def parse(argv, description, sections):
     parser.error(f"Expected --sections from {every}. Received: "
                  f"--sections={args.sections} (unknown: {','.join(unknown)})")
   return Options(quick=args.quick, devices=args.devices, sections=chosen,
-                 json=args.json, child=args.child)
+                 json=args.json, child=args.child,
+                 share_cores=args.share_cores, threads=args.threads)

@@ -27,11 +27,11 @@ def _env():
   return {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
 
 
-def _command(options, kind, spec, devices=None):
+def _command(options, kind, spec, devices=None, worker=False):
   # -X faulthandler: a child that crashes in native code (a SIGSEGV) prints
   # every thread's Python stack to the stderr it shares with the parent.
   return ([sys.executable, "-X", "faulthandler", "-m", "benchmarks", "--child",
-           f"{kind}:{spec}"] + options.child_flags(devices))
+           f"{kind}:{spec}"] + options.child_flags(devices, worker))
 
 
 def child(options, kind, run, spec=""):
@@ -59,7 +59,7 @@ def on_two_workers(options, kind, spec=""):
     done = subprocess.run(
         [sys.executable, "-m", "replicator_strategy.cli.launch", "--workers",
          "2", "--timeout", "500", "--output", "all", "--"] +
-        _command(options, kind, spec, devices=2),
+        _command(options, kind, spec, devices=2, worker=True),
         stdout=subprocess.PIPE, text=True, timeout=560, check=True, cwd=out,
         env=_env())
   lines = [line.split("] ", 1)[1] for line in done.stdout.splitlines()

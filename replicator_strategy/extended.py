@@ -87,6 +87,14 @@ class ReplicatorExtended(tfi.StrategyExtendedV1):
     return self.communicator.num_replicas * self.communicator.num_sync_groups
 
   @property
+  def deals_worker_slices(self):
+    """Whether each worker reads every global batch and keeps its replicas'
+    parts, contiguous in global replica order (`global_batch_input`): with
+    sync groups across workers, so that a group trains on the rows it would
+    in one process. TF's input deals the parts round-robin over workers."""
+    return self.num_workers > 1 and self.num_sync_groups > 1
+
+  @property
   def first_replica_id(self):
     """The global replica id of this worker's first replica."""
     return self.communicator.first_replica_id
@@ -302,6 +310,12 @@ class ReplicatorExtended(tfi.StrategyExtendedV1):
     _reject_per_replica_mode(options, "experimental_distribute_dataset")
     if self.num_replicas_in_all_groups > 1:
       _reject_unbatched(dataset, self.num_replicas_in_all_groups)
+    if self.deals_worker_slices:
+      _reject_unsliceable(dataset, options)
+      return global_batch_input.GlobalBatchDataset(
+          dataset, self._devices, self.host_device,
+          worker_slice=(self.first_replica_id,
+                        self.num_replicas_in_all_groups))
     self.communicator.check_dataset(dataset)
     if self.num_workers == 1 and global_batch_input.splits_on_host(
         dataset, self._devices, options):
@@ -409,6 +423,20 @@ def _reject_unbatched(dataset, num_replicas):
         f"({', '.join(scalars)}): it looks unbatched. Received: element_spec="
         f"{dataset.element_spec}. Batch it with the global batch size "
         f"first: dataset.batch(global_batch_size).")
+
+
+def _reject_unsliceable(dataset, options):
+  """Refuses, with sync groups across workers, what a worker cannot cut its
+  replicas' parts from."""
+  if not global_batch_input.can_serve(dataset, options):
+    raise NotImplementedError(
+        f"With sync groups across workers, experimental_distribute_dataset "
+        f"gives each worker its replicas' contiguous parts of every global "
+        f"batch (so a group trains on the rows it would in one process), "
+        f"which it does for batches of dense tensors with the default input "
+        f"options only yet. Received: element_spec={dataset.element_spec}, "
+        f"options={options}. Batch dense tensors and pass no options, or "
+        f"give each worker its rows with distribute_datasets_from_function.")
 
 
 def _reject_per_replica_mode(options, api):

@@ -13,6 +13,12 @@ and splits it as TF's distributed dataset does: a batch of B rows gives
 `ceil(B / N)` rows to each of N replicas in order, so the last ones may get
 fewer or none (10 rows on 4 replicas: 3, 3, 3, 1).
 
+With sync groups across workers (`worker_slice`) each worker reads every
+global batch and keeps its own replicas' parts, contiguous in global replica
+order: worker w of W, with M replicas, parts w*M ... w*M+M-1. So its groups
+train on the rows the same groups get in one process (TF's multi-worker
+input deals the parts round-robin: worker 0 would get parts 0 and 2 of 4).
+
 >>> import tensorflow as tf
 >>> import replicator_strategy as rs
 >>> strategy = rs.ReplicatorStrategy(devices=["/cpu:0", "/cpu:1"])
@@ -34,11 +40,17 @@ def splits_on_host(dataset, devices, options):
   It can for batches of dense tensors, on CPU devices, with the default
   input options; anything else keeps TF's distributed dataset.
   """
-  return (options is None and
-          all(tf.DeviceSpec.from_string(d).device_type == "CPU"
+  return (all(tf.DeviceSpec.from_string(d).device_type == "CPU"
               for d in devices) and
-          all(type(spec) is tf.TensorSpec and spec.shape.rank
-              for spec in tf.nest.flatten(dataset.element_spec)))
+          can_serve(dataset, options))
+
+
+def can_serve(dataset, options):
+  """Whether `GlobalBatchDataset` can cut `dataset`'s elements, given input
+  `options`: batches of dense tensors, with the default options."""
+  return options is None and all(
+      type(spec) is tf.TensorSpec and spec.shape.rank
+      for spec in tf.nest.flatten(dataset.element_spec))
 
 
 def _part_sizes(num_rows, num_replicas):
@@ -54,25 +66,45 @@ def _part_sizes(num_rows, num_replicas):
   return tf.clip_by_value(num_rows - starts, 0, chunk)
 
 
-def _part_specs(spec, num_replicas):
-  """The replicas' parts of a leaf of spec `spec`, as `_part_sizes` cuts it."""
+def _local_spec(spec, num_local, parts):
+  """The spec of this worker's `num_local` parts of a leaf of spec `spec`:
+  parts `first, ... first + num_local - 1` of `total` (`parts`), as
+  `_part_sizes` cuts it; a `PerReplicaSpec` of several."""
+  first, total = parts
+  if total == 1:
+    return spec
   num_rows = spec.shape[0]
-  sizes = (_part_sizes(num_rows, num_replicas) if num_rows is not None
-           else [None] * num_replicas)
-  return [tf.TensorSpec([rows] + spec.shape[1:], spec.dtype)
-          for rows in sizes]
+  sizes = (_part_sizes(num_rows, total)[first:first + num_local]
+           if num_rows is not None else [None] * num_local)
+  specs = [tf.TensorSpec([rows] + spec.shape[1:], spec.dtype)
+           for rows in sizes]
+  return tfi.values.PerReplicaSpec(*specs) if num_local > 1 else specs[0]
 
 
 class GlobalBatchDataset(tf.distribute.DistributedDataset):
-  """`dataset`'s global batches, each split among `devices` (see module doc)."""
+  """`dataset`'s global batches, each split among `devices` (see module doc).
 
-  def __init__(self, dataset, devices, host_device):
+  `worker_slice`: None, or (the global id of this worker's first replica,
+  the replicas of every worker) with sync groups across workers: a batch is
+  cut among them all and `devices` get their replicas' parts.
+
+  >>> import replicator_strategy as rs
+  >>> strategy = rs.ReplicatorStrategy(devices=["/cpu:0", "/cpu:1"])
+  >>> second_worker = GlobalBatchDataset(  # replicas 2 and 3 of 4
+  ...     tf.data.Dataset.range(10).batch(10), strategy.extended.worker_devices,
+  ...     strategy.extended.host_device, worker_slice=(2, 4))
+  >>> [[part.numpy().tolist() for part in strategy.experimental_local_results(b)]
+  ...  for b in second_worker]
+  [[[6, 7, 8], [9]]]
+  """
+
+  def __init__(self, dataset, devices, host_device, worker_slice=None):
     self._dataset = dataset
     self._devices = tuple(devices)
     self._host_device = host_device
-    num = len(self._devices)
-    leaves = [tfi.values.PerReplicaSpec(*_part_specs(spec, num)) if num > 1
-              else spec for spec in tf.nest.flatten(dataset.element_spec)]
+    self._parts = worker_slice or (0, len(self._devices))
+    leaves = [_local_spec(spec, len(self._devices), self._parts)
+              for spec in tf.nest.flatten(dataset.element_spec)]
     self._element_spec = tf.nest.pack_sequence_as(dataset.element_spec,
                                                   leaves)
 
@@ -89,7 +121,8 @@ class GlobalBatchDataset(tf.distribute.DistributedDataset):
   def __iter__(self):
     with tf.device(self._host_device):
       batches = iter(self._dataset)
-    return GlobalBatchIterator(batches, self._devices, self._element_spec)
+    return GlobalBatchIterator(batches, self._devices, self._parts,
+                               self._element_spec)
 
   def reduce(self, initial_state, reduce_fn):
     """`reduce_fn(state, batch)` over every batch, as `for` in a tf.function does."""
@@ -131,9 +164,11 @@ class GlobalBatchIterator(tf.distribute.DistributedIterator,
   [[2], [3]]
   """
 
-  def __init__(self, batches, devices, element_spec):
+  def __init__(self, batches, devices, parts, element_spec):
+    """`parts`: (the first of `devices`' parts, the parts of a batch)."""
     self._batches = batches
     self._devices = devices
+    self._parts = parts
     self._element_spec = element_spec
 
   @property
@@ -146,24 +181,27 @@ class GlobalBatchIterator(tf.distribute.DistributedIterator,
   @property
   def _type_spec(self):
     return GlobalBatchIteratorSpec(tf.type_spec_from_value(self._batches),
-                                   self._devices, self._element_spec)
+                                   self._devices, self._parts,
+                                   self._element_spec)
 
   def _on_devices(self, batch):
-    """A global batch cut into the replicas' parts, each on its device."""
-    num = len(self._devices)
-    if num == 1:
+    """A global batch cut into the replicas' parts, this worker's each on
+    its device."""
+    first, total = self._parts
+    if total == 1:
       return batch
     leaves = []
     for leaf in tf.nest.flatten(batch):
       num_rows = leaf.shape[0]
       if num_rows is None:
         num_rows = tf.shape(leaf, out_type=tf.int64)[0]
-      parts = tf.split(leaf, _part_sizes(num_rows, num), num=num)
+      parts = tf.split(leaf, _part_sizes(num_rows, total), num=total)
       on_devices = []
-      for device, part in zip(self._devices, parts):
+      for device, part in zip(self._devices, parts[first:]):
         with tf.device(device):
           on_devices.append(tf.identity(part))
-      leaves.append(tfi.values.PerReplica(tuple(on_devices)))
+      leaves.append(tfi.values.PerReplica(tuple(on_devices))
+                    if len(on_devices) > 1 else on_devices[0])
     return tf.nest.pack_sequence_as(batch, leaves)
 
   def get_next(self):
@@ -194,11 +232,12 @@ class GlobalBatchIteratorSpec(tf.TypeSpec):
   a `tf.function` flattens one resource, not one per replica.
   """
 
-  __slots__ = ["_batches_spec", "_devices", "_element_spec"]
+  __slots__ = ["_batches_spec", "_devices", "_parts", "_element_spec"]
 
-  def __init__(self, batches_spec, devices, element_spec):
+  def __init__(self, batches_spec, devices, parts, element_spec):
     self._batches_spec = batches_spec
     self._devices = devices
+    self._parts = parts
     self._element_spec = element_spec
 
   @property
@@ -206,7 +245,8 @@ class GlobalBatchIteratorSpec(tf.TypeSpec):
     return GlobalBatchIterator
 
   def _serialize(self):
-    return (self._batches_spec, self._devices, self._element_spec)
+    return (self._batches_spec, self._devices, self._parts,
+            self._element_spec)
 
   @property
   def _component_specs(self):
@@ -216,4 +256,5 @@ class GlobalBatchIteratorSpec(tf.TypeSpec):
     return value._batches  # pylint: disable=protected-access
 
   def _from_components(self, components):
-    return GlobalBatchIterator(components, self._devices, self._element_spec)
+    return GlobalBatchIterator(components, self._devices, self._parts,
+                               self._element_spec)

@@ -127,8 +127,8 @@ class ReplicatorStrategy(tf.distribute.Strategy):
     overlap_averaging: with sync_groups > 1, True: a round snapshots the
       weights and exchanges them in a thread while the groups take the next
       average_every steps, and the next round applies the result, one round
-      late (Streaming DiLoCo's overlap); one process only for now. Default
-      False: a round exchanges and applies at once.
+      late (Streaming DiLoCo's overlap). Default False: a round exchanges
+      and applies at once.
   """
 
   def __init__(self, devices=None, all_reduce="auto", cluster_resolver=None,
@@ -192,13 +192,6 @@ class ReplicatorStrategy(tf.distribute.Strategy):
     super().__init__(extended_lib.ReplicatorExtended(
         self, groups, all_reduce, cluster, timeout_seconds,
         variable_partitioner, model_layouts, sync_groups))
-    if overlap_averaging and self.extended.num_workers > 1:
-      raise NotImplementedError(
-          f"overlap_averaging=True runs a round's exchange in a thread beside "
-          f"the training steps, which works in one process only for now: "
-          f"across workers the two threads' collectives could meet in "
-          f"different orders. Received: overlap_averaging=True on "
-          f"{self.extended.num_workers} workers. Leave it out.")
     self.averaging = sync_groups_lib.Averaging(
         self, average_every, outer_optimizer, overlap=overlap_averaging)
     self.shard_optimizer_state = shard_optimizer_state

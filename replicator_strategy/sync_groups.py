@@ -334,6 +334,10 @@ class Averaging:
         trainable)
     with self._strategy.scope():
       take_snapshots()
+      # Traced here, not in the thread: a trace numbers its collectives
+      # (`collective_watchdog.signature_code`), which every worker must do
+      # in the same order, the program's.
+      exchange = exchange.get_concrete_function()
     self.state.exchange.start(tuple(id(v) for v in trainable),
                               functools.partial(self._in_scope, exchange))
     self._count(snapshots + non_trainable)
@@ -389,7 +393,6 @@ class Averaging:
 
   def _means(self, variables):
     """Each variable's mean over every replica of every group, a `Mirrored`."""
-    everyone = self._strategy.extended.communicator.everyone
     values = []
     for v in variables:
       parts = []
@@ -399,7 +402,7 @@ class Averaging:
       values.append(per_replica.wrap(parts))
     if not values:
       return []
-    return everyone.cross_device_ops.batch_reduce(
+    return self._strategy.extended.communicator.round_ops.batch_reduce(
         tf.distribute.ReduceOp.MEAN, [(p, p) for p in values])
 
 

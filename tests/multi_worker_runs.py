@@ -46,6 +46,7 @@ STRATEGY_OPTIONS = {
     "bfloat16": {"gradient_compression": "bfloat16"},
     # On 2 workers x 2: a sync group per worker.
     "2_sync_groups": {"sync_groups": 2, "average_every": 4},
+    "overlap": {"overlap_averaging": True},
     "4_shards": {"variable_partitioner": (
         tf.distribute.experimental.partitioners.FixedShardsPartitioner(4))},
 }
@@ -286,7 +287,9 @@ def sync_groups_fit(strategy):
 
 def sync_groups_loop(strategy, steps=8):
   """A custom loop in sync groups, each replica's rows chosen by its global
-  replica id (so on any topology); losses, and weights after each step."""
+  replica id (so on any topology); losses, the kernels after each step, and
+  the weights after a last round (with `overlap_averaging`, it applies the
+  exchange in flight)."""
   x, y = data(rows=GLOBAL_BATCH * steps)
   model = _model(strategy)
   with strategy.scope():
@@ -324,6 +327,7 @@ def sync_groups_loop(strategy, steps=8):
     strategy.sync_groups_step(i + 1, model.trainable_variables)
     kernels.append([k.numpy().tolist() for k in
                     strategy.experimental_local_results(model.layers[0].kernel.value)])
+  strategy.average_sync_groups(model.trainable_variables)
   return {"losses": losses, "kernels": kernels, "weights": _weights(model)}
 
 

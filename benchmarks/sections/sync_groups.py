@@ -1,12 +1,14 @@
 """Sync groups across workers: 2 workers x 2 devices against one process x 4.
 
 The MLP fit step, synchronous and in 2 sync groups averaging every H = 1, 8
-and 32 steps (on 2 workers x 2, a group per worker), and the bytes that go
-between the workers per step: a synchronous step all-reduces the gradients
-over every replica, a sync group's step only within its group, and a round
-all-reduces one copy of the weights every H steps. A `fit` of one epoch
-traces the step and the round (`fit` ends with one); a `fit` of `rounds`
-epochs is timed.
+and 32 steps (on 2 workers x 2, a group per worker), each with and without
+`overlap_averaging` (the round's exchange in a thread beside the next H
+steps), and the bytes that go between the workers per step: a synchronous
+step all-reduces the gradients over every replica, a sync group's step only
+within its group, and a round all-reduces one copy of the weights every H
+steps. A `fit` of one epoch traces the step and the round (`fit` ends with
+one); a `fit` of `rounds` epochs is timed. `--share-cores` gives each worker
+TensorFlow threads for half the cores.
 """
 
 import statistics
@@ -19,9 +21,11 @@ from benchmarks import section
 from benchmarks import tables
 from benchmarks import timing
 
-# Variants: name -> sync_groups, average_every.
-VARIANTS = {"sync": (1, 1), "2 groups, H=1": (2, 1),
-            "2 groups, H=8": (2, 8), "2 groups, H=32": (2, 32)}
+# Variants: name -> sync_groups, average_every, overlap_averaging.
+VARIANTS = {"sync": (1, 1, False)}
+VARIANTS.update({
+    f"2 groups, H={h}{', overlap' if overlap else ''}": (2, h, overlap)
+    for h in (1, 8, 32) for overlap in (False, True)})
 WHERE = ("1 process x 4", "2 workers x 2")
 
 
@@ -31,11 +35,12 @@ def groups_on_workers(options):
           for variant in VARIANTS}
 
 
-def _fit_step(size, sync_groups, average_every):
+def _fit_step(size, sync_groups, average_every, overlap):
   """The MLP fit step in ms (median of the timed epochs' mean steps), the
   bytes between groups per step, and the last epoch's loss."""
   strategy = rs.ReplicatorStrategy(sync_groups=sync_groups,
-                                   average_every=average_every)
+                                   average_every=average_every,
+                                   overlap_averaging=overlap)
   x, y = models.data(size, "mlp", size["fit_steps"])
   with strategy.scope():
     model = models.mlp(size)
@@ -89,12 +94,12 @@ def groups_table(options, rows):
   sync = rows[0]["ms"][one]
   lines = ["", "Sync groups, MLP fit step: ms per step (median of epochs), "
            "bytes all-reduced between the workers per step",
-           f"{'variant':16} {'1 x 4':>7} {'2 x 2':>7} {'2x2/1x4':>8} "
+           f"{'variant':25} {'1 x 4':>7} {'2 x 2':>7} {'2x2/1x4':>8} "
            f"{'2x2/1x4 sync':>13} {'bytes/step':>11} agree"]
   for r in rows:
     ms = r["ms"]
     lines.append(
-        f"{r['variant']:16} {ms[one]:>7.2f} {ms[two]:>7.2f} "
+        f"{r['variant']:25} {ms[one]:>7.2f} {ms[two]:>7.2f} "
         f"{ms[two] / ms[one]:>8.2f} {ms[two] / sync:>13.2f} "
         f"{r['bytes per step']:>11.0f} {r['agree']}")
   return lines

@@ -65,9 +65,11 @@ def choose(devices, algorithm, num_workers=1,
   return _build(algorithm, devices), f"{algorithm}: {reason}"
 
 
-def across_workers(host_device, num_workers, timeout_seconds):
-  """All-reduce of one value per worker, on each worker's `host_device`."""
-  return _keyed([host_device], num_workers, timeout_seconds)
+def across_workers(devices, num_workers, timeout_seconds):
+  """All-reduce of this worker's values on `devices` with `num_workers`
+  workers' (one per worker: `devices` is its host), in collective groups
+  of its own."""
+  return _keyed(devices, len(devices) * num_workers, timeout_seconds)
 
 
 def _auto(devices):

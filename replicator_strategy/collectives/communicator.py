@@ -46,7 +46,9 @@ def for_topology(devices, all_reduce, cluster, timeout_seconds, sync_groups=1):
   return sync_groups_lib.GroupedCommunicator(
       everyone, sync_groups,
       lambda group_devices: Communicator(group_devices, all_reduce,
-                                         timeout_seconds))
+                                         timeout_seconds),
+      round_ops=all_reduce_lib.across_workers(
+          devices, cluster.num_workers, timeout_seconds) if cluster else None)
 
 
 class Communicator:
@@ -216,7 +218,7 @@ class ClusterCommunicator(Communicator):
                                                     self.num_workers)
     # One value per worker, on each worker's host.
     self._worker_reduce_ops = all_reduce_lib.across_workers(
-        self.host_device, self.num_workers, timeout_seconds)
+        [self.host_device], self.num_workers, timeout_seconds)
     self._broadcast = worker_collectives.WorkerBroadcast(
         self.host_device, cluster, timeout_seconds)
     self._check_same_replicas_per_worker()

@@ -12,8 +12,11 @@ stands and answers every exchange a replica asks for (an all-reduce, a
 gather, a reduce-scatter, an all-to-all, inside control flow too) within its
 group; a reduction that leaves the replicas (`strategy.reduce` onto the
 host) and everything about the worker, its input and its cluster come from
-the all-replica communicator, `everyone`, which only the averaging round
-uses to exchange between groups.
+the all-replica communicator, `everyone`. The averaging rounds exchange
+between groups through `round_ops`, over every replica too: across workers,
+collectives with keys of their own, so that a round's exchange running in a
+thread beside the steps (`overlap_averaging`) never draws launch numbers
+from the counters of a step's own exchanges between groups (Keras's metrics).
 
 >>> from replicator_strategy.collectives import communicator
 >>> grouped = communicator.for_topology(
@@ -54,6 +57,8 @@ class GroupedCommunicator:
 
   Attributes:
     everyone: the communicator among every replica of every group.
+    round_ops: the all-reduce among every replica that the averaging rounds
+      use (`everyone`'s own in one process).
     groups: one `Communicator` per sync group of this worker, over its slice
       of the devices, in replica order.
     num_replicas: replicas in one group (`num_replicas_in_sync`).
@@ -63,10 +68,13 @@ class GroupedCommunicator:
   first value of a variable) is `everyone`'s.
   """
 
-  def __init__(self, everyone, num_groups, make_group):
-    """`make_group(devices)`: the `Communicator` of one group's devices."""
+  def __init__(self, everyone, num_groups, make_group, round_ops=None):
+    """`make_group(devices)`: the `Communicator` of one group's devices;
+    `round_ops`: see the class (None: `everyone.cross_device_ops`)."""
     check_divides(num_groups, everyone.num_replicas, len(everyone.devices))
     self.everyone = everyone
+    self.round_ops = (round_ops if round_ops is not None else
+                      everyone.cross_device_ops)
     self.num_sync_groups = num_groups
     self.num_replicas = everyone.num_replicas // num_groups
     n = self.num_replicas

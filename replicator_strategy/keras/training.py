@@ -283,6 +283,10 @@ def concat_across_workers(reduce_per_replica):
             isinstance(strategy, strategy_lib.ReplicatorStrategy) and
             strategy.extended.num_workers > 1):
       return reduce_per_replica(values, strategy, reduction)
+    if strategy.extended.deals_worker_slices:
+      # Each worker held its replicas' contiguous parts: in replica order.
+      return tf.nest.map_structure(lambda v: strategy.gather(v, axis=0),
+                                   values)
     # Keras's own gather-and-reorder for MultiWorkerMirroredStrategy fits
     # the input layout, which is the same TF input pipeline.
     every_replica = _EveryGroup(strategy)

@@ -83,6 +83,29 @@ class SplitLikeTFTest(unittest.TestCase):
         [0, 1, 2, 3])
 
 
+class WorkerSliceTest(unittest.TestCase):
+  """With sync groups across workers, worker w of 2 (2 replicas each) gets
+  parts 2w and 2w + 1 of every global batch: replicas 2w, 2w + 1 of 4."""
+
+  @parameterized.expand([(name, rows, batch, static) for
+                         name, rows, batch, replicas, static in _CASES
+                         if replicas == 4])
+  def test_a_workers_parts_are_its_replicas_of_four(self, _, rows, batch,
+                                                    drop_remainder):
+    dataset = _rows(rows, batch, drop_remainder)
+    four = _per_replica_rows(topology.strategy_over(4), dataset)
+    two = topology.strategy_over(2)
+    for worker in (0, 1):
+      sliced = global_batch_input.GlobalBatchDataset(
+          dataset, two.extended.worker_devices, two.extended.host_device,
+          worker_slice=(2 * worker, 4))
+      got = [[[part.numpy().tolist() for part in
+               two.experimental_local_results(leaf)]
+              for leaf in tf.nest.flatten(batch)] for batch in sliced]
+      self.assertEqual(got, [[leaf[2 * worker:2 * worker + 2]
+                              for leaf in step] for step in four])
+
+
 class InsideTFFunctionTest(unittest.TestCase):
 
   def setUp(self):

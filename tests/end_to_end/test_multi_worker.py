@@ -300,7 +300,10 @@ class SyncGroupsTwoWorkersTest(RunsOnWorkers, unittest.TestCase):
   """sync_groups=2 (average_every=4) on 2 workers x 2: a group per worker."""
   RUNS = ("sync_groups_loop", "sync_groups_fit")
   OPTIONS = "@2_sync_groups"
-  LAUNCH = "sync_groups"
+  LAUNCH = "keras"
+  # 58 rows in batches of 16: 4 steps an epoch, 12 in 3 epochs: rounds
+  # after steps 4, 8 and 12, and none at the end (step 12 averaged).
+  ROUNDS_IN_FIT = 3
 
   def test_a_custom_loop_equals_one_process_with_four_replicas(self):
     # Each replica's rows are chosen by its replica id: the same anywhere.
@@ -318,10 +321,14 @@ class SyncGroupsTwoWorkersTest(RunsOnWorkers, unittest.TestCase):
       assert_close_nested(self, self.workers[1]["sync_groups_loop"]["kernels"][
           step], expected["kernels"][step][2:])
 
+  def test_fit_equals_one_process_with_four_replicas(self):
+    # Each worker's group trains on the rows group 0 or 1 gets in one
+    # process, the last batch's 10 rows split 3, 3 | 3, 1 as there.
+    expected = in_one_process("sync_groups_fit" + self.OPTIONS)
+    for worker in self.workers:
+      assert_close_nested(self, worker["sync_groups_fit"], expected)
+
   def test_fit_ends_with_one_model_on_every_worker(self):
-    # TF's input deals a global batch's replica parts round-robin over the
-    # workers, so a worker's group trains on other rows than group 0 of one
-    # process does: the workers agree with each other, not with it.
     first, second = (w["sync_groups_fit"] for w in self.workers)
     assert_close_nested(self, second["weights"], first["weights"], rtol=0,
                         atol=0)
@@ -330,13 +337,23 @@ class SyncGroupsTwoWorkersTest(RunsOnWorkers, unittest.TestCase):
     self.assertLess(losses[-1], losses[0])
 
   def test_weights_cross_between_workers_once_every_four_steps(self):
-    # 58 rows in batches of 16: 4 steps an epoch, 12 in 3 epochs: rounds
-    # after steps 4, 8 and 12, and none at the end (step 12 averaged).
     weights = sum(np.size(w) for w in models.initial_weights())
     for worker in self.workers:
       result = worker["sync_groups_fit"]
-      self.assertEqual(result["rounds"], 3)
-      self.assertEqual(result["bytes_averaged"], 3 * 4 * weights)
+      self.assertEqual(result["rounds"], self.ROUNDS_IN_FIT)
+      self.assertEqual(result["bytes_averaged"],
+                       self.ROUNDS_IN_FIT * 4 * weights)
+
+
+@pytest.mark.slow
+class OverlappedSyncGroupsTwoWorkersTest(SyncGroupsTwoWorkersTest):
+  """The same with overlap_averaging=True: each round's exchange between the
+  workers runs in a thread while the groups take the next steps."""
+  OPTIONS = "@2_sync_groups+overlap"
+  LAUNCH = "sharded_variables"  # Beside the keras launch's, each stays short.
+  # Steps 4, 8 and 12 start exchanges; the end of fit applies the last one
+  # and averages at once.
+  ROUNDS_IN_FIT = 4
 
 
 @pytest.mark.slow
