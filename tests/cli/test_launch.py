@@ -324,6 +324,21 @@ class LaunchTest(unittest.TestCase):
                             check=True)
     self.assertRegex(done.stdout, r"^usage: replicator-launch ")
 
+  def test_the_old_module_runs_the_launcher_and_names_its_new_home(self):
+    done = subprocess.run(
+        [sys.executable, "-m", "replicator_strategy.launch", "--workers", "2",
+         "--", sys.executable, "-c", "print('ran')"],
+        capture_output=True, text=True, timeout=120, check=False)
+    self.assertEqual(done.returncode, 0, done.stderr)
+    self.assertEqual(done.stdout.count("] ran"), 1, done.stdout)  # The chief's.
+    self.assertRegex(done.stderr, r"DeprecationWarning: replicator_strategy\.launch "
+                     r"is deprecated.*run `replicator-launch`")
+    usage = subprocess.run(
+        [sys.executable, "-m", "replicator_strategy.launch", "--help"],
+        capture_output=True, text=True, timeout=60, check=True)
+    self.assertRegex(usage.stdout,
+                     r"^usage: python -m replicator_strategy\.cli\.launch ")
+
 
 if __name__ == "__main__":
   unittest.main()
