@@ -155,6 +155,8 @@ PATCHES = (
     Patch(ki.tf_trainer, "reduce_per_replica",
           training.concat_across_workers,
           "predict across several ReplicatorStrategy workers"),
+    Patch(_MODEL, "_make_function", sync_group_rounds.rows_counted,
+          _GROUPS + ": the train step counts its rows for the rounds"),
     Patch(_MODEL, "make_train_function",
           sync_group_rounds.rounds_after_steps,
           _GROUPS + ": averaging rounds every average_every steps"),

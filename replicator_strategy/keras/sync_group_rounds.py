@@ -5,7 +5,8 @@ function is followed, after each call, by a look at the optimizer's
 `iterations` (the steps done, which checkpoints keep): when it passed a
 multiple of H, an averaging round runs (`replicator_strategy.sync_groups`).
 Before the first step the weights are kept as the first round's `old` (with
-an outer optimizer). When `fit` returns, a last round runs if the last step
+an outer optimizer). Each train step counts its replicas' rows, which a
+round weighs the groups by (`Averaging.count_rows`). When `fit` returns, a last round runs if the last step
 did not average (or left an overlapped exchange in flight), so `evaluate`,
 `predict` and saving see one model.
 
@@ -70,6 +71,26 @@ def _average(model, scheduled):
     averaging.average(model.trainable_weights, model.non_trainable_weights)
   # An overlapped round leaves its exchange in flight.
   _rounds[model].last_step_averaged = not (scheduled and averaging.overlap)
+
+
+def rows_counted(make_function):
+  """Keras's step maker, with the train step counting its rows for the
+  rounds."""
+
+  @functools.wraps(make_function)
+  def wrapper(self, step_function):
+    if _grouped(self) and step_function == self.train_step:
+      averaging = self.distribute_strategy.averaging
+      train_step = step_function
+
+      @functools.wraps(train_step)
+      def step_function(data):
+        averaging.count_rows()
+        return train_step(data)
+
+    return make_function(self, step_function)
+
+  return wrapper
 
 
 def rounds_after_steps(make_train_function):

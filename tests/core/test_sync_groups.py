@@ -48,10 +48,12 @@ def compiled_model(strategy, optimizer=None, steps_per_execution=1):
 
 
 def fit(strategy, epochs=2, callbacks=(), optimizer=None,
-        steps_per_execution=1):
+        steps_per_execution=1, rows=ROWS):
+  """`rows` of the data: 54 ends each epoch with a batch of 6."""
   model = compiled_model(strategy, optimizer, steps_per_execution)
   x, y = data()
-  history = model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=epochs,
+  history = model.fit(x[:rows], y[:rows], batch_size=GLOBAL_BATCH,
+                      epochs=epochs,
                       shuffle=False, verbose=0, callbacks=list(callbacks))
   return model, history.history["loss"]
 
@@ -62,8 +64,8 @@ def nesterov():
 
 
 @functools.cache
-def synchronous_fit():
-  model, losses = fit(topology.strategy_over(4))
+def synchronous_fit(rows=ROWS):
+  model, losses = fit(topology.strategy_over(4), rows=rows)
   return tuple(model.get_weights()), tuple(losses)
 
 
@@ -144,6 +146,16 @@ class AveragingTest(unittest.TestCase):
       np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL)
     assert_per_replica(self, strategy, model.layers[0].kernel.value,
                        [weights[0]] * 4, rtol=RTOL, atol=ATOL)
+
+  def test_an_uneven_last_batch_averages_the_groups_by_their_rows(self):
+    # Each epoch's last batch, 6 rows, splits unevenly between the groups:
+    # their mean gradients count by rows, as in one batch of 6.
+    strategy = topology.strategy_over(4, sync_groups=2, average_every=1)
+    model, losses = fit(strategy, rows=54)
+    weights, sync_losses = synchronous_fit(rows=54)
+    np.testing.assert_allclose(losses, sync_losses, rtol=RTOL)
+    for got, want in zip(model.get_weights(), weights):
+      np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL)
 
   @pytest.mark.slow
   def test_groups_of_one_replica_averaging_every_step_are_synchronous(self):
