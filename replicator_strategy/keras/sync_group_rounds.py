@@ -6,9 +6,9 @@ function is followed, after each call, by a look at the optimizer's
 multiple of H, an averaging round runs (`replicator_strategy.sync_groups`).
 Before the first step the weights are kept as the first round's `old` (with
 an outer optimizer). Each train step counts its replicas' rows, which a
-round weighs the groups by (`Averaging.count_rows`). When `fit` returns, a last round runs if the last step
-did not average (or left an overlapped exchange in flight), so `evaluate`,
-`predict` and saving see one model.
+round weighs the groups by (`Averaging.count_rows`). When `fit` returns, a
+last round runs if the last step did not average (or left an overlapped
+exchange in flight), so `evaluate`, `predict` and saving see one model.
 
 A `BackupAndRestore` backup, taken between rounds, holds one value per
 weight (its `.weights.h5` file); beside it a `tf.train.Checkpoint` of the
