@@ -35,6 +35,7 @@ True
 [1.5, 1.5, 1.5, 1.5]
 """
 
+import contextlib
 import functools
 import numbers
 import threading
@@ -234,6 +235,7 @@ class Averaging:
     self.state = SyncGroupsState(self.outer_optimizer)
     self._anchors = {}  # id of a trainable variable -> its value at the last round.
     self._rounds = {}  # ids of the variables -> the round's tf.function.
+    self._first_group = {}  # ids of the variables -> its tf.function.
     # What passed between the groups: rounds, and the bytes of one
     # replica's weights they averaged (each round's all-reduce input).
     self.rounds = 0
@@ -300,6 +302,43 @@ class Averaging:
         self.state.anchors.append(self._anchors[id(v)])
       if not self.outer_optimizer.built:
         self.outer_optimizer.build(list(trainable))
+
+  @contextlib.contextmanager
+  def first_group_everywhere(self, variables):
+    """While inside, every replica holds the first group's value of each
+    float variable among `variables` (what `get_weights` reads and a save
+    writes), so a prediction between rounds answers with one model; each
+    replica's own value after. Call it eagerly."""
+    variables = [_tf_variable(v) for v in _floats(variables)
+                 if isinstance(_tf_variable(v), tf.distribute.DistributedValues)]
+    if self._strategy.num_sync_groups == 1 or not variables:
+      yield
+      return
+    own = [_components(v) for v in variables]
+    key = tuple(id(v) for v in variables)
+    if key not in self._first_group:
+      self._first_group[key] = tf.function(
+          lambda: self._assign_first_group(variables), autograph=False)
+    self._in_scope(self._first_group[key])
+    try:
+      yield
+    finally:
+      for v, values in zip(variables, own):
+        for component, value in zip(v.values, values):
+          component.assign(value)
+
+  def _assign_first_group(self, variables):
+    # A sum in which only the first replica of all counts: it may lie on
+    # another worker.
+    first = self._strategy.extended.first_replica_id
+    values = [per_replica.wrap([
+        part if first + i == 0 else tf.zeros_like(part)
+        for i, part in enumerate(_components(v))]) for v in variables]
+    sums = self._strategy.extended.communicator.round_ops.batch_reduce(
+        tf.distribute.ReduceOp.SUM, [(p, p) for p in values])
+    for v, value in zip(variables, sums):
+      for component, part in zip(v.values, per_replica.parts(value)):
+        component.assign(part)
 
   def rounds_due(self, last_step, step):
     """Whether a multiple of `average_every` lies in (last_step, step]."""

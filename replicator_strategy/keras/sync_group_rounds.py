@@ -9,6 +9,10 @@ an outer optimizer). Each train step counts its replicas' rows, which a
 round weighs the groups by (`Averaging.count_rows`). When `fit` returns, a
 last round runs if the last step did not average (or left an overlapped
 exchange in flight), so `evaluate`, `predict` and saving see one model.
+Called between rounds (a custom loop's, or a callback's), `predict`,
+`evaluate` and their `_on_batch` forms answer with the first group's
+weights, which `get_weights()` and `save()` return; `fit`'s own validation
+runs on each group's.
 
 A `BackupAndRestore` backup, taken between rounds, holds one value per
 weight (its `.weights.h5` file); beside it a `tf.train.Checkpoint` of the
@@ -40,6 +44,7 @@ import weakref
 import tensorflow as tf
 
 from replicator_strategy import strategy as strategy_lib
+from replicator_strategy.keras import _internal as ki
 
 
 @dataclasses.dataclass
@@ -134,6 +139,21 @@ def last_round(fit):
     if _grouped(self) and rounds is not None and not rounds.last_step_averaged:
       _average(self, scheduled=False)
     return history
+
+  return wrapper
+
+
+def with_one_model(method):
+  """Keras's `predict`, `evaluate` or their `_on_batch`, answered by the
+  first group's weights on every replica (not fit's validation)."""
+
+  @functools.wraps(method)
+  def wrapper(self, *args, **kwargs):
+    if not _grouped(self) or ki.is_fit_validation(kwargs):
+      return method(self, *args, **kwargs)
+    with self.distribute_strategy.averaging.first_group_everywhere(
+        self.weights):
+      return method(self, *args, **kwargs)
 
   return wrapper
 

@@ -327,6 +327,39 @@ class OverlapTest(unittest.TestCase):
       topology.strategy_over(4, sync_groups=2, overlap_averaging="yes")
 
 
+class OneModelTest(unittest.TestCase):
+  """Between rounds, predict and evaluate answer with one model: the first
+  group's, which get_weights() and save() return."""
+
+  def test_predict_and_evaluate_between_rounds(self):
+    strategy = topology.strategy_over(4, sync_groups=2, average_every=1000)
+    model = compiled_model(strategy)
+    kernel = model.layers[0].kernel
+
+    def group_steps():  # As a step would, each group its own way.
+      group = tf.distribute.get_replica_context().sync_group
+      kernel.assign(kernel + 0.1 * tf.cast(group + 1, tf.float32))
+
+    strategy.run(group_steps)
+    apart = kernels(strategy, model)
+    self.assertFalse(np.allclose(apart[0], apart[2]))
+    one = models.small_mlp()
+    one.set_weights(model.get_weights())
+    one.compile(keras.optimizers.SGD(0.1), "mse")
+    x, y = (a[:GLOBAL_BATCH] for a in data())
+    np.testing.assert_allclose(model.predict(x, verbose=0),
+                               one.predict(x, verbose=0), rtol=RTOL,
+                               atol=ATOL)
+    np.testing.assert_allclose(model.predict_on_batch(x),
+                               one.predict_on_batch(x), rtol=RTOL, atol=ATOL)
+    np.testing.assert_allclose(model.evaluate(x, y, verbose=0),
+                               one.evaluate(x, y, verbose=0), rtol=RTOL)
+    np.testing.assert_allclose(model.test_on_batch(x, y),
+                               one.test_on_batch(x, y), rtol=RTOL)
+    # Each group keeps its own weights.
+    assert_per_replica(self, strategy, model.layers[0].kernel.value, apart)
+
+
 class CheckpointTest(unittest.TestCase):
 
   def test_a_checkpoint_between_rounds_restores_every_group(self):
