@@ -66,21 +66,25 @@ def check_arguments(sync_groups, average_every, outer_optimizer,
               "synchronous)." if name == "sync_groups" else
               "Pass how many steps each group takes between averaging "
               "rounds (1: every step)."))
-  if outer_optimizer is None:
+  if outer_optimizer is not None:
+    import keras  # pylint: disable=g-import-not-at-top  # Only to check the type.
+    if not isinstance(outer_optimizer, keras.optimizers.Optimizer):
+      raise ValueError(
+          f"Expected `outer_optimizer` to be None (plain averaging) or a Keras "
+          f"optimizer, such as keras.optimizers.SGD(0.7, momentum=0.9, "
+          f"nesterov=True) (DiLoCo's). Received: outer_optimizer="
+          f"{outer_optimizer!r} of type {type(outer_optimizer).__name__}.")
+  if sync_groups > 1:
     return
-  import keras  # pylint: disable=g-import-not-at-top  # Only to check the type.
-  if not isinstance(outer_optimizer, keras.optimizers.Optimizer):
-    raise ValueError(
-        f"Expected `outer_optimizer` to be None (plain averaging) or a Keras "
-        f"optimizer, such as keras.optimizers.SGD(0.7, momentum=0.9, "
-        f"nesterov=True) (DiLoCo's). Received: outer_optimizer="
-        f"{outer_optimizer!r} of type {type(outer_optimizer).__name__}.")
-  if sync_groups == 1:
-    raise ValueError(
-        f"`outer_optimizer` applies the change between sync groups' "
-        f"averaging rounds, but sync_groups=1 has no rounds. Received: "
-        f"outer_optimizer={outer_optimizer!r}. Pass sync_groups > 1, or "
-        f"leave outer_optimizer out.")
+  for name, value, default, what in (
+      ("average_every", average_every, 1, "sets the steps between"),
+      ("outer_optimizer", outer_optimizer, None, "applies the change between"),
+      ("overlap_averaging", overlap_averaging, False, "overlaps")):
+    if value != default:
+      raise ValueError(
+          f"`{name}` {what} sync groups' averaging rounds, but sync_groups=1 "
+          f"has no rounds. Received: {name}={value!r}. Pass sync_groups > 1, "
+          f"or leave {name} out.")
 
 
 def _tf_variable(variable):

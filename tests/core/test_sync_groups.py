@@ -85,7 +85,7 @@ class GroupsTest(unittest.TestCase):
     self.assertIn("in each of 2 sync groups", repr(strategy))
 
   def test_one_group_is_the_synchronous_strategy_exactly(self):
-    strategy = topology.strategy_over(4, sync_groups=1, average_every=5)
+    strategy = topology.strategy_over(4, sync_groups=1)
     # The same code path: the plain communicator, no grouping around it.
     self.assertIs(type(strategy.extended.communicator),
                   communicator_lib.Communicator)
@@ -556,6 +556,15 @@ class BadInputTest(unittest.TestCase):
   def test_an_outer_optimizer_with_one_group(self):
     self.assert_refused(r"sync_groups=1 has no rounds",
                         outer_optimizer=keras.optimizers.SGD(1.0))
+
+  def test_rounds_options_with_one_group(self):
+    self.assert_refused(r"`average_every` sets the steps between sync groups' "
+                        r"averaging rounds, but sync_groups=1 has no rounds\. "
+                        r"Received: average_every=8\. Pass sync_groups > 1",
+                        average_every=8)
+    self.assert_refused(r"`overlap_averaging` overlaps .*sync_groups=1 has no "
+                        r"rounds\. Received: overlap_averaging=True",
+                        overlap_averaging=True)
 
   def test_what_does_not_combine_yet(self):
     self.assert_refused(r"does not combine with shard_optimizer_state=True",
