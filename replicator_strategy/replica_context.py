@@ -281,6 +281,9 @@ class ReplicaContext(tfi.ThreadReplicaContext):
   def map_gather(self, thunks, fn=None):
     """Thunk i runs on replica i mod N only; every replica gets all results.
 
+    N is `num_replicas_in_sync`; with sync groups, replica i mod N of each
+    group (`replica_id_in_group`) runs it, and its group gets the result.
+
     Work that every replica would repeat is shared out instead, as K-FAC
     does with its per-layer inverses (TF-Replicator's `map_gather`). With
     `fn`, `thunks` holds inputs, and replica i mod N computes
@@ -304,7 +307,7 @@ class ReplicaContext(tfi.ThreadReplicaContext):
     checks.refuse_cross_replica_context("map_gather")
     calls = _thunk_calls(thunks, fn)
     n = self.num_replicas_in_sync
-    replica = tfi.replica_id(self)
+    replica = self.replica_id_in_group
     results = []
     for i, call in enumerate(calls):
       what = f"thunks[{i}]()" if fn is None else f"fn(thunks[{i}])"

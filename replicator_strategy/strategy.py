@@ -119,7 +119,8 @@ class ReplicatorStrategy(tf.distribute.Strategy):
       every replica in sync.
     average_every: with sync_groups > 1, every how many steps the groups
       average their weights (an averaging round, `average_sync_groups`);
-      Keras's `fit` counts its steps, and ends with a round. Default 1.
+      Keras's `fit` counts its steps, and ends with a round. Default 1 (any
+      other value needs sync_groups > 1).
     outer_optimizer: with sync_groups > 1, None (default: a round sets the
       mean) or a Keras optimizer that a round applies the change since the
       last round through (`old - mean` as the gradient; DiLoCo), such as
@@ -128,7 +129,7 @@ class ReplicatorStrategy(tf.distribute.Strategy):
       weights and exchanges them in a thread while the groups take the next
       average_every steps, and the next round applies the result, one round
       late (Streaming DiLoCo's overlap). Default False: a round exchanges
-      and applies at once.
+      and applies at once (True needs sync_groups > 1).
   """
 
   def __init__(self, devices=None, all_reduce="auto", cluster_resolver=None,

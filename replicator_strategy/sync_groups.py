@@ -3,7 +3,11 @@
 With `ReplicatorStrategy(sync_groups=G, average_every=H)` each group trains
 on its own (`replicator_strategy.collectives.sync_groups`); every H steps an
 averaging round makes the weights of every replica of every group their
-mean (local SGD; Lin et al., 2018). With `outer_optimizer` the round instead
+mean (local SGD; Lin et al., 2018), each group weighted by the rows it
+trained on since the last round where its steps counted them
+(`Averaging.count_rows`; Keras's `fit` does): with plain SGD averaging every
+step that is synchronous training, an uneven last batch included. With
+`outer_optimizer` the round instead
 applies the averaged change since the last round, `old - mean`, through that
 Keras optimizer as a gradient (DiLoCo; Douillard et al., 2023, arXiv:2311.08105):
 `keras.optimizers.SGD(1.0)` gives the mean again, DiLoCo's choice is
@@ -31,12 +35,15 @@ True
 [1.5, 1.5, 1.5, 1.5]
 """
 
+import contextlib
 import functools
 import numbers
 import threading
 
 import tensorflow as tf
 
+from replicator_strategy import replica_context as replica_context_lib
+from replicator_strategy import variables as variables_lib
 from replicator_strategy.collectives import per_replica
 
 
@@ -59,21 +66,25 @@ def check_arguments(sync_groups, average_every, outer_optimizer,
               "synchronous)." if name == "sync_groups" else
               "Pass how many steps each group takes between averaging "
               "rounds (1: every step)."))
-  if outer_optimizer is None:
+  if outer_optimizer is not None:
+    import keras  # pylint: disable=g-import-not-at-top  # Only to check the type.
+    if not isinstance(outer_optimizer, keras.optimizers.Optimizer):
+      raise ValueError(
+          f"Expected `outer_optimizer` to be None (plain averaging) or a Keras "
+          f"optimizer, such as keras.optimizers.SGD(0.7, momentum=0.9, "
+          f"nesterov=True) (DiLoCo's). Received: outer_optimizer="
+          f"{outer_optimizer!r} of type {type(outer_optimizer).__name__}.")
+  if sync_groups > 1:
     return
-  import keras  # pylint: disable=g-import-not-at-top  # Only to check the type.
-  if not isinstance(outer_optimizer, keras.optimizers.Optimizer):
-    raise ValueError(
-        f"Expected `outer_optimizer` to be None (plain averaging) or a Keras "
-        f"optimizer, such as keras.optimizers.SGD(0.7, momentum=0.9, "
-        f"nesterov=True) (DiLoCo's). Received: outer_optimizer="
-        f"{outer_optimizer!r} of type {type(outer_optimizer).__name__}.")
-  if sync_groups == 1:
-    raise ValueError(
-        f"`outer_optimizer` applies the change between sync groups' "
-        f"averaging rounds, but sync_groups=1 has no rounds. Received: "
-        f"outer_optimizer={outer_optimizer!r}. Pass sync_groups > 1, or "
-        f"leave outer_optimizer out.")
+  for name, value, default, what in (
+      ("average_every", average_every, 1, "sets the steps between"),
+      ("outer_optimizer", outer_optimizer, None, "applies the change between"),
+      ("overlap_averaging", overlap_averaging, False, "overlaps")):
+    if value != default:
+      raise ValueError(
+          f"`{name}` {what} sync groups' averaging rounds, but sync_groups=1 "
+          f"has no rounds. Received: {name}={value!r}. Pass sync_groups > 1, "
+          f"or leave {name} out.")
 
 
 def _tf_variable(variable):
@@ -147,8 +158,9 @@ class SyncGroupsState(tf.Module):
   run restored between rounds goes on exactly as it would have. It holds
   the outer optimizer's copy (`outer_optimizer`, with its momentum and
   iterations), the trainable weights' values at the last round (`anchors`,
-  with an outer optimizer) and, with overlap, the snapshots of the round in
-  flight (`snapshots`) and whether it is (`exchange`). Anchors, snapshots
+  with an outer optimizer), each replica's rows since then (`rows`) and,
+  with overlap, the snapshots of the round in flight (`snapshots`, and their
+  rows, `snapshot_rows`) and whether it is (`exchange`). Anchors, snapshots
   and the outer optimizer's slots are made before the first step
   (`strategy.sync_groups_step(0, trainable_variables)`, or Keras's `fit`);
   a checkpoint read before that is restored into them as they are made,
@@ -184,6 +196,8 @@ class SyncGroupsState(tf.Module):
     self.outer_optimizer = outer_optimizer
     self.anchors = []
     self.snapshots = []
+    self.rows = None
+    self.snapshot_rows = None
     self.exchange = ExchangeInFlight()
 
 
@@ -201,6 +215,10 @@ class Averaging:
   as Streaming DiLoCo does: each replica's weights become the round's target
   (the snapshots' mean, or the outer step from it) plus the replica's own
   progress since its snapshot. Non-trainable weights average at once.
+
+  Rows: a round weighs each replica by the rows its steps counted since the
+  last round (`count_rows`), so a group that trained on more rows counts
+  more; with none counted (a custom loop that does not count), equally.
 
   `state`: what a checkpoint keeps of it (`SyncGroupsState`).
   """
@@ -221,6 +239,7 @@ class Averaging:
     self.state = SyncGroupsState(self.outer_optimizer)
     self._anchors = {}  # id of a trainable variable -> its value at the last round.
     self._rounds = {}  # ids of the variables -> the round's tf.function.
+    self._first_group = {}  # ids of the variables -> its tf.function.
     # What passed between the groups: rounds, and the bytes of one
     # replica's weights they averaged (each round's all-reduce input).
     self.rounds = 0
@@ -228,14 +247,52 @@ class Averaging:
 
   def start(self, trainable):
     """Makes the rounds' state for the `trainable` weights, once per
-    variable: with an outer optimizer, their anchors (their values now: the
-    groups must agree, before training or after a round) and its slots;
-    with overlap, their snapshots. Made after a checkpoint was read, TF
-    restores them as they are made."""
+    variable: the rows' counters; with an outer optimizer, their anchors
+    (their values now: the groups must agree, before training or after a
+    round) and its slots; with overlap, their snapshots. Made after a
+    checkpoint was read, TF restores them as they are made."""
+    if self._strategy.num_sync_groups > 1 and self.state.rows is None:
+      self.state.rows = self._row_counter("sync_groups_rows")
+      if self.overlap:
+        self.state.snapshot_rows = self._row_counter(
+            "sync_groups_snapshot_rows")
     if self.outer_optimizer is not None:
       self._start_anchors(trainable)
     if self.overlap and self._strategy.num_sync_groups > 1:
       self._overlapped_functions(list(trainable))
+
+  def _row_counter(self, name):
+    """A count per replica, saved with every replica's (`ReplicaSum`)."""
+    def replica_sum(next_creator, **kwargs):
+      kwargs[variables_lib.REPLICA_SUM] = True
+      return next_creator(**kwargs)
+
+    with self._strategy.scope(), tf.variable_creator_scope(replica_sum):
+      return tf.Variable(0.0, trainable=False, name=name,
+                         synchronization=tf.VariableSynchronization.ON_READ,
+                         aggregation=tf.VariableAggregation.SUM)
+
+  def count_rows(self):
+    """In a replica's training step: adds its rows (the leading dimension of
+    the first tensor given to `strategy.run`, `ReplicaContext.batch_rows`)
+    to what the next round weighs it by. Keras's `fit` calls it; a custom
+    loop whose groups may see unequal rows calls it in its step, after
+    `strategy.sync_groups_step(0, ...)`."""
+    if self._strategy.num_sync_groups == 1:
+      return
+    if self.state.rows is None:
+      raise ValueError(
+          "Rows are counted into variables made before the first step: call "
+          "strategy.sync_groups_step(0, trainable_variables) before it.")
+    ctx = tf.distribute.get_replica_context()
+    rows = (ctx.batch_rows()
+            if isinstance(ctx, replica_context_lib.ReplicaContext) else None)
+    if rows is None:
+      raise ValueError(
+          "count_rows() counts the rows of the first tensor given to "
+          "strategy.run; call it inside strategy.run(step, args=(batch,)) "
+          "with a batch of rank 1 or more.")
+    self.state.rows.assign_add(tf.cast(rows.count, tf.float32))
 
   def _start_anchors(self, trainable):
     new = [v for v in trainable if id(v) not in self._anchors]
@@ -249,6 +306,43 @@ class Averaging:
         self.state.anchors.append(self._anchors[id(v)])
       if not self.outer_optimizer.built:
         self.outer_optimizer.build(list(trainable))
+
+  @contextlib.contextmanager
+  def first_group_everywhere(self, variables):
+    """While inside, every replica holds the first group's value of each
+    float variable among `variables` (what `get_weights` reads and a save
+    writes), so a prediction between rounds answers with one model; each
+    replica's own value after. Call it eagerly."""
+    variables = [_tf_variable(v) for v in _floats(variables)
+                 if isinstance(_tf_variable(v), tf.distribute.DistributedValues)]
+    if self._strategy.num_sync_groups == 1 or not variables:
+      yield
+      return
+    own = [_components(v) for v in variables]
+    key = tuple(id(v) for v in variables)
+    if key not in self._first_group:
+      self._first_group[key] = tf.function(
+          lambda: self._assign_first_group(variables), autograph=False)
+    self._in_scope(self._first_group[key])
+    try:
+      yield
+    finally:
+      for v, values in zip(variables, own):
+        for component, value in zip(v.values, values):
+          component.assign(value)
+
+  def _assign_first_group(self, variables):
+    # A sum in which only the first replica of all counts: it may lie on
+    # another worker.
+    first = self._strategy.extended.first_replica_id
+    values = [per_replica.wrap([
+        part if first + i == 0 else tf.zeros_like(part)
+        for i, part in enumerate(_components(v))]) for v in variables]
+    sums = self._strategy.extended.communicator.round_ops.batch_reduce(
+        tf.distribute.ReduceOp.SUM, [(p, p) for p in values])
+    for v, value in zip(variables, sums):
+      for component, part in zip(v.values, per_replica.parts(value)):
+        component.assign(part)
 
   def rounds_due(self, last_step, step):
     """Whether a multiple of `average_every` lies in (last_step, step]."""
@@ -273,14 +367,17 @@ class Averaging:
     non_trainable = _floats(non_trainable)
     self._check_anchors(trainable)
     self._apply_pending(trainable)
-    self._run_round(trainable, non_trainable)
+    self._run_round(trainable, non_trainable, restart_rows=True)
     self._count(trainable + non_trainable)
 
-  def _run_round(self, trainable, non_trainable):
-    key = tuple(id(v) for v in trainable + non_trainable)
+  def _run_round(self, trainable, non_trainable, restart_rows):
+    """The round of `trainable` and `non_trainable`, weighted by the rows
+    counted; `restart_rows`: then counts from zero."""
+    key = (tuple(id(v) for v in trainable + non_trainable), restart_rows)
     if key not in self._rounds:
       self._rounds[key] = tf.function(
-          lambda: self._round(trainable, non_trainable), autograph=False)
+          lambda: self._round(trainable, non_trainable, restart_rows),
+          autograph=False)
     with self._strategy.scope():
       self._rounds[key]()
 
@@ -300,12 +397,14 @@ class Averaging:
             f"training: {missing}. Call strategy.sync_groups_step(0, "
             f"trainable_variables) before the first step (Keras's fit does).")
 
-  def _round(self, trainable, non_trainable):
+  def _round(self, trainable, non_trainable, restart_rows):
     variables = [_tf_variable(v) for v in trainable + non_trainable]
-    means = self._means(variables)
+    means = self._means(variables, self.state.rows)
     for v, mean in zip(variables[len(trainable):], means[len(trainable):]):
       v.assign(mean)
     self._step_to(trainable, means[:len(trainable)])
+    if restart_rows:
+      _restart(self.state.rows)
 
   def _step_to(self, trainable, means):
     """Sets `trainable` to `means` (each a tensor or a `Mirrored`), or, with
@@ -329,7 +428,8 @@ class Averaging:
     self._check_anchors(trainable)
     self._apply_pending(trainable)
     if non_trainable:
-      self._run_round([], non_trainable)
+      # The snapshots take the rows and count from zero.
+      self._run_round([], non_trainable, restart_rows=False)
     snapshots, take_snapshots, exchange, _ = self._overlapped_functions(
         trainable)
     with self._strategy.scope():
@@ -369,13 +469,18 @@ class Averaging:
       self.state.snapshots.extend(snapshots)
 
       def take_snapshots():
-        for v, snapshot in zip(variables, snapshots):
+        pairs = list(zip(variables, snapshots))
+        if self.state.rows is not None:
+          pairs.append((self.state.rows, self.state.snapshot_rows))
+        for v, snapshot in pairs:
           for component, kept in zip(v.values, snapshot.values):
             kept.assign(component.read_value())
+        _restart(self.state.rows)
 
       def exchange():
         # Every replica agrees on each mean: the first part is everyone's.
-        return [per_replica.parts(m)[0] for m in self._means(snapshots)]
+        return [per_replica.parts(m)[0] for m in
+                self._means(snapshots, self.state.snapshot_rows)]
 
       def apply(means):
         progress = [[c.read_value() - s.read_value()
@@ -391,19 +496,48 @@ class Averaging:
                        for f in (take_snapshots, exchange, apply)))
     return self._overlapped[key]
 
-  def _means(self, variables):
-    """Each variable's mean over every replica of every group, a `Mirrored`."""
-    values = []
-    for v in variables:
-      parts = []
-      for component in v.values:
-        with tf.device(component.device):
-          parts.append(component.read_value())
-      values.append(per_replica.wrap(parts))
-    if not values:
+  def _means(self, variables, rows):
+    """Each variable's mean over every replica of every group, a `Mirrored`,
+    each replica weighted by its part of `rows` (None, or none counted:
+    equally)."""
+    if not variables:
       return []
-    return self._strategy.extended.communicator.round_ops.batch_reduce(
-        tf.distribute.ReduceOp.MEAN, [(p, p) for p in values])
+    ops = self._strategy.extended.communicator.round_ops
+    values = [_components(v) for v in variables]
+    if rows is not None:
+      scales = self._row_scales(ops, rows)
+      # A replica of no rows counts for nothing, whatever its weights hold.
+      values = [[tf.math.multiply_no_nan(p, tf.cast(s, p.dtype))
+                 for p, s in zip(parts, scales)] for parts in values]
+    values = [per_replica.wrap(parts) for parts in values]
+    return ops.batch_reduce(tf.distribute.ReduceOp.MEAN,
+                            [(p, p) for p in values])
+
+  def _row_scales(self, ops, rows):
+    """Each local replica's rows times the replicas, over every replica's
+    rows: exactly 1 for each when all counted as many, or none counted."""
+    counts = per_replica.wrap(_components(rows))
+    totals = per_replica.parts(
+        ops.reduce(tf.distribute.ReduceOp.SUM, counts, counts))
+    replicas = float(self._strategy.extended.num_replicas_in_all_groups)
+    return [tf.where(total > 0, count * replicas / total, 1.0)
+            for count, total in zip(per_replica.parts(counts), totals)]
+
+
+def _components(variable):
+  """Each local replica's value of `variable`, read on its device."""
+  parts = []
+  for component in variable.values:
+    with tf.device(component.device):
+      parts.append(component.read_value())
+  return parts
+
+
+def _restart(rows):
+  """Every local replica's count of `rows` (if any) back to zero."""
+  if rows is not None:
+    for component in rows.values:
+      component.assign(tf.zeros_like(component))
 
 
 def _floats(variables):

@@ -105,6 +105,11 @@ def uses_weight_decay(optimizer, variable):
   return optimizer._use_weight_decay(variable)  # pylint: disable=protected-access
 
 
+def is_fit_validation(evaluate_kwargs):
+  """Whether `Model.evaluate` was called by `fit` to validate."""
+  return bool(evaluate_kwargs.get("_use_cached_eval_dataset"))
+
+
 def supports_jit(model):
   """Whether Keras would compile `model` with XLA (no layer refuses it)."""
   return trainer.model_supports_jit(model)

@@ -155,11 +155,17 @@ PATCHES = (
     Patch(ki.tf_trainer, "reduce_per_replica",
           training.concat_across_workers,
           "predict across several ReplicatorStrategy workers"),
+    Patch(_MODEL, "_make_function", sync_group_rounds.rows_counted,
+          _GROUPS + ": the train step counts its rows for the rounds"),
     Patch(_MODEL, "make_train_function",
           sync_group_rounds.rounds_after_steps,
           _GROUPS + ": averaging rounds every average_every steps"),
     Patch(_MODEL, "fit", sync_group_rounds.last_round,
           _GROUPS + " and the last step did not average"),
+    *(Patch(_MODEL, name, sync_group_rounds.with_one_model,
+            _GROUPS + ": answered by the first group's weights")
+      for name in ("predict", "evaluate", "predict_on_batch",
+                   "test_on_batch")),
     # Before chief_writes' entries: those wrap these.
     Patch(_BACKUP, "_save_model",
           sync_group_rounds.group_state_beside_backup,

@@ -5,9 +5,14 @@ function is followed, after each call, by a look at the optimizer's
 `iterations` (the steps done, which checkpoints keep): when it passed a
 multiple of H, an averaging round runs (`replicator_strategy.sync_groups`).
 Before the first step the weights are kept as the first round's `old` (with
-an outer optimizer). When `fit` returns, a last round runs if the last step
-did not average (or left an overlapped exchange in flight), so `evaluate`,
-`predict` and saving see one model.
+an outer optimizer). Each train step counts its replicas' rows, which a
+round weighs the groups by (`Averaging.count_rows`). When `fit` returns, a
+last round runs if the last step did not average (or left an overlapped
+exchange in flight), so `evaluate`, `predict` and saving see one model.
+Called between rounds (a custom loop's, or a callback's), `predict`,
+`evaluate` and their `_on_batch` forms answer with the first group's
+weights, which `get_weights()` and `save()` return; `fit`'s own validation
+runs on each group's.
 
 A `BackupAndRestore` backup, taken between rounds, holds one value per
 weight (its `.weights.h5` file); beside it a `tf.train.Checkpoint` of the
@@ -39,6 +44,7 @@ import weakref
 import tensorflow as tf
 
 from replicator_strategy import strategy as strategy_lib
+from replicator_strategy.keras import _internal as ki
 
 
 @dataclasses.dataclass
@@ -70,6 +76,26 @@ def _average(model, scheduled):
     averaging.average(model.trainable_weights, model.non_trainable_weights)
   # An overlapped round leaves its exchange in flight.
   _rounds[model].last_step_averaged = not (scheduled and averaging.overlap)
+
+
+def rows_counted(make_function):
+  """Keras's step maker, with the train step counting its rows for the
+  rounds."""
+
+  @functools.wraps(make_function)
+  def wrapper(self, step_function):
+    if _grouped(self) and step_function == self.train_step:
+      averaging = self.distribute_strategy.averaging
+      train_step = step_function
+
+      @functools.wraps(train_step)
+      def step_function(data):
+        averaging.count_rows()
+        return train_step(data)
+
+    return make_function(self, step_function)
+
+  return wrapper
 
 
 def rounds_after_steps(make_train_function):
@@ -113,6 +139,21 @@ def last_round(fit):
     if _grouped(self) and rounds is not None and not rounds.last_step_averaged:
       _average(self, scheduled=False)
     return history
+
+  return wrapper
+
+
+def with_one_model(method):
+  """Keras's `predict`, `evaluate` or their `_on_batch`, answered by the
+  first group's weights on every replica (not fit's validation)."""
+
+  @functools.wraps(method)
+  def wrapper(self, *args, **kwargs):
+    if not _grouped(self) or ki.is_fit_validation(kwargs):
+      return method(self, *args, **kwargs)
+    with self.distribute_strategy.averaging.first_group_everywhere(
+        self.weights):
+      return method(self, *args, **kwargs)
 
   return wrapper
 

@@ -130,6 +130,35 @@ class MapGatherTest(unittest.TestCase):
                      for k in range(NUM_THUNKS)], rtol=1e-5)
 
 
+class MapGatherSyncGroupsTest(unittest.TestCase):
+  """With sync groups each group shares out the thunks among its replicas."""
+
+  @parameterized.expand(_MODES)
+  def test_every_group_gets_every_result(self, _, mode):
+    strategy = topology.strategy_over(4, sync_groups=2)
+    ran = []  # (thunk, replica) of each run of a thunk.
+
+    def replica_fn(call):
+      ctx = tf.distribute.get_replica_context()
+      rid = ctx.replica_id_in_sync_group
+
+      def thunk(k):
+        def record(replica):
+          ran.append((k, int(replica)))
+          return np.float32(k + 1)
+        return tf.reshape(tf.py_function(record, [rid], tf.float32), [])
+
+      return call(lambda: ctx.map_gather([lambda k=k: thunk(k)
+                                          for k in range(NUM_THUNKS)]))
+
+    out = _step(strategy, replica_fn, mode)()
+    assert_per_replica(self, strategy, out,
+                       [tuple(k + 1.0 for k in range(NUM_THUNKS))] * 4)
+    # Thunk k on replica k mod 2 of each group: 0, 1 in group 0; 2, 3 in 1.
+    self.assertEqual(sorted(ran), sorted(
+        (k, group + k % 2) for k in range(NUM_THUNKS) for group in (0, 2)))
+
+
 class MapGatherInputTest(unittest.TestCase):
 
   def _refused(self, error, pattern, thunks, fn=None, traced=False):

@@ -48,10 +48,12 @@ def compiled_model(strategy, optimizer=None, steps_per_execution=1):
 
 
 def fit(strategy, epochs=2, callbacks=(), optimizer=None,
-        steps_per_execution=1):
+        steps_per_execution=1, rows=ROWS):
+  """`rows` of the data: 54 ends each epoch with a batch of 6."""
   model = compiled_model(strategy, optimizer, steps_per_execution)
   x, y = data()
-  history = model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=epochs,
+  history = model.fit(x[:rows], y[:rows], batch_size=GLOBAL_BATCH,
+                      epochs=epochs,
                       shuffle=False, verbose=0, callbacks=list(callbacks))
   return model, history.history["loss"]
 
@@ -62,8 +64,8 @@ def nesterov():
 
 
 @functools.cache
-def synchronous_fit():
-  model, losses = fit(topology.strategy_over(4))
+def synchronous_fit(rows=ROWS):
+  model, losses = fit(topology.strategy_over(4), rows=rows)
   return tuple(model.get_weights()), tuple(losses)
 
 
@@ -83,7 +85,7 @@ class GroupsTest(unittest.TestCase):
     self.assertIn("in each of 2 sync groups", repr(strategy))
 
   def test_one_group_is_the_synchronous_strategy_exactly(self):
-    strategy = topology.strategy_over(4, sync_groups=1, average_every=5)
+    strategy = topology.strategy_over(4, sync_groups=1)
     # The same code path: the plain communicator, no grouping around it.
     self.assertIs(type(strategy.extended.communicator),
                   communicator_lib.Communicator)
@@ -144,6 +146,16 @@ class AveragingTest(unittest.TestCase):
       np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL)
     assert_per_replica(self, strategy, model.layers[0].kernel.value,
                        [weights[0]] * 4, rtol=RTOL, atol=ATOL)
+
+  def test_an_uneven_last_batch_averages_the_groups_by_their_rows(self):
+    # Each epoch's last batch, 6 rows, splits unevenly between the groups:
+    # their mean gradients count by rows, as in one batch of 6.
+    strategy = topology.strategy_over(4, sync_groups=2, average_every=1)
+    model, losses = fit(strategy, rows=54)
+    weights, sync_losses = synchronous_fit(rows=54)
+    np.testing.assert_allclose(losses, sync_losses, rtol=RTOL)
+    for got, want in zip(model.get_weights(), weights):
+      np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL)
 
   @pytest.mark.slow
   def test_groups_of_one_replica_averaging_every_step_are_synchronous(self):
@@ -313,6 +325,39 @@ class OverlapTest(unittest.TestCase):
   def test_overlap_is_true_or_false(self):
     with self.assertRaisesRegex(ValueError, r"overlap_averaging='yes'"):
       topology.strategy_over(4, sync_groups=2, overlap_averaging="yes")
+
+
+class OneModelTest(unittest.TestCase):
+  """Between rounds, predict and evaluate answer with one model: the first
+  group's, which get_weights() and save() return."""
+
+  def test_predict_and_evaluate_between_rounds(self):
+    strategy = topology.strategy_over(4, sync_groups=2, average_every=1000)
+    model = compiled_model(strategy)
+    kernel = model.layers[0].kernel
+
+    def group_steps():  # As a step would, each group its own way.
+      group = tf.distribute.get_replica_context().sync_group
+      kernel.assign(kernel + 0.1 * tf.cast(group + 1, tf.float32))
+
+    strategy.run(group_steps)
+    apart = kernels(strategy, model)
+    self.assertFalse(np.allclose(apart[0], apart[2]))
+    one = models.small_mlp()
+    one.set_weights(model.get_weights())
+    one.compile(keras.optimizers.SGD(0.1), "mse")
+    x, y = (a[:GLOBAL_BATCH] for a in data())
+    np.testing.assert_allclose(model.predict(x, verbose=0),
+                               one.predict(x, verbose=0), rtol=RTOL,
+                               atol=ATOL)
+    np.testing.assert_allclose(model.predict_on_batch(x),
+                               one.predict_on_batch(x), rtol=RTOL, atol=ATOL)
+    np.testing.assert_allclose(model.evaluate(x, y, verbose=0),
+                               one.evaluate(x, y, verbose=0), rtol=RTOL)
+    np.testing.assert_allclose(model.test_on_batch(x, y),
+                               one.test_on_batch(x, y), rtol=RTOL)
+    # Each group keeps its own weights.
+    assert_per_replica(self, strategy, model.layers[0].kernel.value, apart)
 
 
 class CheckpointTest(unittest.TestCase):
@@ -511,6 +556,15 @@ class BadInputTest(unittest.TestCase):
   def test_an_outer_optimizer_with_one_group(self):
     self.assert_refused(r"sync_groups=1 has no rounds",
                         outer_optimizer=keras.optimizers.SGD(1.0))
+
+  def test_rounds_options_with_one_group(self):
+    self.assert_refused(r"`average_every` sets the steps between sync groups' "
+                        r"averaging rounds, but sync_groups=1 has no rounds\. "
+                        r"Received: average_every=8\. Pass sync_groups > 1",
+                        average_every=8)
+    self.assert_refused(r"`overlap_averaging` overlaps .*sync_groups=1 has no "
+                        r"rounds\. Received: overlap_averaging=True",
+                        overlap_averaging=True)
 
   def test_what_does_not_combine_yet(self):
     self.assert_refused(r"does not combine with shard_optimizer_state=True",
