@@ -167,6 +167,7 @@ class ReplicaContext(tfi.ThreadReplicaContext):
     Inside control flow every replica's value must have the same shape.
     """
     checks.refuse_cross_replica_context("all_gather")
+    checks.refuse_indexed_slices(value, "all_gather")
     value = _own_tensors(value, "all_gather")
     flat = tf.nest.flatten(value)
     paths = [path for path, _ in tfi.nest.flatten_with_tuple_paths(value)]
@@ -221,7 +222,9 @@ class ReplicaContext(tfi.ThreadReplicaContext):
     flat, axes = checks.split_evenly(value, axis, n, "reduce_scatter", "axis")
 
     def grad(xs, ys, dys):
-      full_dys = [self.all_gather(dy, a) for dy, a in zip(dys, axes)]
+      # Dense: a slice read with tf.gather sends back IndexedSlices.
+      full_dys = [self.all_gather(tf.convert_to_tensor(dy), a)
+                  for dy, a in zip(dys, axes)]
       if op == reduce_op_lib.ReduceOp.SUM:
         return full_dys
       if op == reduce_op_lib.ReduceOp.MEAN:
