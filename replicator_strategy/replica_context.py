@@ -466,8 +466,9 @@ class ReplicaContext(tfi.ThreadReplicaContext):
     """This replica's count of the exchanges traced before this one in its
     home graph: the same for the same exchange on every replica."""
     counts = tfi.owned_by(self._home_graph, "exchanges_traced")
-    position = counts.get(self.local_index, 0)
-    counts[self.local_index] = position + 1
+    key = (id(self.strategy), self.local_index)
+    position = counts.get(key, 0)
+    counts[key] = position + 1
     return position
 
   def _built_for_outer_tape(self):
@@ -497,7 +498,8 @@ class ReplicaContext(tfi.ThreadReplicaContext):
           "called inside a tf.cond (or loop) of the replica function; its "
           "gradient's collectives could not keep one order on every "
           "replica. " + _OUTER_TAPE_FIX)
-    built = tfi.owned_by(graph, "exchanges_differentiated")
+    built = tfi.owned_by(graph, "exchanges_differentiated").setdefault(
+        id(self.strategy), {})
     mine = built.setdefault(self.local_index, [])
     mine.append(position)
     for replica, theirs in built.items():
