@@ -46,6 +46,7 @@ _check_tf_version()
 
 # pylint: disable=g-import-not-at-top,unused-import
 from tensorflow.compiler.xla.tsl.protobuf import coordination_config_pb2
+from tensorflow.python import pywrap_tfe
 from tensorflow.python.distribute import collective_util
 from tensorflow.python.distribute import cross_device_ops
 from tensorflow.python.distribute import cross_device_utils
@@ -85,6 +86,7 @@ FuncGraph = func_graph.FuncGraph
 VARIABLE_VALUE_KEY = trackable_constants.VARIABLE_VALUE_KEY
 WHILE_LOOP_GRAPHS = (control_flow_v2_func_graphs.WhileBodyFuncGraph,
                      control_flow_v2_func_graphs.WhileCondFuncGraph)
+CONTROL_FLOW_GRAPH = control_flow_v2_func_graphs.ControlFlowFuncGraph
 
 # The private methods of TF's `DistributedVariable` that
 # `sharding.variables.ShardedVariable` and
@@ -284,6 +286,12 @@ def differentiating_for_higher_order():
   for a persistent or nested `GradientTape` (its "cflow_gradient_wrapper")."""
   return control_flow_util_v2.graph_wrapped_for_higher_order_tape_gradients(
       tf.compat.v1.get_default_graph())
+
+
+def tape_recording():
+  """Whether a `GradientTape` (or forward accumulator) of this thread records."""
+  return (record.could_possibly_record() and
+          not pywrap_tfe.TFE_Py_TapeSetIsStopped())
 
 
 def uninitialized_variable(shape, dtype, name, trainable):

@@ -167,6 +167,7 @@ class ReplicaContext(tfi.ThreadReplicaContext):
     Inside control flow every replica's value must have the same shape.
     """
     checks.refuse_cross_replica_context("all_gather")
+    checks.refuse_indexed_slices(value, "all_gather")
     value = _own_tensors(value, "all_gather")
     flat = tf.nest.flatten(value)
     paths = [path for path, _ in tfi.nest.flatten_with_tuple_paths(value)]
@@ -221,7 +222,9 @@ class ReplicaContext(tfi.ThreadReplicaContext):
     flat, axes = checks.split_evenly(value, axis, n, "reduce_scatter", "axis")
 
     def grad(xs, ys, dys):
-      full_dys = [self.all_gather(dy, a) for dy, a in zip(dys, axes)]
+      # Dense: a slice read with tf.gather sends back IndexedSlices.
+      full_dys = [self.all_gather(tf.convert_to_tensor(dy), a)
+                  for dy, a in zip(dys, axes)]
       if op == reduce_op_lib.ReduceOp.SUM:
         return full_dys
       if op == reduce_op_lib.ReduceOp.MEAN:
@@ -405,10 +408,16 @@ class ReplicaContext(tfi.ThreadReplicaContext):
   def collective_keys(self, count, collectives=None):
     """Instance keys for this replica's next `count` run-time collectives
     (of its own group's, or of `collectives`)."""
-    replica_collectives.check_not_in_replica_loop(self._home_graph)
-    replica_collectives.check_in_function(self._home_graph)
+    graph = self._home_graph
+    if self._built_for_outer_tape():
+      # The home graph's function was traced before: it takes no new
+      # captures. `_check_outer_tape_order` refused control flow here.
+      graph = tf.compat.v1.get_default_graph()
+    else:
+      replica_collectives.check_not_in_replica_loop(graph)
+      replica_collectives.check_in_function(graph)
     return (collectives or self._collectives).draw_keys(
-        self.local_index, count, self._home_graph)
+        self.local_index, count, graph)
 
   def _exchange(self, merge_fn, collective_fn, xs, grad, keys_per_tensor=1,
                 collectives=None):
@@ -422,6 +431,7 @@ class ReplicaContext(tfi.ThreadReplicaContext):
     branch launches run-time collectives too).
     """
     merging = self.can_merge
+    position = self._next_exchange()
     if not merging:
       # Drawn outside the custom gradient, which would otherwise take the
       # key counters for variables to differentiate.
@@ -448,11 +458,71 @@ class ReplicaContext(tfi.ThreadReplicaContext):
               "that no other tape watches; this one is persistent, or nested "
               "in another tape. Use one non-persistent tape per gradient, or "
               "call the collective outside the tf.cond.")
+        self._check_outer_tape_order(position)
         return grad(list(xs), ys, list(dys))
 
       return list(ys), gradient
 
     return exchange(*xs)
+
+  def _next_exchange(self):
+    """This replica's count of the exchanges traced before this one in its
+    home graph: the same for the same exchange on every replica."""
+    counts = tfi.owned_by(self._home_graph, "exchanges_traced")
+    key = (id(self.strategy), self.local_index)
+    position = counts.get(key, 0)
+    counts[key] = position + 1
+    return position
+
+  def _built_for_outer_tape(self):
+    """Whether this replica's ops are being built outside its thread: by a
+    gradient that a tape outside strategy.run takes of the whole step."""
+    return tf.distribute.get_replica_context() is not self
+
+  def _check_outer_tape_order(self, position):
+    """Refuses a gradient of exchanges that the replicas would launch in
+    different orders.
+
+    A tape outside the `tf.function` that calls strategy.run differentiates
+    the whole function, every replica at once, outside the replicas' home
+    graph: TF builds the replicas' gradients interleaved, in an order of its
+    own, and each replica launches its run-time collectives in the order
+    they are built. Where that order differs between replicas, or lies in a
+    gradient's control flow (not ordered at all), the collectives could only
+    wait for each other or meet the wrong partners.
+    """
+    if not self._built_for_outer_tape():
+      return  # A gradient inside strategy.run: built replica by replica.
+    graph = tf.compat.v1.get_default_graph()
+    if isinstance(graph, tfi.CONTROL_FLOW_GRAPH):
+      raise NotImplementedError(
+          "ReplicatorStrategy: a tf.GradientTape outside the tf.function "
+          "that calls strategy.run differentiates a cross-replica collective "
+          "called inside a tf.cond (or loop) of the replica function; its "
+          "gradient's collectives could not keep one order on every "
+          "replica. " + _OUTER_TAPE_FIX)
+    built = tfi.owned_by(graph, "exchanges_differentiated").setdefault(
+        id(self.strategy), {})
+    mine = built.setdefault(self.local_index, [])
+    mine.append(position)
+    for replica, theirs in built.items():
+      if len(theirs) >= len(mine) and theirs[len(mine) - 1] != position:
+        raise NotImplementedError(
+            f"ReplicatorStrategy: a tf.GradientTape outside the tf.function "
+            f"that calls strategy.run differentiates its cross-replica "
+            f"collectives in an order that differs between replicas: "
+            f"TensorFlow builds that gradient for every replica at once, "
+            f"here reaching collective #{position + 1} of local replica "
+            f"{self.local_index} where it reached collective "
+            f"#{theirs[len(mine) - 1] + 1} of local replica {replica}. "
+            f"Their gradients' collectives would wait for each other. " +
+            _OUTER_TAPE_FIX)
+
+
+_OUTER_TAPE_FIX = (
+    "Take the gradient inside the function given to strategy.run (a "
+    "tf.GradientTape there, then all-reduce the gradients or apply them with "
+    "an optimizer, as Keras's train_step does).")
 
 
 def _has_indexed_slices(value):

@@ -18,11 +18,22 @@ of unknown rows.
 """
 
 import contextlib
+import warnings
 
 import tensorflow as tf
 
 from replicator_strategy import _tf_internal as tfi
 from replicator_strategy import replica_context
+
+
+_OUTER_TAPE_EAGERLY = (
+    "ReplicatorStrategy: strategy.run was called eagerly inside a "
+    "tf.GradientTape. The replicas run in threads of their own, which that "
+    "tape does not watch: its gradients of anything they compute are None. "
+    "Take the gradient inside the function given to strategy.run (a "
+    "GradientTape there, as Keras's train_step does), or call strategy.run "
+    "inside a tf.function: an outer tape then gives replica 0's share of the "
+    "gradient, as with MirroredStrategy.")
 
 
 def call_for_each_replica(strategy, fn, args, kwargs):
@@ -53,6 +64,9 @@ def call_for_each_replica(strategy, fn, args, kwargs):
     return lifted(*args, **kwargs)
   if not tf.executing_eagerly():
     fn = tfi.autograph.tf_convert(fn, tfi.ag_ctx.control_status_ctx())
+  elif tfi.tape_recording():
+    # Tapes are per thread and the replicas run in threads of their own.
+    warnings.warn(_OUTER_TAPE_EAGERLY, stacklevel=1)  # This line: once.
 
   @tfi.autograph.do_not_convert
   def in_replica_context(*a, **k):

@@ -54,6 +54,22 @@ def reject_none(value, argument, api):
           f"`{argument}`, or put a tensor in its place.")
 
 
+def refuse_indexed_slices(value, api):
+  """A NotImplementedError naming the first `tf.IndexedSlices` in `value`,
+  as TF's strategies raise for all_gather (densified silently, it would
+  hand back every replica's dense shape, mostly zeros)."""
+  for path, leaf in tfi.nest.flatten_with_tuple_paths(value):
+    if isinstance(leaf, tf.IndexedSlices):
+      where = "value" + "".join(f"[{key!r}]" for key in path)
+      raise NotImplementedError(
+          f"ReplicaContext.{api}: {api} does not support IndexedSlices, as "
+          f"in TensorFlow's own strategies. Received: {where}, an "
+          f"IndexedSlices. Gather "
+          f"tf.convert_to_tensor({where}) for the dense tensor, or its "
+          f".values and .indices (each replica's indices point into its "
+          f"own dense tensor).")
+
+
 def normalized_axis(tensor, axis, api, argument):
   """`axis` of `tensor` as a non-negative int; a ValueError if it has none."""
   rank = tensor.shape.rank

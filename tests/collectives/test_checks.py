@@ -4,6 +4,7 @@ import functools
 import re
 import unittest
 
+from parameterized import parameterized
 import tensorflow as tf
 
 from replicator_strategy.collectives import checks
@@ -83,6 +84,40 @@ class ArgumentsTest(unittest.TestCase):
         RuntimeError, "ReplicaContext.all_gather was called in cross-replica "
         "context"):
       checks.refuse_cross_replica_context("all_gather")
+
+
+class IndexedSlicesTest(unittest.TestCase):
+  """all_gather refuses IndexedSlices, as TF's strategies, in every mode.
+
+  Eagerly it used to densify them silently (every replica's whole dense
+  tensor, mostly zeros); traced it failed inside custom_gradient ("Expected
+  a type in (Tensor), got IndexedSlices").
+  """
+
+  @parameterized.expand([
+      ("eager", lambda fn: fn),
+      ("function", tf.function),
+      ("function_inside_a_cond", lambda fn: tf.function(
+          lambda x: tf.cond(tf.constant(True), lambda: fn(x),
+                            lambda: fn(x)))),
+  ])
+  def test_all_gather_of_indexed_slices_is_refused(self, _, wrap):
+    strategy = topology.strategy_over(2)
+    slices = tf.IndexedSlices(values=tf.constant([[1.0, 2.0]]),
+                              indices=tf.constant([2]),
+                              dense_shape=tf.constant([5, 2]))
+
+    def gather(x):
+      ctx = tf.distribute.get_replica_context()
+      return ctx.all_gather({"dense": tf.zeros([1]), "sparse": x}, axis=0)
+
+    with self.assertRaisesRegex(
+        NotImplementedError, re.escape(
+            "ReplicaContext.all_gather: all_gather does not support "
+            "IndexedSlices, as in TensorFlow's own strategies. Received: "
+            "value['sparse'], an IndexedSlices. Gather "
+            "tf.convert_to_tensor(value['sparse']) for the dense tensor")):
+      strategy.run(wrap(gather), args=(slices,))
 
 
 if __name__ == "__main__":

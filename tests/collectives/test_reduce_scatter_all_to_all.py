@@ -122,6 +122,27 @@ class ReduceScatterTest(unittest.TestCase):
         np.testing.assert_allclose(
             grads[op], np.where(xs[r] == extreme, upstream, 0.0), rtol=1e-6)
 
+  @parameterized.expand(_MODES)
+  def test_gradient_of_a_slice_read_with_gather_is_dense(self, _, traced):
+    # The upstream gradient arrives as IndexedSlices; traced, it failed
+    # inside custom_gradient ("Expected a type in (Tensor), got
+    # IndexedSlices"), eagerly all_gather densified it.
+    n = 2
+    strategy = topology.strategy_over(n)
+    xs = replica_values(n, (4,))
+
+    def fn():
+      x = own_row(xs)
+      with tf.GradientTape() as tape:
+        tape.watch(x)
+        loss = tf.reduce_sum(tf.gather(
+            tf.distribute.get_replica_context().reduce_scatter("sum", x), [1]))
+      return tape.gradient(loss, x)
+
+    # Replica r's loss reads row 1 of its slice r: row 2r + 1 of the sum.
+    for grad in run_per_replica(strategy, fn, traced):
+      np.testing.assert_allclose(grad, [0.0, 1.0, 0.0, 1.0])
+
   def test_ties_split_the_gradient(self):
     strategy = topology.strategy_over(4)
 
