@@ -86,6 +86,11 @@ PATCHES = (
     Patch(ki.loss, "unscale_loss_for_distribution",
           functools.partial(training.scale_by_batch_share,
                             scale=False), _UNDER_US),
+    Patch(_MODEL, "_compute_loss", training.loss_scaled_whole,
+          _UNDER_US + ": the loss compute_loss returns, scaled as a whole"),
+    Patch(_MODEL, "compute_loss", training.warn_override_unscaled,
+          _UNDER_US + ", called by an override of compute_loss from a step "
+          "of its own (a warning, once per class)"),
     Patch(_OPTIMIZER, "_backend_apply_gradients",
           training.reduce_before_clipping,
           _UNDER_US + " and the optimizer clips"),
