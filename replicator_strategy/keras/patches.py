@@ -112,6 +112,10 @@ PATCHES = (
     Patch(_OPTIMIZER, "_all_reduce_sum_gradients",
           training.skip_if_reduced,
           "the gradients were all-reduced before clipping"),
+    Patch(_OPTIMIZER, "_all_reduce_sum_gradients",
+          training.slices_as_on_one_device,
+          _UNDER_US + " and a sparse gradient's rows are constants (an "
+          "Embedding of positions)"),
     Patch(_OPTIMIZER, "add_variable_from_reference",
           sharded_optimizer.shard_slots, _SHARDING),
     Patch(_OPTIMIZER, "_backend_update_step",

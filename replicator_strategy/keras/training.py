@@ -338,6 +338,64 @@ def skip_if_reduced(all_reduce_sum_gradients):
   return wrapper
 
 
+def slices_as_on_one_device(all_reduce_sum_gradients):
+  """The optimizer's gradient sum, with rows every replica looks up alike
+  summed row by row, as one device's gradient has them.
+
+  The all-reduce of an `IndexedSlices` gradient concatenates the replicas'
+  slices: one device's own for a lookup of the batch's rows (a slice per
+  token), but a lookup at rows that do not depend on the batch (an
+  `Embedding` of positions, `arange` with no batch axis) gives one slice per
+  row on one device, the batch's sum, and N after the all-reduce. Keras's
+  Adam squares each slice, so its second moment differs (slices 1 and 2 at
+  one row give 5, one device's 3 gives 9). Here such a gradient's values are
+  summed across the replicas and its indices kept.
+  """
+
+  @functools.wraps(all_reduce_sum_gradients)
+  def wrapper(self, grads_and_vars):
+    pairs = list(grads_and_vars)
+    alike = [_in_our_replicas() and isinstance(g, tf.IndexedSlices) and
+             computed_from_constants(g.indices) for g, _ in pairs]
+    if not any(alike):
+      return all_reduce_sum_gradients(self, pairs)
+    summed = all_reduce_sum_gradients(
+        self, [(g.values, v) if a else (g, v)
+               for (g, v), a in zip(pairs, alike)])
+    return [(tf.IndexedSlices(s, g.indices, g.dense_shape), v) if a else (s, v)
+            for (g, _), (s, v), a in zip(pairs, summed, alike)]
+
+  return wrapper
+
+
+def computed_from_constants(tensor):
+  """Whether the traced `tensor` is computed from constants alone, by ops
+  that are not stateful: then it is the same on every replica.
+
+  False where that is not known: an eager tensor, or one that depends on a
+  function's inputs (the batch), a variable or a random op.
+
+  >>> @tf.function
+  ... def traced(x):
+  ...   return (computed_from_constants(tf.range(5) * 2),
+  ...           computed_from_constants(tf.range(tf.shape(x)[0])))
+  >>> traced(tf.ones([3]))
+  (True, False)
+  """
+  if tf.executing_eagerly() or not hasattr(tensor, "op"):
+    return False
+  seen, pending = set(), [tensor.op]
+  while pending:
+    op = pending.pop()
+    if op in seen or op.type == "Const":
+      continue
+    if not op.inputs or op.op_def.is_stateful:
+      return False
+    seen.add(op)
+    pending.extend(t.op for t in op.inputs)
+  return True
+
+
 def takes_global_batch_dataset(is_tf_dataset):
 
   @functools.wraps(is_tf_dataset)
