@@ -375,12 +375,15 @@ def computed_from_constants(tensor):
   False where that is not known: an eager tensor, or one that depends on a
   function's inputs (the batch), a variable or a random op.
 
-  >>> @tf.function
+  >>> found = []
+  >>> @tf.function(input_signature=[tf.TensorSpec([None])])
   ... def traced(x):
-  ...   return (computed_from_constants(tf.range(5) * 2),
-  ...           computed_from_constants(tf.range(tf.shape(x)[0])))
-  >>> traced(tf.ones([3]))
-  (True, False)
+  ...   found.append(computed_from_constants(tf.range(5) * 2))
+  ...   found.append(computed_from_constants(tf.range(tf.shape(x)[0])))
+  ...   return x
+  >>> _ = traced(tf.ones([3]))
+  >>> found
+  [True, False]
   """
   if tf.executing_eagerly() or not hasattr(tensor, "op"):
     return False
