@@ -1,4 +1,4 @@
-"""Seven things Keras 3 gets wrong under any strategy, put right for this one.
+"""Eight things Keras 3 gets wrong under any strategy, put right for this one.
 
 - Per-batch logs (the progress bar, `on_*_batch_end` callbacks, the return of
   `train_on_batch`) are averages of each replica's *local* metric results,
@@ -27,6 +27,10 @@
 - Gradient clipping (`clipnorm`, `global_clipnorm`, `clipvalue`) clips each
   replica's share of the gradient before the all-reduce, which is not the
   clipped global gradient. Here clipping optimizers all-reduce first.
+- The all-reduce of a sparse gradient keeps every replica's slice at a row
+  apart, where one device has one slice for a lookup that does not depend
+  on the batch (an `Embedding` of positions), and Keras's Adam squares each
+  slice. Here such slices are summed, as one device has them.
 - Across workers, `predict` concatenates this worker's replicas only (Keras
   gathers every worker's rows for MultiWorkerMirroredStrategy alone). Here
   every worker gets all rows, in order.
