@@ -86,6 +86,11 @@ PATCHES = (
     Patch(ki.loss, "unscale_loss_for_distribution",
           functools.partial(training.scale_by_batch_share,
                             scale=False), _UNDER_US),
+    Patch(_MODEL, "_compute_loss", training.loss_scaled_whole,
+          _UNDER_US + ": the loss compute_loss returns, scaled as a whole"),
+    Patch(_MODEL, "compute_loss", training.warn_override_unscaled,
+          _UNDER_US + ", called by an override of compute_loss from a step "
+          "of its own (a warning, once per class)"),
     Patch(_OPTIMIZER, "_backend_apply_gradients",
           training.reduce_before_clipping,
           _UNDER_US + " and the optimizer clips"),
@@ -107,6 +112,10 @@ PATCHES = (
     Patch(_OPTIMIZER, "_all_reduce_sum_gradients",
           training.skip_if_reduced,
           "the gradients were all-reduced before clipping"),
+    Patch(_OPTIMIZER, "_all_reduce_sum_gradients",
+          training.slices_as_on_one_device,
+          _UNDER_US + " and a sparse gradient's rows are constants (an "
+          "Embedding of positions)"),
     Patch(_OPTIMIZER, "add_variable_from_reference",
           sharded_optimizer.shard_slots, _SHARDING),
     Patch(_OPTIMIZER, "_backend_update_step",

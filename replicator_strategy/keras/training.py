@@ -1,4 +1,4 @@
-"""Seven things Keras 3 gets wrong under any strategy, put right for this one.
+"""Eight things Keras 3 gets wrong under any strategy, put right for this one.
 
 - Per-batch logs (the progress bar, `on_*_batch_end` callbacks, the return of
   `train_on_batch`) are averages of each replica's *local* metric results,
@@ -13,7 +13,10 @@
   replica has as many rows; a final partial batch then trains differently
   from one device. And the scaled value is what a custom `train_step` sees
   and logs (the loss / N). Here the loss keeps its value, the replica's mean,
-  and its gradient is scaled by the replica's share of the rows.
+  and its gradient is scaled by the replica's share of the rows. And Keras
+  scales only the pieces it computes, so what a `compute_loss` override adds
+  to `super().compute_loss(...)` trains N times as strongly; here the value
+  `compute_loss` returns to Keras's steps is scaled as a whole.
 - Before the first step Keras builds the model from the first batch, averaged
   over the replicas, which fails when the batch splits unevenly, or on a
   sparse batch, or on zero rows, or for a model with no `call()` (a GAN
@@ -24,6 +27,10 @@
 - Gradient clipping (`clipnorm`, `global_clipnorm`, `clipvalue`) clips each
   replica's share of the gradient before the all-reduce, which is not the
   clipped global gradient. Here clipping optimizers all-reduce first.
+- The all-reduce of a sparse gradient keeps every replica's slice at a row
+  apart, where one device has one slice for a lookup that does not depend
+  on the batch (an `Embedding` of positions), and Keras's Adam squares each
+  slice. Here such slices are summed, as one device has them.
 - Across workers, `predict` concatenates this worker's replicas only (Keras
   gathers every worker's rows for MultiWorkerMirroredStrategy alone). Here
   every worker gets all rows, in order.
@@ -57,6 +64,8 @@ unchanged for any other strategy.
 
 import contextlib
 import functools
+import threading
+import warnings
 
 import keras
 import tensorflow as tf
@@ -157,6 +166,8 @@ def scale_by_batch_share(keras_fn, scale):
 
   @functools.wraps(keras_fn)
   def wrapper(value):
+    if _scaling_whole_loss():  # `loss_scaled_whole` scales the total.
+      return value
     share = None
     if _in_our_replicas():
       share = batch_share(tf.distribute.get_replica_context())
@@ -168,6 +179,72 @@ def scale_by_batch_share(keras_fn, scale):
     return share * value + tf.stop_gradient((1 - share) * value)
 
   return wrapper
+
+
+_loss_scope = threading.local()  # Each replica runs in its own thread.
+
+
+def _scaling_whole_loss():
+  return getattr(_loss_scope, "whole", False)
+
+
+def loss_scaled_whole(compute_loss):
+  """`Model._compute_loss` (Keras's train_step and test_step call
+  `compute_loss` through it), its value scaled as one loss.
+
+  Keras scales the pieces it computes inside `compute_loss` (a compiled loss,
+  `add_loss` terms); what an override adds to `super().compute_loss(...)`, or
+  computes itself, stays unscaled, and its gradient, summed over N replicas,
+  trains N times as strongly as on one device. Here nothing inside is scaled
+  and the value returned is, as a whole, as `scale_by_batch_share` scales a
+  replica's mean loss.
+  """
+
+  @functools.wraps(compute_loss)
+  def wrapper(self, *args, **kwargs):
+    if not _in_our_replicas() or _scaling_whole_loss():
+      return compute_loss(self, *args, **kwargs)
+    _loss_scope.whole = True
+    try:
+      loss = compute_loss(self, *args, **kwargs)
+    finally:
+      _loss_scope.whole = False
+    if loss is None:
+      return None
+    return ki.loss.scale_loss_for_distribution(loss)
+
+  return wrapper
+
+
+def warn_override_unscaled(compute_loss):
+  """`Model.compute_loss`, warning once per class where an override calls it
+  from outside `loss_scaled_whole`: a custom train_step's own call, whose
+  result nothing can scale as a whole."""
+
+  @functools.wraps(compute_loss)
+  def wrapper(self, *args, **kwargs):
+    cls = type(self)
+    if (cls.compute_loss is not keras.Model.compute_loss and
+        not _scaling_whole_loss() and _in_our_replicas() and
+        cls not in _warned_overrides):
+      _warned_overrides.add(cls)
+      warnings.warn(
+          f"ReplicatorStrategy: {cls.__qualname__}.compute_loss calls "
+          f"super().compute_loss() from a step of its own (a custom "
+          f"train_step or test_step). Keras's own train_step scales the "
+          f"value compute_loss returns as one device's; called from "
+          f"another step, only the losses Keras computes inside are scaled, "
+          f"and any term the override adds trains "
+          f"{tf.distribute.get_strategy().num_replicas_in_sync} times as "
+          f"strongly as on one device. Leave the step to Keras "
+          f"(super().train_step(data)), or divide the added terms by "
+          f"self.distribute_strategy.num_replicas_in_sync.", stacklevel=2)
+    return compute_loss(self, *args, **kwargs)
+
+  return wrapper
+
+
+_warned_overrides = set()
 
 
 def split_predict_on_batch(predict_on_batch):
@@ -263,6 +340,67 @@ def skip_if_reduced(all_reduce_sum_gradients):
     return all_reduce_sum_gradients(self, grads_and_vars)
 
   return wrapper
+
+
+def slices_as_on_one_device(all_reduce_sum_gradients):
+  """The optimizer's gradient sum, with rows every replica looks up alike
+  summed row by row, as one device's gradient has them.
+
+  The all-reduce of an `IndexedSlices` gradient concatenates the replicas'
+  slices: one device's own for a lookup of the batch's rows (a slice per
+  token), but a lookup at rows that do not depend on the batch (an
+  `Embedding` of positions, `arange` with no batch axis) gives one slice per
+  row on one device, the batch's sum, and N after the all-reduce. Keras's
+  Adam squares each slice, so its second moment differs (slices 1 and 2 at
+  one row give 5, one device's 3 gives 9). Here such a gradient's values are
+  summed across the replicas and its indices kept.
+  """
+
+  @functools.wraps(all_reduce_sum_gradients)
+  def wrapper(self, grads_and_vars):
+    pairs = list(grads_and_vars)
+    alike = [_in_our_replicas() and isinstance(g, tf.IndexedSlices) and
+             computed_from_constants(g.indices) for g, _ in pairs]
+    if not any(alike):
+      return all_reduce_sum_gradients(self, pairs)
+    summed = all_reduce_sum_gradients(
+        self, [(g.values, v) if a else (g, v)
+               for (g, v), a in zip(pairs, alike)])
+    return [(tf.IndexedSlices(s, g.indices, g.dense_shape), v) if a else (s, v)
+            for (g, _), (s, v), a in zip(pairs, summed, alike)]
+
+  return wrapper
+
+
+def computed_from_constants(tensor):
+  """Whether the traced `tensor` is computed from constants alone, by ops
+  that are not stateful: then it is the same on every replica.
+
+  False where that is not known: an eager tensor, or one that depends on a
+  function's inputs (the batch), a variable or a random op.
+
+  >>> found = []
+  >>> @tf.function(input_signature=[tf.TensorSpec([None])])
+  ... def traced(x):
+  ...   found.append(computed_from_constants(tf.range(5) * 2))
+  ...   found.append(computed_from_constants(tf.range(tf.shape(x)[0])))
+  ...   return x
+  >>> _ = traced(tf.ones([3]))
+  >>> found
+  [True, False]
+  """
+  if tf.executing_eagerly() or not hasattr(tensor, "op"):
+    return False
+  seen, pending = set(), [tensor.op]
+  while pending:
+    op = pending.pop()
+    if op in seen or op.type == "Const":
+      continue
+    if not op.inputs or op.op_def.is_stateful:
+      return False
+    seen.add(op)
+    pending.extend(t.op for t in op.inputs)
+  return True
 
 
 def takes_global_batch_dataset(is_tf_dataset):

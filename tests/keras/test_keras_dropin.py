@@ -9,6 +9,7 @@ and shared by the replica counts compared with it.
 import contextlib
 import functools
 import unittest
+import warnings
 
 import keras
 import numpy as np
@@ -309,6 +310,103 @@ class AddLossTest(unittest.TestCase):
     np.testing.assert_allclose(losses, want_losses, rtol=RTOL, atol=ATOL)
     for got, want in zip(weights, want_weights):
       np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL)
+
+
+class ExtraTermLoss(CustomStepModel):
+  """A `compute_loss` override adding terms to Keras's loss (keras.io style):
+  one on the replica's predictions, one on a weight, shared by every replica.
+  """
+
+  train_step = keras.Model.train_step
+  test_step = keras.Model.test_step
+
+  @property
+  def metrics(self):
+    return keras.Model.metrics.fget(self)
+
+  def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None,
+                   training=True):
+    loss = super().compute_loss(x, y, y_pred, sample_weight, training)
+    return (loss + 0.5 * keras.ops.mean(keras.ops.square(y_pred)) +
+            0.1 * keras.ops.sum(keras.ops.square(self.out.kernel)))
+
+
+class OwnLoss(ExtraTermLoss):
+  """A `compute_loss` that computes the whole loss itself (Keras's docstring's
+  example): a mean over the replica's rows and the `add_loss` terms."""
+
+  def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None,
+                   training=True):
+    return (keras.ops.mean(keras.ops.square(y_pred - y)) +
+            keras.ops.sum(self.losses))
+
+  def call(self, x):
+    h = self.hidden(x)
+    self.add_loss(0.01 * keras.ops.mean(keras.ops.square(h)))
+    return self.out(h)
+
+
+class StepCallingOverride(ExtraTermLoss):
+  """The Keras guide's custom train_step, calling an override of compute_loss."""
+
+  train_step = CustomStepModel.train_step
+  test_step = CustomStepModel.test_step
+  metrics = CustomStepModel.metrics
+
+
+class ComputeLossOverrideTest(unittest.TestCase):
+  """The loss an override of compute_loss returns trains as one device's."""
+
+  @staticmethod
+  def run_model(model_class, strategy, train):
+    keras.utils.set_random_seed(0)
+    x, y = regression_data(58)
+    with strategy.scope() if strategy else contextlib.nullcontext():
+      model = model_class()
+      model.build((None, 8))
+      model.compile(keras.optimizers.SGD(0.1), loss="mse", jit_compile=False)
+      logged = train(model, x, y)
+    return logged, model.get_weights()
+
+  @staticmethod
+  def train_on_batch(model, x, y):
+    return model.train_on_batch(x[:16], y[:16])
+
+  @staticmethod
+  def fit(model, x, y):  # The last batch splits unevenly on 4 replicas.
+    return model.fit(x, y, batch_size=16, epochs=2, shuffle=False,
+                     verbose=0).history["loss"]
+
+  @classmethod
+  @functools.cache
+  def one_device(cls, model_class, train):
+    return cls.run_model(model_class, None, getattr(cls, train))
+
+  @parameterized.expand([
+      (f"{model_class.__name__}_{train}_{n}_replicas", model_class, train, n)
+      for model_class in (ExtraTermLoss, OwnLoss)
+      for train in ("train_on_batch", "fit") for n in (2, 4)])
+  def test_as_on_one_device(self, _, model_class, train, n):
+    with warnings.catch_warnings(record=True) as caught:
+      warnings.simplefilter("always")
+      logged, weights = self.run_model(
+          model_class, topology.strategy_over(n), getattr(self, train))
+    # Keras's own steps: scaled as a whole, nothing to warn of.
+    self.assertFalse([w for w in caught if "compute_loss" in str(w.message)])
+    want_logged, want_weights = self.one_device(model_class, train)
+    np.testing.assert_allclose(logged, want_logged, rtol=RTOL, atol=ATOL)
+    for got, want in zip(weights, want_weights):
+      np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL)
+
+  def test_a_custom_step_calling_an_override_warns_once(self):
+    strategy = topology.strategy_over(2)
+    with self.assertWarnsRegex(
+        UserWarning, r"StepCallingOverride\.compute_loss calls "
+        r"super\(\)\.compute_loss\(\) from a step of its own.* 2 times as "
+        r"strongly") as caught:
+      self.run_model(StepCallingOverride, strategy, self.fit)
+    self.assertEqual(
+        sum("compute_loss" in str(w.message) for w in caught.warnings), 1)
 
 
 def synchronized_conv_net():

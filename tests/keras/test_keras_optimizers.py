@@ -167,5 +167,103 @@ class KerasOptimizersTest(unittest.TestCase):
                                  err_msg=v.path)
 
 
+SEQ, VOCAB, WIDTH = 6, 11, 8
+
+
+class TokenAndPosition(keras.layers.Layer):
+  """keras.io's GPT input: token and position embeddings, the positions an
+  `arange` with no batch axis (one device's gradient: a slice per row)."""
+
+  def __init__(self, positions=True):
+    super().__init__()
+    self.tokens = keras.layers.Embedding(VOCAB, WIDTH)
+    self.positions = keras.layers.Embedding(SEQ, WIDTH) if positions else None
+
+  def call(self, x):
+    tokens = self.tokens(x)
+    if self.positions is None:
+      return tokens
+    return tokens + self.positions(keras.ops.arange(keras.ops.shape(x)[-1]))
+
+
+class Block(keras.layers.Layer):
+  """keras.io's GPT block, without dropout or attention biases."""
+
+  def __init__(self):
+    super().__init__()
+    # No biases: the key's has a gradient of zero up to rounding (softmax
+    # ignores a shift), which Adam would scale up to whole steps.
+    self.attention = keras.layers.MultiHeadAttention(2, WIDTH // 2,
+                                                     use_bias=False)
+    self.feed_forward = keras.Sequential([
+        keras.layers.Dense(2 * WIDTH, activation="relu"),
+        keras.layers.Dense(WIDTH)])
+    self.norms = [keras.layers.LayerNormalization(epsilon=1e-6)
+                  for _ in range(2)]
+
+  def call(self, x):
+    x = self.norms[0](x + self.attention(x, x, use_causal_mask=True))
+    return self.norms[1](x + self.feed_forward(x))
+
+
+def gpt(positions=True):
+  return keras.Sequential([keras.Input((SEQ,), dtype="int32"),
+                           TokenAndPosition(positions), Block(), Block(),
+                           keras.layers.Dense(VOCAB)])
+
+
+def fit_gpt(make_optimizer, strategy, positions=True):
+  """Per-epoch losses and weights of keras.io's GPT after 2 epochs of 2 steps
+  of batch 16 (each token many times in a batch: the token table's rows
+  repeat)."""
+  keras.utils.set_random_seed(0)
+  start = gpt(positions).get_weights()
+  rng = np.random.default_rng(0)
+  x = rng.integers(0, VOCAB, size=(32, SEQ)).astype(np.int32)
+  y = np.roll(x, -1, axis=1)
+  with strategy.scope() if strategy else contextlib.nullcontext():
+    model = gpt(positions)
+    model.set_weights(start)
+    model.compile(make_optimizer(), keras.losses.SparseCategoricalCrossentropy(
+        from_logits=True), jit_compile=False)
+    losses = model.fit(x, y, batch_size=16, epochs=2, shuffle=False,
+                       verbose=0).history["loss"]
+  return losses, model.get_weights()
+
+
+_GPT_OPTIMIZERS = {"adam": lambda: keras.optimizers.Adam(1e-3),
+                   "adamw": lambda: keras.optimizers.AdamW(1e-3)}
+
+
+class SparseGradientTest(unittest.TestCase):
+  """Embeddings' sparse gradients reach the optimizer as one device's."""
+
+  @staticmethod
+  @functools.cache
+  def one_device(name, positions=True):
+    return fit_gpt(_GPT_OPTIMIZERS[name], None, positions)
+
+  @parameterized.expand([(f"{name}_{n}_replicas", name, n)
+                         for name, n in (("adam", 2), ("adam", 4),
+                                         ("adamw", 4))])
+  def test_keras_io_gpt_trains_as_on_one_device(self, _, name, n):
+    losses, weights = fit_gpt(_GPT_OPTIMIZERS[name],
+                              topology.strategy_over(n))
+    want_losses, want_weights = self.one_device(name)
+    np.testing.assert_allclose(losses, want_losses, rtol=RTOL, atol=ATOL)
+    for got, want in zip(weights, want_weights):
+      np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL)
+
+  def test_token_rows_stay_a_slice_per_occurrence(self):
+    # Without positions: every replica looks up its own rows, whose slices
+    # the all-reduce concatenates, each occurrence squared apart by Adam.
+    losses, weights = fit_gpt(_GPT_OPTIMIZERS["adam"],
+                              topology.strategy_over(2), positions=False)
+    want_losses, want_weights = self.one_device("adam", positions=False)
+    np.testing.assert_allclose(losses, want_losses, rtol=RTOL, atol=ATOL)
+    for got, want in zip(weights, want_weights):
+      np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL)
+
+
 if __name__ == "__main__":
   unittest.main()
