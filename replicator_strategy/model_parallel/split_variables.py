@@ -93,15 +93,20 @@ class SplitVariable(sharded_variables.PiecewiseVariable):
     ctx = tf.distribute.get_replica_context()
     if ctx is None or ctx.strategy is not self.distribute_strategy:
       return self._get_cross_replica()
-    if not self._logged_whole_read:
-      self._logged_whole_read = True
-      logging.warning(
-          "ReplicatorStrategy: %s is split over each replica's %d devices, and "
-          "its layer reads it whole (assembled on logical device 0 each "
-          "step). Dense, EinsumDense, MultiHeadAttention and Embedding "
-          "compute on the parts; see "
-          "docs/model-parallel.md.", self.name, self.num_parts)
+    self._note_whole_read()
     return self._whole(ctx.local_index)
+
+  def _note_whole_read(self):
+    """Warns, once, that a layer reads the weight whole inside a replica."""
+    if self._logged_whole_read:
+      return
+    self._logged_whole_read = True
+    logging.warning(
+        "ReplicatorStrategy: %s is split over each replica's %d devices, and "
+        "its layer reads it whole (assembled on logical device 0 each "
+        "step). Dense, EinsumDense, MultiHeadAttention and Embedding "
+        "compute on the parts; see "
+        "docs/model-parallel.md.", self.name, self.num_parts)
 
   def _get_replica(self, replica_id):
     part = _part_being_updated()
@@ -272,8 +277,20 @@ def _updating_part(part):
     _updating.part = previous
 
 
-def create(strategy, next_creator, axis, **kwargs):
-  """A `SplitVariable`: parts of the whole initial value, on every replica."""
+def create(strategy, next_creator, axis, on_read=None, **kwargs):
+  """A `SplitVariable`: parts of the whole initial value, on every replica.
+
+  An on-read variable (replicas hold their own values) is an `on_read`, a
+  `SplitVariable` subclass of the same arguments.
+  """
+  if (kwargs.get("synchronization") == tf.VariableSynchronization.ON_READ and
+      on_read is None):
+    raise NotImplementedError(
+        f"The variable {kwargs.get('name')!r} is on-read (each replica holds "
+        f"its own value) and colocated with a weight split over each "
+        f"replica's devices; ReplicatorStrategy splits an on-read variable "
+        f"only as a Keras optimizer's gradient accumulator. Create it outside "
+        f"`colocate_vars_with` of the split weight.")
   kwargs.pop("colocate_with", None)
   kwargs.pop("shape", None)
   communicator = strategy.extended.communicator
@@ -301,10 +318,12 @@ def create(strategy, next_creator, axis, **kwargs):
               parts.append(next_creator(**kwargs))
     return parts
 
-  def split_variable(strategy, values, aggregation):
-    return SplitVariable(strategy, values, aggregation, axis, whole.shape)
+  def of_class(cls):
+    return lambda strategy, values, aggregation: cls(
+        strategy, values, aggregation, axis, whole.shape)
 
   return tfi.distribute_utils.create_mirrored_variable(
       strategy, create_parts,
-      {tf.VariableSynchronization.ON_WRITE: split_variable},
+      {tf.VariableSynchronization.ON_WRITE: of_class(SplitVariable),
+       tf.VariableSynchronization.ON_READ: on_read and of_class(on_read)},
       tfi.distribute_utils.VARIABLE_POLICY_MAPPING, **kwargs)
