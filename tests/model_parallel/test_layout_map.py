@@ -19,6 +19,7 @@ import unittest
 
 import keras
 import numpy as np
+from parameterized import parameterized
 import pytest
 import tensorflow as tf
 
@@ -263,14 +264,86 @@ def custom_loop_weights(strategy, steps=3, xla=False):
   return model.get_weights()
 
 
+def forward_graph(strategy, model, x):
+  """The graph of `model`'s training-mode forward pass on x, one replica."""
+
+  @tf.function
+  def step(x):
+    return strategy.run(functools.partial(model, training=True), (x,))
+
+  return step.get_concrete_function(x).graph
+
+
+def mixed_precision_transformer(policy):
+  """`transformer()` under `policy`, trained by SGD: its updates follow the
+  gradients' rounding, which Adam's normalization would amplify. Float16's
+  loss scale starts where no step overflows."""
+  keras.mixed_precision.set_global_policy(policy)
+  model = transformer()
+  optimizer = keras.optimizers.SGD(0.1)
+  if policy == "mixed_float16":
+    optimizer = keras.optimizers.LossScaleOptimizer(optimizer,
+                                                    initial_scale=2.0**8)
+  model.compile(optimizer,
+                keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+  return model
+
+
+# rtol and atol of the losses and weights: each compute dtype's precision.
+MIXED_TOLERANCES = {"mixed_float16": (1e-3, 1e-3),
+                    "mixed_bfloat16": (1e-2, 1e-2)}
+
+
 class MixedPrecisionTest(unittest.TestCase):
+  """Under a mixed policy Keras casts each weight a layer reads; a split
+  weight's parts are cast each on its device, so the layers still compute on
+  them."""
 
   def setUp(self):
-    keras.mixed_precision.set_global_policy("mixed_float16")
     self.addCleanup(keras.mixed_precision.set_global_policy, "float32")
+
+  @parameterized.expand([("float16",), ("bfloat16",)])
+  def test_the_layers_compute_on_their_parts_under_mixed(self, dtype):
+    strategy = rs.ReplicatorStrategy(layout_map=transformer_layout(2))
+    with strategy.scope():
+      model = mixed_precision_transformer(f"mixed_{dtype}")
+    wholes = {tuple(v.shape) for v in model.weights
+              if isinstance(v.value, split_variables.SplitVariable)}
+    self.assertEqual(len(wholes), 7, wholes)  # Shapes of the 11 split weights.
+    ids = tf.constant(np.arange(2 * SEQ).reshape(2, SEQ) % VOCAB)
+    graph = forward_graph(strategy, model, ids)
+    whole = [op.name for op in graph.get_operations() for t in op.outputs
+             if t.shape.rank is not None and tuple(t.shape.as_list()) in wholes]
+    self.assertEqual(whole, [])
+    # Each part is cast where it lives: no cast takes its input from another
+    # device's op, and the casts to the compute dtype run on every device.
+    casts = [op for op in graph.get_operations() if op.type == "Cast" and
+             op.outputs[0].dtype == dtype]
+    self.assertEqual(
+        [op.name for op in casts
+         if _device_index(op.inputs[0].op) not in (None, _device_index(op))],
+        [])
+    self.assertEqual({_device_index(op) for op in casts}, {0, 1, 2, 3})
+
+  @parameterized.expand([("float16",), ("bfloat16",)])
+  @pytest.mark.slow
+  def test_a_block_with_heads_split_trains_as_one_device_under_mixed(
+      self, dtype):
+    # Dense, EinsumDense, MultiHeadAttention and Embedding, in parts.
+    policy = f"mixed_{dtype}"
+    want_loss, want = train_transformer(mixed_precision_transformer(policy))
+    strategy = rs.ReplicatorStrategy(layout_map=transformer_layout(2))
+    with strategy.scope():
+      model = mixed_precision_transformer(policy)
+    have_loss, have = train_transformer(model)
+    rtol, atol = MIXED_TOLERANCES[policy]
+    np.testing.assert_allclose(have_loss, want_loss, rtol=rtol)
+    for w, h in zip(want, have, strict=True):
+      np.testing.assert_allclose(h, w, rtol=rtol, atol=atol)
 
   @pytest.mark.slow
   def test_mixed_float16_on_a_2_by_2_mesh_trains_as_one_device(self):
+    keras.mixed_precision.set_global_policy("mixed_float16")
     want = train(mlp())
     _, model = split_mlp(2)
     got = train(model)
