@@ -43,6 +43,7 @@ import numpy as np
 import tensorflow as tf
 
 from replicator_strategy import _tf_internal as tfi
+from replicator_strategy.model_parallel import layouts
 from replicator_strategy.sharding import variables as sharded_variables
 
 _updating = threading.local()  # .part: the part an update step runs for.
@@ -52,11 +53,14 @@ class SplitVariable(sharded_variables.PiecewiseVariable):
   """A variable split in `num_parts` along `axis` on each replica's devices.
 
   `values` lists replica 0's parts, then replica 1's, ...: component
-  `r * num_parts + i` is replica r's part i.
+  `r * num_parts + i` is replica r's part i. `path` names it in messages:
+  its Keras path (`block/layer_normalization/gamma`), which two layers of a
+  block never share as their TF name (`block/gamma:0`) can, else that name.
   """
 
-  def __init__(self, strategy, values, aggregation, axis, shape):
+  def __init__(self, strategy, values, aggregation, axis, shape, path=None):
     self.axis = axis
+    self.path = path or values[0].name
     self.whole_shape = tf.TensorShape(shape)
     self.num_parts = len(strategy.extended.logical_devices.groups[0])
     self._logged_whole_read = False
@@ -106,13 +110,13 @@ class SplitVariable(sharded_variables.PiecewiseVariable):
         "its layer reads it whole (assembled on logical device 0 each "
         "step). Dense, EinsumDense, MultiHeadAttention and Embedding "
         "compute on the parts; see "
-        "docs/model-parallel.md.", self.name, self.num_parts)
+        "docs/model-parallel.md.", self.path, self.num_parts)
 
   def _get_replica(self, replica_id):
     part = _part_being_updated()
     if part is None:
       raise NotImplementedError(
-          f"{self.name} is split over each replica's devices; an update step "
+          f"{self.path} is split over each replica's devices; an update step "
           f"of another variable cannot assign it whole. Assign it outside "
           f"`strategy.run`, or in its own optimizer step.")
     return self.parts(replica_id)[part]
@@ -127,7 +131,7 @@ class SplitVariable(sharded_variables.PiecewiseVariable):
     ctx = tf.distribute.get_replica_context()
     if ctx is None or ctx.strategy is not self.distribute_strategy:
       raise ValueError(
-          f"{self.name} is split over each replica's devices: it has a handle "
+          f"{self.path} is split over each replica's devices: it has a handle "
           f"per part, inside `strategy.run` only.")
     local = ctx.local_index if replica is None else replica
     return tfi.GradientOfParts(
@@ -318,9 +322,12 @@ def create(strategy, next_creator, axis, on_read=None, **kwargs):
               parts.append(next_creator(**kwargs))
     return parts
 
+  keras_variable = layouts.variable_being_created()
+  path = keras_variable[0] if keras_variable else None
+
   def of_class(cls):
     return lambda strategy, values, aggregation: cls(
-        strategy, values, aggregation, axis, whole.shape)
+        strategy, values, aggregation, axis, whole.shape, path)
 
   return tfi.distribute_utils.create_mirrored_variable(
       strategy, create_parts,

@@ -461,23 +461,39 @@ class WarningsTest(unittest.TestCase):
                      r"key 'renamed/kernel' matches no variable")
     self.assertNotRegex("\n".join(logs.output), r"key '\.\*up")
 
-  def test_a_layer_reading_a_split_weight_whole_is_logged_once(self):
+  def test_a_layer_reading_a_split_weight_whole_is_logged_once_by_path(self):
+    # Two LayerNorms of a block: TF names both gammas `block_0/gamma:0`.
     layout_map = keras.distribution.LayoutMap(mesh(2))
-    layout_map[".*norm/gamma"] = ("model",)
+    layout_map[".*gamma"] = ("model",)
     strategy = rs.ReplicatorStrategy(layout_map=layout_map)
     with strategy.scope():
-      model = keras.Sequential([keras.Input((4,)),
-                                keras.layers.LayerNormalization(name="norm")])
+      model = keras.Sequential([keras.Input((4,)), TwoNorms(name="block_0")])
     x = np.random.default_rng(0).normal(size=(8, 4)).astype(np.float32)
     with self.assertLogs(level="WARNING") as logs:
       got = model.predict(x, batch_size=4, verbose=0)
       model.predict(x, batch_size=4, verbose=0)
     whole = [line for line in logs.output if "reads it whole" in line]
-    self.assertEqual(len(whole), 1, logs.output)
-    self.assertIn("norm/gamma", whole[0])
-    want = (x - x.mean(1, keepdims=True)) / np.sqrt(x.var(1, keepdims=True) +
-                                                    1e-3)
-    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+    self.assertEqual(len(whole), 2, logs.output)
+    self.assertRegex(whole[0], r" sequential\S*/block_0/first/gamma ")
+    self.assertRegex(whole[1], r" sequential\S*/block_0/second/gamma ")
+
+    def norm(x):
+      return (x - x.mean(1, keepdims=True)) / np.sqrt(x.var(1, keepdims=True) +
+                                                      1e-3)
+
+    np.testing.assert_allclose(got, norm(norm(x)), rtol=1e-4, atol=1e-4)
+
+
+class TwoNorms(keras.layers.Layer):
+  """A block of two LayerNormalizations, one after the other."""
+
+  def __init__(self, **kwargs):
+    super().__init__(**kwargs)
+    self.first = keras.layers.LayerNormalization(name="first")
+    self.second = keras.layers.LayerNormalization(name="second")
+
+  def call(self, x):
+    return self.second(self.first(x))
 
 
 class EmbeddingTest(unittest.TestCase):
