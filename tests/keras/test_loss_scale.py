@@ -19,12 +19,13 @@ import topology
 ROWS = 8
 
 
-def fitted(strategy):
+def fitted(strategy, steps_per_execution=1):
   """A Dense layer fitted 3 steps under mixed_float16; the loss history."""
   with strategy.scope() if strategy else contextlib.nullcontext():
     keras.utils.set_random_seed(0)
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
-    model.compile(keras.optimizers.SGD(0.01), "mse")
+    model.compile(keras.optimizers.SGD(0.01), "mse",
+                  steps_per_execution=steps_per_execution)
   x = np.ones((3 * ROWS, 4), np.float32)
   y = np.zeros((3 * ROWS, 3), np.float32)
   y[ROWS - 2:ROWS] = 300.0  # The first step's last 2 rows overflow.
@@ -38,11 +39,14 @@ class LossScaleTest(unittest.TestCase):
     keras.mixed_precision.set_global_policy("mixed_float16")
     self.addCleanup(keras.mixed_precision.set_global_policy, "float32")
 
-  @parameterized.expand(topology.NAMED_REPLICA_COUNTS)
-  def test_an_overflow_on_one_replica_skips_the_step_as_one_device(self, _, n):
+  @parameterized.expand(topology.NAMED_REPLICA_COUNTS + [
+      # The steps in a loop: the check runs where replicas cannot merge.
+      ("2_replicas_3_steps_per_execution", 2, 3)])
+  def test_an_overflow_on_one_replica_skips_the_step_as_one_device(
+      self, _, n, steps_per_execution=1):
     want, want_loss = fitted(None)
     self.assertEqual(want.optimizer.dynamic_scale.numpy(), 2.0**14)  # Skipped.
-    model, loss = fitted(topology.strategy_over(n))
+    model, loss = fitted(topology.strategy_over(n), steps_per_execution)
     self.assertEqual(model.optimizer.dynamic_scale.numpy(), 2.0**14)
     np.testing.assert_allclose(loss, want_loss, rtol=1e-3)
     for w, h in zip(want.get_weights(), model.get_weights(), strict=True):

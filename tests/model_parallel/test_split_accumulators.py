@@ -77,6 +77,12 @@ def _save_weights(model, directory):
   return lambda fresh: fresh.load_weights(path)
 
 
+def _save_keras(model, directory):
+  path = os.path.join(directory, "m.keras")
+  model.save(path)
+  return lambda fresh: fresh.load_weights(path)  # A .keras file's weights.
+
+
 def _save_checkpoint(model, directory):
   path = tf.train.Checkpoint(model=model, optimizer=model.optimizer).save(
       os.path.join(directory, "ckpt"))
@@ -110,7 +116,7 @@ class SplitAccumulatorTest(unittest.TestCase):
 
   @parameterized.expand([
       (f"{name}_before_{step}", save, after)
-      for name, save in (("weights_h5", _save_weights),
+      for name, save in (("weights_h5", _save_weights), ("keras", _save_keras),
                          ("checkpoint", _save_checkpoint))
       for step, after in (("accumulating", 4), ("update", 5))])
   def test_resumed_equals_uninterrupted_exactly(self, _, save, saved_after):
