@@ -8,6 +8,8 @@ update every 3 steps, 6 steps on a (2, 2) mesh: equal to one device; saved
 after step 4 (the next step accumulates) or 5 (the next updates), loaded
 into a fresh split model and trained to step 6: equal to 6 uninterrupted
 steps to the last bit, as data parallelism's `test_accumulation_checkpoints`.
+An Embedding's table split by rows or columns accumulates its sparse
+gradients as one device does.
 """
 
 import functools
@@ -25,8 +27,13 @@ import replicator_strategy as rs
 from replicator_strategy import variables
 from test_layout_map import FEATURES
 from test_layout_map import megatron_layout
-from test_layout_map import OUT
+from test_layout_map import mesh
 from test_layout_map import mlp
+from test_layout_map import OUT
+from test_layout_map import SEQ
+from test_layout_map import train_transformer
+from test_layout_map import VOCAB
+from test_layout_map import WIDTH
 
 BATCH = 8
 STEPS = 6
@@ -113,6 +120,30 @@ class SplitAccumulatorTest(unittest.TestCase):
         copies = accumulator.saved_copies().numpy()
         self.assertTrue(np.any(copies[0] != copies[1]))
         np.testing.assert_array_equal(accumulator.numpy(), copies.sum(0))
+
+  @parameterized.expand([("rows", ("model", None)), ("columns", (None, "model"))])
+  def test_a_split_table_accumulates_sparse_gradients_as_one_device_by(
+      self, _, layout):
+    def model():
+      keras.utils.set_random_seed(3)
+      ids = keras.Input((SEQ,), dtype="int32")
+      x = keras.layers.Embedding(VOCAB, WIDTH, name="table")(ids)
+      net = keras.Model(ids, keras.layers.Dense(VOCAB)(x))
+      net.compile(keras.optimizers.Adam(
+          0.01, gradient_accumulation_steps=ACCUMULATE),
+                  keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+      return net
+
+    layout_map = keras.distribution.LayoutMap(mesh(2))
+    layout_map[".*table/embeddings"] = layout
+    with rs.ReplicatorStrategy(layout_map=layout_map).scope():
+      split = model()
+    want_loss, want = train_transformer(model())
+    have_loss, have = train_transformer(split)
+    self.assertIsInstance(accumulators(split)[0], variables.SplitReplicaSum)
+    np.testing.assert_allclose(have_loss, want_loss, rtol=1e-5)
+    for w, h in zip(want, have, strict=True):
+      np.testing.assert_allclose(h, w, rtol=1e-5, atol=1e-6)
 
   @parameterized.expand([
       (f"{name}_before_{step}", save, after)
