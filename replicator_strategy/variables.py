@@ -57,9 +57,7 @@ class SyncOnReadVariable(tfi.values.SyncOnReadVariable):
   def assign(self, value, use_locking=False, name=None, read_value=True):
     with tfi.distribute_lib.enter_or_assert_strategy(self.distribute_strategy):
       if (self.aggregation != tf.VariableAggregation.SUM or
-          not tf.distribute.in_cross_replica_context() or
-          tfi.values_util.in_replica_update_context() or
-          tfi.values_util.is_saving_non_distributed()):
+          not _assigns_the_sum()):
         return super().assign(value, use_locking, name, read_value)
       return self._assign_sum(tf.convert_to_tensor(value, dtype=self.dtype),
                               read_value)
@@ -74,6 +72,14 @@ class SyncOnReadVariable(tfi.values.SyncOnReadVariable):
       return tf.group(updates)
     with tf.control_dependencies(updates):
       return self.read_value()
+
+
+def _assigns_the_sum():
+  """Whether an assignment here sets a SUM variable's sum, not one replica's
+  copy: in cross-replica context, outside updates and non-distributed saves."""
+  return (tf.distribute.in_cross_replica_context() and
+          not tfi.values_util.in_replica_update_context() and
+          not tfi.values_util.is_saving_non_distributed())
 
 
 def _sum_on_first(strategy, value):
@@ -207,9 +213,7 @@ class SplitReplicaSum(SavedCopies, split_variables.SplitVariable):
 
   def assign(self, value, use_locking=False, name=None, read_value=True):
     with tfi.distribute_lib.enter_or_assert_strategy(self.distribute_strategy):
-      if (not tf.distribute.in_cross_replica_context() or
-          tfi.values_util.in_replica_update_context() or
-          tfi.values_util.is_saving_non_distributed()):
+      if not _assigns_the_sum():
         return super().assign(value, use_locking, name, read_value)
       update = self._assign_local_copies(_sum_on_first(
           self.distribute_strategy,

@@ -54,8 +54,8 @@ class SplitVariable(sharded_variables.PiecewiseVariable):
 
   `values` lists replica 0's parts, then replica 1's, ...: component
   `r * num_parts + i` is replica r's part i. `path` names it in messages:
-  its Keras path (`block/layer_normalization/gamma`), which two layers of a
-  block never share as their TF name (`block/gamma:0`) can, else that name.
+  its Keras path (`block/layer_normalization/gamma`), unique where its TF
+  name (`block/gamma:0`) can be two layers' of a block; else its TF name.
   """
 
   def __init__(self, strategy, values, aggregation, axis, shape, path=None):
