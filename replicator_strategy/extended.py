@@ -160,7 +160,9 @@ class ReplicatorExtended(tfi.StrategyExtendedV1):
       return sharded
     axis = self._split_axis(kwargs)
     if axis is not None:
-      return split_variables.create(strategy, next_creator, axis, **kwargs)
+      return split_variables.create(
+          strategy, next_creator, axis,
+          on_read=variables.SplitReplicaSum if replica_sum else None, **kwargs)
     return variables.create(strategy, self.logical_devices.variable_devices(),
                             next_creator, replica_sum=replica_sum, **kwargs)
 

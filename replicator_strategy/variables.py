@@ -20,6 +20,7 @@ import tensorflow as tf
 
 from replicator_strategy import _tf_internal as tfi
 from replicator_strategy import replica_context
+from replicator_strategy.model_parallel import split_variables
 
 
 class MirroredVariable(tfi.values.MirroredVariable):
@@ -56,25 +57,36 @@ class SyncOnReadVariable(tfi.values.SyncOnReadVariable):
   def assign(self, value, use_locking=False, name=None, read_value=True):
     with tfi.distribute_lib.enter_or_assert_strategy(self.distribute_strategy):
       if (self.aggregation != tf.VariableAggregation.SUM or
-          not tf.distribute.in_cross_replica_context() or
-          tfi.values_util.in_replica_update_context() or
-          tfi.values_util.is_saving_non_distributed()):
+          not _assigns_the_sum()):
         return super().assign(value, use_locking, name, read_value)
       return self._assign_sum(tf.convert_to_tensor(value, dtype=self.dtype),
                               read_value)
 
   def _assign_sum(self, value, read_value):
-    first = self.distribute_strategy.extended.first_replica_id == 0
+    share = _sum_on_first(self.distribute_strategy, value)
     updates = []
     for i, component in enumerate(self.values):
       with tf.device(component.device):
-        updates.append(component.assign(
-            value if first and i == 0 else tf.zeros_like(value),
-            read_value=False))
+        updates.append(component.assign(share(i), read_value=False))
     if not read_value:
       return tf.group(updates)
     with tf.control_dependencies(updates):
       return self.read_value()
+
+
+def _assigns_the_sum():
+  """Whether an assignment here sets a SUM variable's sum, not one replica's
+  copy: in cross-replica context, outside updates and non-distributed saves."""
+  return (tf.distribute.in_cross_replica_context() and
+          not tfi.values_util.in_replica_update_context() and
+          not tfi.values_util.is_saving_non_distributed())
+
+
+def _sum_on_first(strategy, value):
+  """Local replica i's share of a SUM assigned `value`: all of it on the
+  cluster's first replica, zeros elsewhere."""
+  first = strategy.extended.first_replica_id == 0
+  return lambda i: value if first and i == 0 else tf.zeros_like(value)
 
 
 class SavedCopies:
@@ -95,11 +107,27 @@ class SavedCopies:
     strategy = self.distribute_strategy
     with tfi.distribute_lib.enter_or_assert_strategy(strategy):
       own = []
-      for component in self.values:
-        with tf.device(component.device):
-          own.append(tf.expand_dims(component.read_value(), 0))
+      for copy in self._local_copies():
+        with tf.device(copy.device):
+          own.append(tf.expand_dims(copy, 0))
       every_replica = strategy.gather(tfi.values.PerReplica(own), axis=0)
       return every_replica[::self.replicas_per_copy]
+
+  def _local_copies(self):
+    """This worker's replicas' copies, each read on its device."""
+    reads = []
+    for component in self.values:
+      with tf.device(component.device):
+        reads.append(component.read_value())
+    return reads
+
+  def _assign_local_copies(self, value_of):
+    """Gives each of this worker's replicas i the value `value_of(i)`."""
+    updates = []
+    for i, component in enumerate(self.values):
+      with tf.device(component.device):
+        updates.append(component.assign(value_of(i), read_value=False))
+    return tf.group(updates)
 
   def restores_copies(self, stacked):
     """Whether `stacked` (a `saved_copies()`) has a copy for each copy here:
@@ -112,13 +140,8 @@ class SavedCopies:
     """Gives each replica its copy from `saved_copies()` that
     `restores_copies`."""
     first = self.distribute_strategy.extended.first_replica_id
-    updates = []
-    for i, component in enumerate(self.values):
-      with tf.device(component.device):
-        updates.append(component.assign(
-            tf.cast(stacked[(first + i) // self.replicas_per_copy],
-                    self.dtype), read_value=False))
-    return tf.group(updates)
+    return self._assign_local_copies(lambda i: tf.cast(
+        stacked[(first + i) // self.replicas_per_copy], self.dtype))
 
   def _serialize_to_tensors(self):
     tensors = {tfi.VARIABLE_VALUE_KEY: self.read_value()}
@@ -156,6 +179,49 @@ class ReplicaSum(SavedCopies, SyncOnReadVariable):
   """
 
   COPIES_KEY = "REPLICA_VALUES"
+
+
+class SplitReplicaSum(SavedCopies, split_variables.SplitVariable):
+  """A `ReplicaSum` of a split weight's shape (its gradient accumulator).
+
+  Each replica's copy is split as the weight is, part i on the replica's
+  logical device i, so a device holds 1/k of it; inside a replica it reads
+  as the replica's copy, whole (beside the whole gradient the optimizer
+  gets), elsewhere and in saves as the sum of every replica's copy.
+  """
+
+  COPIES_KEY = ReplicaSum.COPIES_KEY
+
+  def _get_cross_replica(self):
+    return self.distribute_strategy.reduce(
+        tf.distribute.ReduceOp.SUM,
+        tfi.values.PerReplica(self._local_copies()), axis=None)
+
+  def _note_whole_read(self):
+    pass  # The optimizer's, not a layer's: it adds the whole gradient.
+
+  def _local_copies(self):
+    return [self._whole(r) for r in range(len(self.values) // self.num_parts)]
+
+  def _assign_local_copies(self, value_of):
+    updates = []
+    for r in range(len(self.values) // self.num_parts):
+      for part, piece in zip(self.parts(r), self._split(value_of(r))):
+        with tf.device(part.device):
+          updates.append(part.assign(piece, read_value=False))
+    return tf.group(updates)
+
+  def assign(self, value, use_locking=False, name=None, read_value=True):
+    with tfi.distribute_lib.enter_or_assert_strategy(self.distribute_strategy):
+      if not _assigns_the_sum():
+        return super().assign(value, use_locking, name, read_value)
+      update = self._assign_local_copies(_sum_on_first(
+          self.distribute_strategy,
+          tf.convert_to_tensor(value, dtype=self.dtype)))
+      if not read_value:
+        return update
+      with tf.control_dependencies([update]):
+        return self.read_value()
 
 
 class SyncGroupVariable(SavedCopies, MirroredVariable):

@@ -94,6 +94,12 @@ def all_reduce_sum_gradients(optimizer, grads_and_vars):
   return optimizer._all_reduce_sum_gradients(grads_and_vars)  # pylint: disable=protected-access
 
 
+def backend_variable(variable):
+  """The backend variable a Keras `variable` holds, as stored: its `value`
+  is cast inside a mixed-precision layer's call."""
+  return variable._value  # pylint: disable=protected-access
+
+
 def embeddings_variable(embedding):
   """An `Embedding` layer's table variable as it holds it (before LoRA or
   int4 unpacking), or None before it is built."""

@@ -72,7 +72,7 @@ def _replica_sums(optimizer):
   found = []
   for i, variable in enumerate(optimizer.variables):
     value = variable.value if isinstance(variable, keras.Variable) else variable
-    if isinstance(value, variables.ReplicaSum):
+    if isinstance(value, (variables.ReplicaSum, variables.SplitReplicaSum)):
       found.append((str(i), value))
   return found
 

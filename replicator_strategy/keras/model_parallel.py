@@ -23,6 +23,7 @@ import keras
 import tensorflow as tf
 
 from replicator_strategy import replica_context
+from replicator_strategy.keras import _internal as ki
 from replicator_strategy.model_parallel import layouts
 from replicator_strategy.model_parallel import megatron
 from replicator_strategy.model_parallel import split_variables
@@ -48,8 +49,13 @@ def variable_paths(initialize):
 
 def split_variable(variable):
   """The `SplitVariable` behind `variable` (a Keras variable, its value, or
-  None), or None."""
-  value = variable.value if isinstance(variable, keras.Variable) else variable
+  None), or None.
+
+  Under a mixed-precision policy a layer's weight reads as a cast tensor,
+  which would assemble the whole: the layers cast the parts instead.
+  """
+  value = ki.backend_variable(variable) if isinstance(
+      variable, keras.Variable) else variable
   return value if isinstance(value, split_variables.SplitVariable) else None
 
 
@@ -221,28 +227,29 @@ def megatron_embedding(call):
     ids = tf.cast(inputs, tf.int32) if inputs.dtype not in (
         tf.int32, tf.int64) else inputs
     parts = table.read_parts(local)
+    dtype = self.compute_dtype  # Each device casts what it looked up.
     if table.axis == 1:  # Columns: each device its slice of every row.
-      outputs = [megatron.on_device(d, lambda t: tf.gather(t, ids), part)
+      outputs = [megatron.on_device(
+          d, lambda t: tf.cast(tf.gather(t, ids), dtype), part)
                  for d, part in zip(devices, parts)]
-      outputs = [tf.cast(o, self.compute_dtype) for o in outputs]
       return megatron.assembled(outputs, devices, -1)
     rows = int(parts[0].shape[0])
     outputs = [megatron.on_device(d, functools.partial(
-        _rows_here, ids=ids, first=i * rows, rows=rows), part)
+        _rows_here, ids=ids, first=i * rows, rows=rows, dtype=dtype), part)
                for i, (d, part) in enumerate(zip(devices, parts))]
     with tf.device(devices[0]):
-      return tf.cast(tf.add_n(outputs), self.compute_dtype)
+      return tf.add_n(outputs)
 
   return wrapper
 
 
-def _rows_here(table, ids, first, rows):
-  """The rows of `ids` that `table` (rows first ... first+rows-1) holds,
-  zeros for the others; only those ids are looked up, so the gradient
-  touches only them (as one device's sparse gradient does)."""
+def _rows_here(table, ids, first, rows, dtype):
+  """The rows of `ids` that `table` (rows first ... first+rows-1) holds, in
+  `dtype`, zeros for the others; only those ids are looked up, so the
+  gradient touches only them (as one device's sparse gradient does)."""
   local = tf.cast(ids, tf.int64) - first
   here = tf.where((local >= 0) & (local < rows))
-  found = tf.gather(table, tf.gather_nd(local, here))
+  found = tf.cast(tf.gather(table, tf.gather_nd(local, here)), dtype)
   shape = tf.concat([tf.shape(ids, out_type=tf.int64),
                      tf.shape(table, out_type=tf.int64)[1:]], 0)
   return tf.scatter_nd(here, found, shape)

@@ -38,6 +38,7 @@ import keras
 from replicator_strategy.keras import _internal as ki
 from replicator_strategy.keras import accumulators
 from replicator_strategy.keras import chief_writes
+from replicator_strategy.keras import loss_scale
 from replicator_strategy.keras import model_parallel
 from replicator_strategy.keras import training
 from replicator_strategy.keras import preemption_saves
@@ -106,6 +107,9 @@ PATCHES = (
     Patch(_OPTIMIZER, "load_own_variables", accumulators.load_replica_values,
           "the H5 file holds every replica's accumulators, for as many "
           "replicas"),
+    Patch(keras.optimizers.LossScaleOptimizer, "check_finite",
+          loss_scale.finite_on_every_replica,
+          _UNDER_US + ": whether any replica's gradients overflowed"),
     Patch(_OPTIMIZER, "_all_reduce_sum_gradients",
           training.compressed_on_the_wire,
           "the strategy is a ReplicatorStrategy(gradient_compression=...)"),

@@ -43,6 +43,7 @@ import numpy as np
 import tensorflow as tf
 
 from replicator_strategy import _tf_internal as tfi
+from replicator_strategy.model_parallel import layouts
 from replicator_strategy.sharding import variables as sharded_variables
 
 _updating = threading.local()  # .part: the part an update step runs for.
@@ -52,11 +53,14 @@ class SplitVariable(sharded_variables.PiecewiseVariable):
   """A variable split in `num_parts` along `axis` on each replica's devices.
 
   `values` lists replica 0's parts, then replica 1's, ...: component
-  `r * num_parts + i` is replica r's part i.
+  `r * num_parts + i` is replica r's part i. `path` names it in messages:
+  its Keras path (`block/layer_normalization/gamma`), unique where its TF
+  name (`block/gamma:0`) can be two layers' of a block; else its TF name.
   """
 
-  def __init__(self, strategy, values, aggregation, axis, shape):
+  def __init__(self, strategy, values, aggregation, axis, shape, path=None):
     self.axis = axis
+    self.path = path or values[0].name
     self.whole_shape = tf.TensorShape(shape)
     self.num_parts = len(strategy.extended.logical_devices.groups[0])
     self._logged_whole_read = False
@@ -93,21 +97,26 @@ class SplitVariable(sharded_variables.PiecewiseVariable):
     ctx = tf.distribute.get_replica_context()
     if ctx is None or ctx.strategy is not self.distribute_strategy:
       return self._get_cross_replica()
-    if not self._logged_whole_read:
-      self._logged_whole_read = True
-      logging.warning(
-          "ReplicatorStrategy: %s is split over each replica's %d devices, and "
-          "its layer reads it whole (assembled on logical device 0 each "
-          "step). Dense, EinsumDense, MultiHeadAttention and Embedding "
-          "compute on the parts; see "
-          "docs/model-parallel.md.", self.name, self.num_parts)
+    self._note_whole_read()
     return self._whole(ctx.local_index)
+
+  def _note_whole_read(self):
+    """Warns, once, that a layer reads the weight whole inside a replica."""
+    if self._logged_whole_read:
+      return
+    self._logged_whole_read = True
+    logging.warning(
+        "ReplicatorStrategy: %s is split over each replica's %d devices, and "
+        "its layer reads it whole (assembled on logical device 0 each "
+        "step). Dense, EinsumDense, MultiHeadAttention and Embedding "
+        "compute on the parts; see "
+        "docs/model-parallel.md.", self.path, self.num_parts)
 
   def _get_replica(self, replica_id):
     part = _part_being_updated()
     if part is None:
       raise NotImplementedError(
-          f"{self.name} is split over each replica's devices; an update step "
+          f"{self.path} is split over each replica's devices; an update step "
           f"of another variable cannot assign it whole. Assign it outside "
           f"`strategy.run`, or in its own optimizer step.")
     return self.parts(replica_id)[part]
@@ -122,7 +131,7 @@ class SplitVariable(sharded_variables.PiecewiseVariable):
     ctx = tf.distribute.get_replica_context()
     if ctx is None or ctx.strategy is not self.distribute_strategy:
       raise ValueError(
-          f"{self.name} is split over each replica's devices: it has a handle "
+          f"{self.path} is split over each replica's devices: it has a handle "
           f"per part, inside `strategy.run` only.")
     local = ctx.local_index if replica is None else replica
     return tfi.GradientOfParts(
@@ -272,8 +281,20 @@ def _updating_part(part):
     _updating.part = previous
 
 
-def create(strategy, next_creator, axis, **kwargs):
-  """A `SplitVariable`: parts of the whole initial value, on every replica."""
+def create(strategy, next_creator, axis, on_read=None, **kwargs):
+  """A `SplitVariable`: parts of the whole initial value, on every replica.
+
+  An on-read variable (replicas hold their own values) is an `on_read`, a
+  `SplitVariable` subclass of the same arguments.
+  """
+  if (kwargs.get("synchronization") == tf.VariableSynchronization.ON_READ and
+      on_read is None):
+    raise NotImplementedError(
+        f"The variable {kwargs.get('name')!r} is on-read (each replica holds "
+        f"its own value) and colocated with a weight split over each "
+        f"replica's devices; ReplicatorStrategy splits an on-read variable "
+        f"only as a Keras optimizer's gradient accumulator. Create it outside "
+        f"`colocate_vars_with` of the split weight.")
   kwargs.pop("colocate_with", None)
   kwargs.pop("shape", None)
   communicator = strategy.extended.communicator
@@ -301,10 +322,15 @@ def create(strategy, next_creator, axis, **kwargs):
               parts.append(next_creator(**kwargs))
     return parts
 
-  def split_variable(strategy, values, aggregation):
-    return SplitVariable(strategy, values, aggregation, axis, whole.shape)
+  keras_variable = layouts.variable_being_created()
+  path = keras_variable[0] if keras_variable else None
+
+  def of_class(cls):
+    return lambda strategy, values, aggregation: cls(
+        strategy, values, aggregation, axis, whole.shape, path)
 
   return tfi.distribute_utils.create_mirrored_variable(
       strategy, create_parts,
-      {tf.VariableSynchronization.ON_WRITE: split_variable},
+      {tf.VariableSynchronization.ON_WRITE: of_class(SplitVariable),
+       tf.VariableSynchronization.ON_READ: on_read and of_class(on_read)},
       tfi.distribute_utils.VARIABLE_POLICY_MAPPING, **kwargs)

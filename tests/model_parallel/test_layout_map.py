@@ -19,6 +19,7 @@ import unittest
 
 import keras
 import numpy as np
+from parameterized import parameterized
 import pytest
 import tensorflow as tf
 
@@ -263,14 +264,88 @@ def custom_loop_weights(strategy, steps=3, xla=False):
   return model.get_weights()
 
 
+def forward_graph(strategy, model, x):
+  """The graph of `model`'s training-mode forward pass on x, one replica."""
+
+  @tf.function
+  def step(x):
+    return strategy.run(functools.partial(model, training=True), (x,))
+
+  return step.get_concrete_function(x).graph
+
+
+def mixed_precision_transformer(policy):
+  """`transformer()` under `policy`, trained by SGD: its updates follow the
+  gradients' rounding, which Adam's normalization would amplify. (Under
+  float16 Keras wraps it in a loss-scale optimizer, whose first step
+  overflows and is skipped.)"""
+  keras.mixed_precision.set_global_policy(policy)
+  model = transformer()
+  model.compile(keras.optimizers.SGD(0.1),
+                keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+  return model
+
+
+# rtol and atol of the losses and weights: each compute dtype's precision.
+MIXED_TOLERANCES = {"mixed_float16": (1e-3, 1e-3),
+                    "mixed_bfloat16": (1e-2, 1e-2)}
+
+
 class MixedPrecisionTest(unittest.TestCase):
+  """Under a mixed policy Keras casts each weight a layer reads; a split
+  weight's parts are cast each on its device, so the layers still compute on
+  them."""
 
   def setUp(self):
-    keras.mixed_precision.set_global_policy("mixed_float16")
     self.addCleanup(keras.mixed_precision.set_global_policy, "float32")
+
+  @parameterized.expand([("float16",), ("bfloat16",)])
+  def test_the_layers_compute_on_their_parts_under_mixed(self, dtype):
+    strategy = rs.ReplicatorStrategy(layout_map=transformer_layout(2))
+    with strategy.scope():
+      model = mixed_precision_transformer(f"mixed_{dtype}")
+    wholes = {tuple(v.shape) for v in model.weights
+              if isinstance(v.value, split_variables.SplitVariable)}
+    self.assertEqual(len(wholes), 7, wholes)  # Shapes of the 11 split weights.
+    ids = tf.constant(np.arange(2 * SEQ).reshape(2, SEQ) % VOCAB)
+    graph = forward_graph(strategy, model, ids)
+    whole = [op.name for op in graph.get_operations() for t in op.outputs
+             if t.shape.rank is not None and tuple(t.shape.as_list()) in wholes]
+    self.assertEqual(whole, [])
+    # Each part is cast where it lives: no cast takes its input from another
+    # device's op, and the casts to the compute dtype run on every device.
+    casts = [op for op in graph.get_operations() if op.type == "Cast" and
+             op.outputs[0].dtype == dtype]
+    self.assertEqual(
+        [op.name for op in casts
+         if _device_index(op.inputs[0].op) not in (None, _device_index(op))],
+        [])
+    self.assertEqual({_device_index(op) for op in casts}, {0, 1, 2, 3})
+
+  @parameterized.expand([("float16",), ("bfloat16",)])
+  @pytest.mark.slow
+  def test_a_block_with_heads_split_trains_as_one_device_under_mixed(
+      self, dtype):
+    # Dense, EinsumDense, MultiHeadAttention and Embedding, in parts.
+    policy = f"mixed_{dtype}"
+    one_device = mixed_precision_transformer(policy)
+    want_loss, want = train_transformer(one_device)
+    strategy = rs.ReplicatorStrategy(layout_map=transformer_layout(2))
+    with strategy.scope():
+      model = mixed_precision_transformer(policy)
+    have_loss, have = train_transformer(model)
+    if dtype == "float16":  # The same steps overflowed, and were skipped.
+      want_scale = one_device.optimizer.dynamic_scale.numpy()
+      self.assertLess(want_scale, 2.0**15)
+      self.assertEqual(model.optimizer.dynamic_scale.numpy(), want_scale)
+    rtol, atol = MIXED_TOLERANCES[policy]
+    np.testing.assert_allclose(have_loss, want_loss, rtol=rtol)
+    for w, h in zip(want, have, strict=True):
+      np.testing.assert_allclose(h, w, rtol=rtol, atol=atol)
 
   @pytest.mark.slow
   def test_mixed_float16_on_a_2_by_2_mesh_trains_as_one_device(self):
+    keras.mixed_precision.set_global_policy("mixed_float16")
     want = train(mlp())
     _, model = split_mlp(2)
     got = train(model)
@@ -388,23 +463,39 @@ class WarningsTest(unittest.TestCase):
                      r"key 'renamed/kernel' matches no variable")
     self.assertNotRegex("\n".join(logs.output), r"key '\.\*up")
 
-  def test_a_layer_reading_a_split_weight_whole_is_logged_once(self):
+  def test_a_layer_reading_a_split_weight_whole_is_logged_once_by_path(self):
+    # Two LayerNorms of a block: TF names both gammas `block_0/gamma:0`.
     layout_map = keras.distribution.LayoutMap(mesh(2))
-    layout_map[".*norm/gamma"] = ("model",)
+    layout_map[".*gamma"] = ("model",)
     strategy = rs.ReplicatorStrategy(layout_map=layout_map)
     with strategy.scope():
-      model = keras.Sequential([keras.Input((4,)),
-                                keras.layers.LayerNormalization(name="norm")])
+      model = keras.Sequential([keras.Input((4,)), TwoNorms(name="block_0")])
     x = np.random.default_rng(0).normal(size=(8, 4)).astype(np.float32)
     with self.assertLogs(level="WARNING") as logs:
       got = model.predict(x, batch_size=4, verbose=0)
       model.predict(x, batch_size=4, verbose=0)
     whole = [line for line in logs.output if "reads it whole" in line]
-    self.assertEqual(len(whole), 1, logs.output)
-    self.assertIn("norm/gamma", whole[0])
-    want = (x - x.mean(1, keepdims=True)) / np.sqrt(x.var(1, keepdims=True) +
-                                                    1e-3)
-    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+    self.assertEqual(len(whole), 2, logs.output)
+    self.assertRegex(whole[0], r" sequential\S*/block_0/first/gamma ")
+    self.assertRegex(whole[1], r" sequential\S*/block_0/second/gamma ")
+
+    def norm(x):
+      return (x - x.mean(1, keepdims=True)) / np.sqrt(x.var(1, keepdims=True) +
+                                                      1e-3)
+
+    np.testing.assert_allclose(got, norm(norm(x)), rtol=1e-4, atol=1e-4)
+
+
+class TwoNorms(keras.layers.Layer):
+  """A block of two LayerNormalizations, one after the other."""
+
+  def __init__(self, **kwargs):
+    super().__init__(**kwargs)
+    self.first = keras.layers.LayerNormalization(name="first")
+    self.second = keras.layers.LayerNormalization(name="second")
+
+  def call(self, x):
+    return self.second(self.first(x))
 
 
 class EmbeddingTest(unittest.TestCase):
