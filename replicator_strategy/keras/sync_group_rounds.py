@@ -191,9 +191,11 @@ def group_state_from_backup(on_train_begin):
     on_train_begin(self, logs)
     path = os.path.join(self.backup_dir, GROUP_STATE)
     if _grouped(self.model) and tf.io.gfile.exists(path + ".index"):
-      # Made first, so the read fills them now (the backup goes at the end).
+      # Read before the rounds' state is made, which TF fills as it is made
+      # (here at once, before the backup goes): a backup written before a
+      # part of it existed (the rows' counters) matches, and counts none.
+      _group_state(self.model).read(path).assert_existing_objects_matched()
       self.model.distribute_strategy.averaging.start(
           self.model.trainable_weights)
-      _group_state(self.model).read(path).assert_existing_objects_matched()
 
   return wrapper

@@ -25,6 +25,7 @@ import models
 import topology
 import replicator_strategy as rs
 from replicator_strategy.collectives import communicator as communicator_lib
+from replicator_strategy.keras import sync_group_rounds
 
 GLOBAL_BATCH = 16
 ROWS = 96  # 6 steps an epoch.
@@ -459,6 +460,100 @@ class CheckpointTest(unittest.TestCase):
       tf.train.Checkpoint(model=grouped).restore(path).assert_consumed()
     assert_per_replica(self, strategy, grouped.layers[0].kernel.value,
                        [models.initial_weights()[0]] * 4)
+
+
+def state_before_row_counts(strategy):
+  """`strategy.sync_groups_state` as checkpoints held it before the rounds
+  counted rows: no row counters."""
+  state = strategy.sync_groups_state
+  earlier = tf.Module()
+  earlier.outer_optimizer = state.outer_optimizer
+  earlier.anchors = list(state.anchors)
+  earlier.snapshots = list(state.snapshots)
+  earlier.exchange = state.exchange
+  return earlier
+
+
+class EarlierCheckpointTest(unittest.TestCase):
+  """Checkpoints written before the rounds counted rows restore every
+  group, and count no rows: the next round is the plain mean."""
+
+  def test_a_checkpoint_without_row_counts(self):
+    def make():
+      strategy = topology.strategy_over(4, sync_groups=2, average_every=1)
+      with strategy.scope():
+        m = tf.Variable(0.0, aggregation=tf.VariableAggregation.MEAN)
+      return strategy, m
+
+    def set_to_group():
+      m.assign(tf.cast(tf.distribute.get_replica_context().sync_group,
+                       tf.float32))
+
+    strategy, m = make()
+    strategy.sync_groups_step(0, [m])
+    strategy.run(set_to_group)
+    with tempfile.TemporaryDirectory() as directory:
+      path = tf.train.Checkpoint(
+          m=m, sync_groups=state_before_row_counts(strategy)).write(
+              os.path.join(directory, "ckpt"))
+      strategy, m = make()
+      tf.train.Checkpoint(m=m, sync_groups=strategy.sync_groups_state).read(
+          path).assert_existing_objects_matched()
+      strategy.sync_groups_step(0, [m])
+    assert_per_replica(self, strategy, m, [0.0, 0.0, 1.0, 1.0])
+    assert_per_replica(self, strategy, strategy.sync_groups_state.rows,
+                       [0.0] * 4)
+    strategy.sync_groups_step(1, [m])
+    assert_per_replica(self, strategy, m, [0.5] * 4)
+    # Counted from then on: 4 rows in group 0, 2 in group 1.
+    rows = [2, 2, 1, 1]
+    batch = strategy.experimental_distribute_values_from_function(
+        lambda ctx: tf.ones([rows[ctx.replica_id_in_sync_group], 3]))
+
+    def counted_step(x):
+      del x  # Counted by count_rows.
+      strategy.averaging.count_rows()
+      set_to_group()
+
+    strategy.run(counted_step, (batch,))
+    strategy.sync_groups_step(2, [m])
+    assert_per_replica(self, strategy, m, [1 / 3] * 4, rtol=1e-6)
+
+  def test_a_backup_without_row_counts_resumes(self):
+    # Written after epoch 0: step 6, between rounds (H = 5).
+    x, y = data()
+    saved = {}
+
+    class EarlierGroupState(keras.callbacks.Callback):
+      """After BackupAndRestore's save: its group state, as written before
+      rows were counted."""
+
+      def on_epoch_end(self, epoch, logs=None):
+        strategy = self.model.distribute_strategy
+        saved["kernels"] = kernels(strategy, self.model)
+        tf.train.Checkpoint(
+            model=self.model, optimizer=self.model.optimizer,
+            sync_groups=state_before_row_counts(strategy)).write(
+                os.path.join(backup, sync_group_rounds.GROUP_STATE))
+
+    with tempfile.TemporaryDirectory() as directory:
+      backup = os.path.join(directory, "backup")
+      fit(topology.strategy_over(4, sync_groups=2, average_every=5),
+          epochs=1, callbacks=[
+              keras.callbacks.BackupAndRestore(backup,
+                                               delete_checkpoint=False),
+              EarlierGroupState()])
+      strategy = topology.strategy_over(4, sync_groups=2, average_every=5)
+      resumed = compiled_model(strategy)
+      # Epoch 0 is done: the resume restores and trains no more.
+      resumed.fit(x, y, batch_size=GLOBAL_BATCH, epochs=1, verbose=0,
+                  callbacks=[keras.callbacks.BackupAndRestore(backup)])
+    self.assertFalse(np.allclose(saved["kernels"][0], saved["kernels"][2]))
+    assert_per_replica(self, strategy, resumed.layers[0].kernel.value,
+                       saved["kernels"])
+    self.assertEqual(int(resumed.optimizer.iterations.numpy()), 6)
+    assert_per_replica(self, strategy, strategy.sync_groups_state.rows,
+                       [0.0] * 4)
 
 
 @pytest.mark.slow  # Each test fits three times.
