@@ -71,7 +71,8 @@ from replicator_strategy import replica_context
 from replicator_strategy import strategy as strategy_lib
 
 
-def _in_our_replicas():
+def in_our_replicas():
+  """Whether this runs in a replica of a ReplicatorStrategy of several."""
   ctx = tf.distribute.get_replica_context()
   return (isinstance(ctx, replica_context.ReplicaContext) and
           ctx.strategy.extended.num_replicas_in_all_groups > 1)
@@ -81,7 +82,7 @@ def global_metrics_result(get_metrics_result):
 
   @functools.wraps(get_metrics_result)
   def wrapper(self):
-    if not _in_our_replicas():
+    if not in_our_replicas():
       return get_metrics_result(self)
     ctx = tf.distribute.get_replica_context()
     variables = [v for metric in self.metrics for v in metric.variables]
@@ -158,7 +159,7 @@ def scale_by_batch_share(keras_fn, scale):
   @functools.wraps(keras_fn)
   def wrapper(value):
     share = None
-    if _in_our_replicas():
+    if in_our_replicas():
       share = batch_share(tf.distribute.get_replica_context())
     if share is None:
       return keras_fn(value)
@@ -192,7 +193,7 @@ def reduce_before_clipping(backend_apply_gradients):
 
   @functools.wraps(backend_apply_gradients)
   def wrapper(self, grads, trainable_variables):
-    if not (_clips(self) and _in_our_replicas()):
+    if not (_clips(self) and in_our_replicas()):
       return backend_apply_gradients(self, grads, trainable_variables)
     with step_context.stepping(self) as step:
       # With accumulation, `reduce_accumulated_before_clipping` reduces
@@ -242,7 +243,7 @@ def compressed_on_the_wire(all_reduce_sum_gradients):
   def wrapper(self, grads_and_vars):
     strategy = tf.distribute.get_strategy()
     wire = (compression_lib.wire_dtype(strategy.gradient_compression)
-            if _in_our_replicas() else None)
+            if in_our_replicas() else None)
     if wire is None:
       return all_reduce_sum_gradients(self, grads_and_vars)
     pairs = list(grads_and_vars)

@@ -1,0 +1,110 @@
+"""A conv net's short batches, fewer rows than replicas included, as on one device.
+
+Batches of 1 to 7 rows (every short last batch on 4 replicas, 2 and 1 too)
+leave replicas with few rows or none; `fit`, `evaluate` and `predict` of a
+small conv net on them must equal one device's, with TF's oneDNN kernels on
+or off. One dataset holds every batch size, so one run per replica count
+covers the grid; the one-device run is made once and shared.
+"""
+
+import functools
+import unittest
+
+import keras
+import numpy as np
+from parameterized import parameterized
+import tensorflow as tf
+
+import topology
+
+RTOL, ATOL = 1e-5, 1e-6
+BATCH_SIZES = range(1, 8)  # 1 .. 2N - 1 for N = 4.
+ROW_SHAPE = (6, 6, 1)
+
+
+def conv_net():
+  """Convolution, max pooling (its gradient aborts on 0 rows in oneDNN) and
+  global pooling (it fails on the wrong shape a 0-row oneDNN convolution
+  gives)."""
+  return keras.Sequential([
+      keras.Input(ROW_SHAPE), keras.layers.Conv2D(4, 3, activation="relu"),
+      keras.layers.MaxPooling2D(2), keras.layers.GlobalAveragePooling2D(),
+      keras.layers.Dense(3)])
+
+
+def data(rows, seed=0):
+  rng = np.random.default_rng(seed)
+  return (rng.normal(size=(rows,) + ROW_SHAPE).astype(np.float32),
+          rng.integers(0, 3, size=rows).astype(np.int32))
+
+
+@functools.cache
+def initial_weights():
+  keras.utils.set_random_seed(0)
+  return tuple(conv_net().get_weights())
+
+
+def compiled(strategy):
+  with strategy.scope():
+    model = conv_net()
+    model.set_weights(initial_weights())
+    model.compile(keras.optimizers.SGD(0.1),
+                  keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  metrics=["sparse_categorical_accuracy"])
+  return model
+
+
+def results(model, fit_data, evaluate_data, predict_data):
+  """History, evaluation, predictions and weights of `fit` (one epoch)."""
+  history = model.fit(fit_data, epochs=1, shuffle=False, verbose=0)
+  return {"history": history.history,
+          "evaluate": model.evaluate(evaluate_data, verbose=0),
+          "predict": model.predict(predict_data, verbose=0).tolist(),
+          "weights": [w.tolist() for w in model.get_weights()]}
+
+
+def short_batches(strategy):
+  """`results` on a dataset of batches of 1, 2, ... 7 rows, in turn."""
+  x, y = data(sum(BATCH_SIZES))
+  ends = np.cumsum(BATCH_SIZES)
+
+  def batches(*arrays):
+    parts = [tf.data.Dataset.from_tensors(tuple(a[end - size:end]
+                                                for a in arrays))
+             for size, end in zip(BATCH_SIZES, ends)]
+    return functools.reduce(tf.data.Dataset.concatenate, parts)
+
+  return results(compiled(strategy), batches(x, y), batches(x, y),
+                 batches(x).map(lambda x: x))
+
+
+@functools.cache
+def one_device():
+  return short_batches(tf.distribute.get_strategy())
+
+
+def assert_same(test, got, want):
+  test.assertEqual(sorted(got), sorted(want))
+  for key in want:
+    if key == "weights":
+      for g, w in zip(got[key], want[key]):
+        np.testing.assert_allclose(g, w, rtol=RTOL, atol=ATOL)
+    elif key == "history":
+      test.assertEqual(sorted(got[key]), sorted(want[key]))
+      for name in want[key]:
+        np.testing.assert_allclose(got[key][name], want[key][name],
+                                   rtol=RTOL, atol=ATOL, err_msg=name)
+    else:
+      np.testing.assert_allclose(got[key], want[key], rtol=RTOL, atol=ATOL,
+                                 err_msg=key)
+
+
+class ShortBatchesTest(unittest.TestCase):
+
+  @parameterized.expand(topology.NAMED_REPLICA_COUNTS)
+  def test_fit_evaluate_predict_equal_one_device(self, _, n):
+    assert_same(self, short_batches(topology.strategy_over(n)), one_device())
+
+
+if __name__ == "__main__":
+  unittest.main()
