@@ -412,6 +412,13 @@ def fewer_rows_than_replicas(strategy):
   return results
 
 
+def conv_last_batches(strategy):
+  """A conv net's fit, evaluate and predict with last batches of 1 to 7 rows,
+  which leave replicas few rows or none."""
+  import test_empty_replicas  # pylint: disable=g-import-not-at-top
+  return test_empty_replicas.last_batches(strategy)
+
+
 def random_layers_fit(strategy):
   """fit of models with Dropout and with RandomFlip + RandomRotation.
 
@@ -739,6 +746,7 @@ RUNS = {"custom_loop": custom_loop, "primitives": primitives,
         "sharded_state": sharded_state, "embedding_fit": embedding_fit,
         "keras_custom_steps": keras_custom_steps,
         "fewer_rows_than_replicas": fewer_rows_than_replicas,
+        "conv_last_batches": conv_last_batches,
         "batch_share": batch_share, "random_layers_fit": random_layers_fit,
         "sync_groups_fit": sync_groups_fit,
         "sync_groups_loop": sync_groups_loop}

@@ -3,10 +3,10 @@
 A batch of fewer rows than replicas leaves some replicas with none
 (`replicator_strategy.global_batch_input` cuts every batch as evenly as it
 can; TF's distributed dataset, which serves other inputs, leaves replicas
-empty more often). On 0 rows TF's oneDNN CPU kernels, the default on x86,
-give a convolution an output of the wrong shape (the next layer then fails:
-"Matrix size-incompatible: In[0]: [0,32]") and abort the process in max
-pooling's gradient. So inside a replica of several, each call of a layer in
+empty more often). On 0 rows TF's oneDNN CPU kernels (on by default on x86
+CPUs with AVX-512) give a convolution an output of the wrong shape (the next
+layer then fails: "Matrix size-incompatible: In[0]: [0,32]") and abort the
+process in max pooling's gradient. So inside a replica of several, each call of a layer in
 `GUARDED_LAYERS` on a batch not known to have rows runs under a `tf.cond`:
 without rows, the layer returns 0 rows of its output shape and its weights
 get no gradient from this replica, which is what 0 rows give on one device.

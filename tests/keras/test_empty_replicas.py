@@ -54,12 +54,13 @@ def compiled(strategy):
   return model
 
 
-def results(model, fit_data, evaluate_data, predict_data):
+def results(model, x, y=None, batch_size=None):
   """History, evaluation, predictions and weights of `fit` (one epoch)."""
-  history = model.fit(fit_data, epochs=1, shuffle=False, verbose=0)
+  history = model.fit(x, y, batch_size=batch_size, shuffle=False, verbose=0)
   return {"history": history.history,
-          "evaluate": model.evaluate(evaluate_data, verbose=0),
-          "predict": model.predict(predict_data, verbose=0).tolist(),
+          "evaluate": model.evaluate(x, y, batch_size=batch_size, verbose=0),
+          "predict": model.predict(x, batch_size=batch_size,
+                                   verbose=0).tolist(),
           "weights": [w.tolist() for w in model.get_weights()]}
 
 
@@ -67,20 +68,26 @@ def short_batches(strategy):
   """`results` on a dataset of batches of 1, 2, ... 7 rows, in turn."""
   x, y = data(sum(BATCH_SIZES))
   ends = np.cumsum(BATCH_SIZES)
+  batches = functools.reduce(tf.data.Dataset.concatenate, [
+      tf.data.Dataset.from_tensors((x[end - size:end], y[end - size:end]))
+      for size, end in zip(BATCH_SIZES, ends)])
+  return results(compiled(strategy), batches)
 
-  def batches(*arrays):
-    parts = [tf.data.Dataset.from_tensors(tuple(a[end - size:end]
-                                                for a in arrays))
-             for size, end in zip(BATCH_SIZES, ends)]
-    return functools.reduce(tf.data.Dataset.concatenate, parts)
 
-  return results(compiled(strategy), batches(x, y), batches(x, y),
-                 batches(x).map(lambda x: x))
+def last_batches(strategy, global_batch=8):
+  """`results` of NumPy arrays of `global_batch` + r rows, for every r in
+  `BATCH_SIZES`: a full batch, then a last batch of r rows; one model fits
+  them in turn (its steps traced once). Keras's own input path, the one TF
+  takes across workers."""
+  model = compiled(strategy)
+  return {str(r): results(model, *data(global_batch + r, seed=r),
+                          batch_size=global_batch) for r in BATCH_SIZES}
 
 
 @functools.cache
-def one_device():
-  return short_batches(tf.distribute.get_strategy())
+def one_device(run):
+  """`run`'s results with no strategy."""
+  return run(tf.distribute.get_strategy())
 
 
 def assert_same(test, got, want):
@@ -103,7 +110,15 @@ class ShortBatchesTest(unittest.TestCase):
 
   @parameterized.expand(topology.NAMED_REPLICA_COUNTS)
   def test_fit_evaluate_predict_equal_one_device(self, _, n):
-    assert_same(self, short_batches(topology.strategy_over(n)), one_device())
+    assert_same(self, short_batches(topology.strategy_over(n)),
+                one_device(short_batches))
+
+  def test_last_batches_of_numpy_arrays_equal_one_device_4_replicas(self):
+    got, want = last_batches(topology.strategy_over(4)), one_device(
+        last_batches)
+    for rows in want:
+      with self.subTest(last_batch=rows):
+        assert_same(self, got[rows], want[rows])
 
 
 if __name__ == "__main__":
