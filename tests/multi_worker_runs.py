@@ -423,8 +423,8 @@ def random_layers_fit(strategy):
   """fit of models with Dropout and with RandomFlip + RandomRotation.
 
   Each replica reads rows of the global batch contiguously, in replica order,
-  as one process splits it (Keras's NumPy input would be sharded by element,
-  giving each worker every other row).
+  as one process cuts it, as evenly as can be (Keras's NumPy input would be
+  sharded by element, giving each worker every other row).
   """
   import test_random_layers  # pylint: disable=g-import-not-at-top
   n = strategy.num_replicas_in_sync
@@ -434,10 +434,16 @@ def random_layers_fit(strategy):
     first = context.input_pipeline_id * per_worker
 
     def parts(x, y):
-      chunk = (tf.shape(x)[0] + n - 1) // n
-      return tf.data.Dataset.range(first, first + per_worker).map(
-          lambda r: (x[tf.cast(r, tf.int32) * chunk:][:chunk],
-                     y[tf.cast(r, tf.int32) * chunk:][:chunk]))
+      rows = tf.shape(x)[0]
+      base, extra = rows // n, rows % n
+
+      def part(replica):
+        replica = tf.cast(replica, tf.int32)
+        start = replica * base + tf.minimum(replica, extra)
+        end = start + base + tf.cast(replica < extra, tf.int32)
+        return x[start:end], y[start:end]
+
+      return tf.data.Dataset.range(first, first + per_worker).map(part)
 
     return dataset.flat_map(parts)
 
