@@ -1,17 +1,26 @@
-"""A replica without rows skips the layers TF's oneDNN kernels cannot run on none.
+"""A replica without rows skips the layers that fail or go wrong on none.
 
 A batch of fewer rows than replicas leaves some replicas with none
 (`replicator_strategy.global_batch_input` cuts every batch as evenly as it
 can; TF's distributed dataset, which serves other inputs, leaves replicas
-empty more often). On 0 rows TF's oneDNN CPU kernels (on by default on x86
-CPUs with AVX-512) give a convolution an output of the wrong shape (the next
-layer then fails: "Matrix size-incompatible: In[0]: [0,32]") and abort the
-process in max pooling's gradient. So inside a replica of several, each call of a layer in
-`GUARDED_LAYERS` on a batch not known to have rows runs under a `tf.cond`:
-without rows, the layer returns 0 rows of its output shape and its weights
-get no gradient from this replica, which is what 0 rows give on one device.
-The step's loss and metrics count the true rows
-(`ReplicaContext.batch_rows`), so every result is one device's.
+empty more often). On 0 rows:
+
+- TF's oneDNN CPU kernels (on by default on x86 CPUs with AVX-512) give a
+  convolution an output of the wrong shape (the next layer then fails:
+  "Matrix size-incompatible: In[0]: [0,32]") and abort the process in max
+  pooling's gradient;
+- a `BatchNormalization` that is not synchronized takes the mean and
+  variance of no rows, NaN: its moving statistics on that replica become
+  NaN, and so, through its gradient, do its `gamma` on every replica.
+
+So inside a replica of several, each call of a layer in `GUARDED_LAYERS` on
+a batch not known to have rows runs under a `tf.cond`: without rows, the
+layer returns 0 rows of its output shape, its weights get no gradient from
+this replica and its state stays as it was, which is what 0 rows give on one
+device. The step's loss and metrics count the true rows
+(`ReplicaContext.batch_rows`), so every result is one device's. (A
+synchronized `BatchNormalization` all-reduces its statistics, which every
+replica must join: it runs, and counts no rows where there are none.)
 
 >>> import keras
 >>> import numpy as np
@@ -32,18 +41,20 @@ import tensorflow as tf
 from replicator_strategy.keras import _internal as ki
 from replicator_strategy.keras import training
 
-# Convolutions and pooling, whose oneDNN kernels fail on 0 rows: each class
-# that defines the `call` they run (Conv1D's own does not call its base's).
+# Each class that defines the `call` the layers run (Conv1D's own does not
+# call its base's).
 GUARDED_LAYERS = (ki.BaseConv, keras.layers.Conv1D, ki.BaseDepthwiseConv,
-                  ki.BaseSeparableConv, ki.BaseConvTranspose, ki.BasePooling)
+                  ki.BaseSeparableConv, ki.BaseConvTranspose, ki.BasePooling,
+                  keras.layers.BatchNormalization)
 
 
 def skipped_without_rows(call):
-  """Wraps a `GUARDED_LAYERS` class's `call(inputs)`."""
+  """Wraps a `GUARDED_LAYERS` class's `call(inputs, ...)`."""
 
   @functools.wraps(call)
   def wrapper(layer, inputs, *args, **kwargs):
-    if inputs.shape[0] or not training.in_our_replicas():
+    if (inputs.shape[0] or getattr(layer, "synchronized", False) or
+        not training.in_our_replicas()):
       return call(layer, inputs, *args, **kwargs)
 
     def no_rows():

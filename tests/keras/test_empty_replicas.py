@@ -106,6 +106,36 @@ def assert_same(test, got, want):
                                  err_msg=key)
 
 
+class BatchNormalizationTest(unittest.TestCase):
+
+  @staticmethod
+  def fit_one_row(strategy):
+    """One row: replica 0 holds it, as one device does; the others none."""
+    keras.utils.set_random_seed(0)
+    with strategy.scope():
+      model = keras.Sequential([
+          keras.Input((3,)), keras.layers.Dense(4),
+          keras.layers.BatchNormalization(), keras.layers.Dense(1)])
+      model.compile(keras.optimizers.SGD(0.1), "mse")
+    x = np.random.default_rng(0).normal(size=(1, 3)).astype(np.float32)
+    model.fit(x, np.ones((1, 1), np.float32), epochs=2, verbose=0)
+    return model
+
+  def test_a_replica_without_rows_keeps_its_statistics(self):
+    strategy = topology.strategy_over(2)
+    model = self.fit_one_row(strategy)
+    want = self.fit_one_row(tf.distribute.get_strategy()).get_weights()
+    for got, w in zip(model.get_weights(), want):
+      np.testing.assert_allclose(got, w, rtol=RTOL, atol=ATOL)
+    norm = model.layers[1]
+    initial = {"moving_mean": 0.0, "moving_variance": 1.0}
+    for name, value in initial.items():
+      # Replica 1 saw no rows: its statistics are as they started.
+      empty = strategy.experimental_local_results(
+          getattr(norm, name).value)[1]
+      np.testing.assert_array_equal(empty, np.full([4], value, np.float32))
+
+
 class ShortBatchesTest(unittest.TestCase):
 
   @parameterized.expand(topology.NAMED_REPLICA_COUNTS)
