@@ -69,8 +69,9 @@ _SPLIT_KERNEL = ("a ReplicatorStrategy(layout_map=...) replica runs the layer, "
                  "its kernel split by the layout")
 _GROUPS = "the strategy is a ReplicatorStrategy(sync_groups=G > 1)"
 _ROWS = "a ReplicatorStrategy replica (of several) runs the layer on a batch"
-_NO_ROWS = ("a ReplicatorStrategy replica (of several) runs the layer on a "
-            "batch not known to have rows")
+_NO_ROWS = ("a ReplicatorStrategy replica (of several) runs the layer (a "
+            "batch normalization: not synchronized) on a batch not known to "
+            "have rows")
 _IN_ROW_LAYER = ("in a random layer's call that _ROWS marked, for draws of "
                  "rank 1 or more")
 
