@@ -14,8 +14,8 @@ the first `B % N` replicas one row more than the others (10 rows on 4: 3, 3,
 2, 2; 5 on 4: 2, 1, 1, 1). TF's distributed dataset gives `ceil(B / N)` to
 each in turn, so a short last batch leaves replicas without rows (5 on 4:
 2, 2, 1, 0) where every one could have had some. Only a batch of fewer rows
-than replicas leaves some empty, and Keras runs those
-(`replicator_strategy.keras.empty_replicas`).
+than replicas leaves some empty; there, the Keras layers that cannot run on
+no rows skip themselves (`replicator_strategy.keras.empty_replicas`).
 
 With sync groups across workers (`worker_slice`) each worker reads every
 global batch and keeps its own replicas' parts, contiguous in global replica
