@@ -9,9 +9,13 @@ reads each global batch with one op from one `tf.data` iterator of the
 user's own dataset, and the step cuts it into the replicas' parts.
 
 Step k of the replicas sees element k of the dataset, as one device does,
-and splits it as TF's distributed dataset does: a batch of B rows gives
-`ceil(B / N)` rows to each of N replicas in order, so the last ones may get
-fewer or none (10 rows on 4 replicas: 3, 3, 3, 1).
+cut as evenly as it can be, in order: a batch of B rows on N replicas gives
+the first `B % N` replicas one row more than the others (10 rows on 4: 3, 3,
+2, 2; 5 on 4: 2, 1, 1, 1). TF's distributed dataset gives `ceil(B / N)` to
+each in turn, so a short last batch leaves replicas without rows (5 on 4:
+2, 2, 1, 0) where every one could have had some. Only a batch of fewer rows
+than replicas leaves some empty; there, the Keras layers that cannot run on
+no rows skip themselves (`replicator_strategy.keras.empty_replicas`).
 
 With sync groups across workers (`worker_slice`) each worker reads every
 global batch and keeps its own replicas' parts, contiguous in global replica
@@ -54,16 +58,19 @@ def can_serve(dataset, options):
 
 
 def _part_sizes(num_rows, num_replicas):
-  """Rows per replica: `ceil(num_rows / num_replicas)` each, in order.
+  """Rows per replica, as even as can be: the first `num_rows % num_replicas`
+  get one more.
 
   A Python list for a static `num_rows`, else a tensor.
+
+  >>> _part_sizes(5, 4)
+  [2, 1, 1, 1]
   """
-  chunk = (num_rows + num_replicas - 1) // num_replicas
+  base, extra = num_rows // num_replicas, num_rows % num_replicas
   if isinstance(num_rows, int):
-    return [min(max(num_rows - i * chunk, 0), chunk)
-            for i in range(num_replicas)]
-  starts = tf.range(num_replicas, dtype=tf.int64) * chunk
-  return tf.clip_by_value(num_rows - starts, 0, chunk)
+    return [base + (i < extra) for i in range(num_replicas)]
+  return base + tf.cast(
+      tf.range(num_replicas, dtype=tf.int64) < extra, tf.int64)
 
 
 def _local_spec(spec, num_local, parts):
@@ -95,7 +102,7 @@ class GlobalBatchDataset(tf.distribute.DistributedDataset):
   ...     strategy.extended.host_device, worker_slice=(2, 4))
   >>> [[part.numpy().tolist() for part in strategy.experimental_local_results(b)]
   ...  for b in second_worker]
-  [[[6, 7, 8], [9]]]
+  [[[6, 7], [8, 9]]]
   """
 
   def __init__(self, dataset, devices, host_device, worker_slice=None):

@@ -44,6 +44,11 @@ check_keras_version()
 # pylint: disable=g-import-not-at-top,unused-import
 from keras.src.backend.tensorflow import random as tf_random  # Its draws.
 from keras.src.backend.tensorflow import trainer as tf_trainer
+from keras.src.layers.convolutional.base_conv import BaseConv
+from keras.src.layers.convolutional.base_conv_transpose import BaseConvTranspose
+from keras.src.layers.convolutional.base_depthwise_conv import BaseDepthwiseConv
+from keras.src.layers.convolutional.base_separable_conv import BaseSeparableConv
+from keras.src.layers.pooling.base_pooling import BasePooling
 from keras.src.layers.regularization.spatial_dropout import BaseSpatialDropout
 from keras.src.losses import loss  # Where Keras scales losses.
 from keras.src.saving import saving_lib  # The H5 store of weights files.

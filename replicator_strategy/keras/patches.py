@@ -38,6 +38,7 @@ import keras
 from replicator_strategy.keras import _internal as ki
 from replicator_strategy.keras import accumulators
 from replicator_strategy.keras import chief_writes
+from replicator_strategy.keras import empty_replicas
 from replicator_strategy.keras import loss_scale
 from replicator_strategy.keras import model_parallel
 from replicator_strategy.keras import training
@@ -69,6 +70,9 @@ _SPLIT_KERNEL = ("a ReplicatorStrategy(layout_map=...) replica runs the layer, "
                  "its kernel split by the layout")
 _GROUPS = "the strategy is a ReplicatorStrategy(sync_groups=G > 1)"
 _ROWS = "a ReplicatorStrategy replica (of several) runs the layer on a batch"
+_NO_ROWS = ("a ReplicatorStrategy replica (of several) runs the layer (a "
+            "batch normalization: not synchronized) on a batch not known to "
+            "have rows")
 _IN_ROW_LAYER = ("in a random layer's call that _ROWS marked, for draws of "
                  "rank 1 or more")
 
@@ -212,7 +216,9 @@ PATCHES = (
     Patch(layer, "call", random_layers.dropout_rows, _ROWS)
     for layer in random_layers.DROPOUT_LAYERS) + tuple(
         Patch(layer, "get_random_transformation", random_layers.image_rows,
-              _ROWS) for layer in random_layers.IMAGE_LAYERS)
+              _ROWS) for layer in random_layers.IMAGE_LAYERS) + tuple(
+                  Patch(layer, "call", empty_replicas.skipped_without_rows,
+                        _NO_ROWS) for layer in empty_replicas.GUARDED_LAYERS)
 
 _originals = []  # (owner, name, what it was), in the order applied.
 _lock = threading.RLock()  # Finalizers run in whichever thread collects.

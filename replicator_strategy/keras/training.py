@@ -80,7 +80,8 @@ from replicator_strategy import replica_context
 from replicator_strategy import strategy as strategy_lib
 
 
-def _in_our_replicas():
+def in_our_replicas():
+  """Whether this runs in a replica of a ReplicatorStrategy of several."""
   ctx = tf.distribute.get_replica_context()
   return (isinstance(ctx, replica_context.ReplicaContext) and
           ctx.strategy.extended.num_replicas_in_all_groups > 1)
@@ -90,7 +91,7 @@ def global_metrics_result(get_metrics_result):
 
   @functools.wraps(get_metrics_result)
   def wrapper(self):
-    if not _in_our_replicas():
+    if not in_our_replicas():
       return get_metrics_result(self)
     ctx = tf.distribute.get_replica_context()
     variables = [v for metric in self.metrics for v in metric.variables]
@@ -169,7 +170,7 @@ def scale_by_batch_share(keras_fn, scale):
     if _scaling_whole_loss():  # `loss_scaled_whole` scales the total.
       return value
     share = None
-    if _in_our_replicas():
+    if in_our_replicas():
       share = batch_share(tf.distribute.get_replica_context())
     if share is None:
       return keras_fn(value)
@@ -202,7 +203,7 @@ def loss_scaled_whole(compute_loss):
 
   @functools.wraps(compute_loss)
   def wrapper(self, *args, **kwargs):
-    if not _in_our_replicas() or _scaling_whole_loss():
+    if not in_our_replicas() or _scaling_whole_loss():
       return compute_loss(self, *args, **kwargs)
     _loss_scope.whole = True
     try:
@@ -225,7 +226,7 @@ def warn_override_unscaled(compute_loss):
   def wrapper(self, *args, **kwargs):
     cls = type(self)
     if (cls.compute_loss is not keras.Model.compute_loss and
-        not _scaling_whole_loss() and _in_our_replicas() and
+        not _scaling_whole_loss() and in_our_replicas() and
         cls not in _warned_overrides):
       _warned_overrides.add(cls)
       warnings.warn(
@@ -269,7 +270,7 @@ def reduce_before_clipping(backend_apply_gradients):
 
   @functools.wraps(backend_apply_gradients)
   def wrapper(self, grads, trainable_variables):
-    if not (_clips(self) and _in_our_replicas()):
+    if not (_clips(self) and in_our_replicas()):
       return backend_apply_gradients(self, grads, trainable_variables)
     with step_context.stepping(self) as step:
       # With accumulation, `reduce_accumulated_before_clipping` reduces
@@ -319,7 +320,7 @@ def compressed_on_the_wire(all_reduce_sum_gradients):
   def wrapper(self, grads_and_vars):
     strategy = tf.distribute.get_strategy()
     wire = (compression_lib.wire_dtype(strategy.gradient_compression)
-            if _in_our_replicas() else None)
+            if in_our_replicas() else None)
     if wire is None:
       return all_reduce_sum_gradients(self, grads_and_vars)
     pairs = list(grads_and_vars)
@@ -359,7 +360,7 @@ def slices_as_on_one_device(all_reduce_sum_gradients):
   @functools.wraps(all_reduce_sum_gradients)
   def wrapper(self, grads_and_vars):
     pairs = list(grads_and_vars)
-    alike = [_in_our_replicas() and isinstance(g, tf.IndexedSlices) and
+    alike = [in_our_replicas() and isinstance(g, tf.IndexedSlices) and
              computed_from_constants(g.indices) for g, _ in pairs]
     if not any(alike):
       return all_reduce_sum_gradients(self, pairs)

@@ -1,8 +1,9 @@
-"""The one-op input path deals out each global batch as TF's distributed dataset does.
+"""The one-op input path cuts each global batch as evenly as it can, in order.
 
-The reference is MirroredStrategy's distributed dataset (TF's rebatching and
-per-device iterators) over the same logical CPUs: every replica must get the
-same rows, step by step, and the same element spec.
+A batch of B rows on N replicas gives the first B % N replicas one row more
+than the others (`np.array_split`), so only a batch of fewer rows than
+replicas leaves any replica empty; TF's distributed dataset gives
+ceil(B / N) rows to each in turn (5 rows on 4 replicas: 2, 2, 1, 0).
 """
 
 import tempfile
@@ -31,14 +32,21 @@ def _per_replica_rows(strategy, dataset):
           for batch in strategy.experimental_distribute_dataset(dataset)]
 
 
+def _even_parts(dataset, replicas):
+  """For each step, each replica's rows of an even cut, as lists."""
+  return [[[part.tolist() for part in np.array_split(leaf.numpy(), replicas)]
+           for leaf in tf.nest.flatten(batch)] for batch in dataset]
+
+
 # (name, rows, global batch, replicas, drop_remainder): even splits, uneven
-# ones (10 rows on 4 replicas: 3, 3, 3, 1), short last batches, fewer rows
+# ones (10 rows on 4 replicas: 3, 3, 2, 2), short last batches, fewer rows
 # than replicas, and static shapes, even and not.
 _CASES = [
     ("even", 16, 8, 4, False),
     ("uneven", 23, 10, 4, False),
     ("short_last", 10, 4, 2, False),
     ("three_replicas", 19, 7, 3, False),
+    ("five_on_four", 5, 5, 4, False),
     ("fewer_rows_than_replicas", 5, 3, 4, False),
     ("one_replica", 5, 2, 1, False),
     ("static", 20, 8, 4, True),
@@ -46,33 +54,31 @@ _CASES = [
 ]
 
 
-class SplitLikeTFTest(unittest.TestCase):
+class SplitEvenlyTest(unittest.TestCase):
 
   @parameterized.expand(_CASES)
-  def test_same_rows_and_spec_as_mirrored(self, _, rows, batch, replicas,
-                                          drop_remainder):
+  def test_each_replica_gets_its_even_part_in_order(
+      self, _, rows, batch, replicas, drop_remainder):
     ours = topology.strategy_over(replicas)
-    mirrored = tf.distribute.MirroredStrategy(
-        [f"/cpu:{i}" for i in range(replicas)])
     dataset = _rows(rows, batch, drop_remainder)
-    self.assertIsInstance(ours.experimental_distribute_dataset(dataset),
-                          global_batch_input.GlobalBatchDataset)
+    distributed = ours.experimental_distribute_dataset(dataset)
+    self.assertIsInstance(distributed, global_batch_input.GlobalBatchDataset)
     self.assertEqual(_per_replica_rows(ours, dataset),
-                     _per_replica_rows(mirrored, dataset))
-    # Ours may know a static part size TF leaves unknown (10 rows on 4).
-    for spec, tf_spec in zip(
-        tf.nest.flatten(
-            ours.experimental_distribute_dataset(dataset).element_spec),
-        tf.nest.flatten(
-            mirrored.experimental_distribute_dataset(dataset).element_spec)):
-      self.assertTrue(tf_spec.is_compatible_with(spec), (spec, tf_spec))
+                     _even_parts(dataset, replicas))
+    # Static batches give parts of static sizes; the others, unknown ones.
+    for spec, leaf in zip(tf.nest.flatten(distributed.element_spec),
+                          tf.nest.flatten(dataset.element_spec)):
+      sizes = ([len(part) for part in np.array_split(range(batch), replicas)]
+               if drop_remainder else [None] * replicas)
+      self.assertEqual([part.shape.as_list() for part in
+                        tf.nest.flatten(spec, expand_composites=True)],
+                       [[size] + leaf.shape[1:].as_list() for size in sizes])
 
   def test_a_short_batch_mid_stream_stays_one_step(self):
     dataset = tf.data.Dataset.range(10).batch(4).repeat(2)
-    mirrored = tf.distribute.MirroredStrategy([f"/cpu:{i}" for i in range(4)])
     rows = _per_replica_rows(topology.strategy_over(4), dataset)
     self.assertEqual(rows[2], [[[8], [9], [], []]])
-    self.assertEqual(rows, _per_replica_rows(mirrored, dataset))
+    self.assertEqual(rows, _even_parts(dataset, 4))
 
   def test_parts_are_on_their_replicas_devices(self):
     strategy = topology.strategy_over(4)
@@ -150,7 +156,7 @@ class InsideTFFunctionTest(unittest.TestCase):
 
   def test_optional_of_statically_uneven_parts(self):
     # 10 rows on 4 replicas with drop_remainder: parts of static sizes
-    # 3, 3, 3, 1, which the empty optional's spec must match.
+    # 3, 3, 2, 2, which the empty optional's spec must match.
     batches = self.strategy.experimental_distribute_dataset(
         tf.data.Dataset.range(20).batch(10, drop_remainder=True))
     @tf.function

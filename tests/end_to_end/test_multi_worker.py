@@ -27,6 +27,7 @@ import pytest
 
 import models
 import multi_worker_runs
+import test_empty_replicas
 import test_gradient_compression
 import topology
 from replicator_strategy.cli import launch
@@ -323,7 +324,7 @@ class SyncGroupsTwoWorkersTest(RunsOnWorkers, unittest.TestCase):
 
   def test_fit_equals_one_process_with_four_replicas(self):
     # Each worker's group trains on the rows group 0 or 1 gets in one
-    # process, the last batch's 10 rows split 3, 3 | 3, 1 as there.
+    # process, the last batch's 10 rows split 3, 3 | 2, 2 as there.
     expected = in_one_process("sync_groups_fit" + self.OPTIONS)
     for worker in self.workers:
       assert_close_nested(self, worker["sync_groups_fit"], expected)
@@ -462,7 +463,8 @@ class ShardedVariablesGradientCompressionTest(RunsOnWorkers,
 
 @pytest.mark.slow
 class KerasCustomStepsTest(RunsOnWorkers, unittest.TestCase):
-  RUNS = ("keras_custom_steps", "fewer_rows_than_replicas")
+  RUNS = ("keras_custom_steps", "fewer_rows_than_replicas",
+          "conv_last_batches")
   LAUNCH = "keras"
 
   def assert_workers_equal_one_process_with_four(self, run):
@@ -475,6 +477,13 @@ class KerasCustomStepsTest(RunsOnWorkers, unittest.TestCase):
 
   def test_fewer_rows_than_replicas_equal_one_process_with_four(self):
     self.assert_workers_equal_one_process_with_four("fewer_rows_than_replicas")
+
+  def test_conv_last_batches_equal_one_device(self):
+    want = test_empty_replicas.one_device(test_empty_replicas.last_batches)
+    for index, worker in enumerate(self.workers):
+      for rows, got in worker["conv_last_batches"].items():
+        with self.subTest(worker=index, last_batch=rows):
+          test_empty_replicas.assert_same(self, got, want[rows])
 
 
 @pytest.mark.slow

@@ -23,7 +23,7 @@ RTOL, ATOL = 1e-5, 1e-5
 GLOBAL_BATCH = 16
 # 50 rows end on a batch of 2: on 4 replicas, 1, 1, 0 and 0 rows.
 TRAIN_ROWS = 50
-LAYER_ROWS = 10  # Split 5-5 on 2 replicas, 3-3-3-1 on 4.
+LAYER_ROWS = 10  # Split 5-5 on 2 replicas, 3-3-2-2 on 4.
 
 _l = keras.layers
 # name: (layer, input shape of one row). Images are 8x8 RGB in [0, 255].
