@@ -81,6 +81,19 @@ def _local_spec(spec, num_local, parts):
   return tfi.values.PerReplicaSpec(*specs) if num_local > 1 else specs[0]
 
 
+def split_rows(leaf, num_parts):
+  """`leaf` cut along its first axis into `num_parts` contiguous parts, in
+  order, as every global batch is cut (`_part_sizes`).
+
+  >>> [part.numpy().tolist() for part in split_rows(tf.range(7), 2)]
+  [[0, 1, 2, 3], [4, 5, 6]]
+  """
+  num_rows = leaf.shape[0]
+  if num_rows is None:
+    num_rows = tf.shape(leaf, out_type=tf.int64)[0]
+  return tf.split(leaf, _part_sizes(num_rows, num_parts), num=num_parts)
+
+
 class GlobalBatchDataset(tf.distribute.DistributedDataset):
   """`dataset`'s global batches, each split among `devices` (see module doc).
 
@@ -192,12 +205,8 @@ class GlobalBatchIterator(tf.distribute.DistributedIterator,
       return batch
     leaves = []
     for leaf in tf.nest.flatten(batch):
-      num_rows = leaf.shape[0]
-      if num_rows is None:
-        num_rows = tf.shape(leaf, out_type=tf.int64)[0]
-      parts = tf.split(leaf, _part_sizes(num_rows, total), num=total)
       on_devices = []
-      for device, part in zip(self._devices, parts[first:]):
+      for device, part in zip(self._devices, split_rows(leaf, total)[first:]):
         with tf.device(device):
           on_devices.append(tf.identity(part))
       leaves.append(tfi.values.PerReplica(tuple(on_devices))
