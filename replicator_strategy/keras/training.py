@@ -6,9 +6,11 @@
   and linear metrics. Here the metric variables are summed across replicas
   first (one batched all-reduce per step) and the results computed from the
   sums, exactly as one device would.
-- `predict_on_batch` hands the whole batch to every replica and concatenates
-  the replicas' outputs: N times the rows. Here the batch is split into
-  contiguous per-replica parts, so the rows come back once, in order.
+- `train_on_batch`, `test_on_batch` and `predict_on_batch` hand the whole
+  batch to every replica: N times the work, N copies of every slice of a
+  sparse gradient, and N times the rows from `predict_on_batch`. Here the
+  batch is cut into per-replica parts as `fit` cuts one, so they train,
+  evaluate and predict as one device does.
 - A replica's mean loss is scaled by 1/N, which is right only when every
   replica has as many rows; a final partial batch then trains differently
   from one device. And the scaled value is what a custom `train_step` sees
