@@ -588,7 +588,9 @@ def xla_on_accelerators(resolve_auto_jit_compile):
 def split_batch(strategy, batch):
   """A batch (any nest) as per-replica contiguous parts, cut as every global
   batch is (`global_batch_input.split_rows`)."""
-  batch = tf.nest.map_structure(tf.convert_to_tensor, batch)
+  batch = tf.nest.map_structure(
+      lambda t: t if isinstance(t, (tf.SparseTensor, tf.RaggedTensor)) else
+      tf.convert_to_tensor(t), batch)
 
   def part(ctx):
     # Every replica of every sync group takes its part.

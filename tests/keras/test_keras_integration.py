@@ -134,18 +134,30 @@ class RowsSeen(keras.layers.Layer):
 
 
 def on_batch_model(kind, strategy=None, run_eagerly=False):
-  """A classifier of features ("dense") or of tokens ("embedding"), Adam."""
+  """A classifier of features ("dense", or "sparse" ones) or of tokens
+  ("embedding", or "ragged" rows of them)."""
   keras.utils.set_random_seed(3)
   scope = strategy.scope() if strategy else tf.distribute.get_strategy().scope()
   with scope:
-    if kind == "dense":
-      layers = [keras.Input((6,)), RowsSeen(), keras.layers.Dense(CLASSES)]
-    else:  # Its gradient is sparse: Keras's Adam squares it slice by slice.
-      layers = [keras.Input((4,), dtype="int32"),
-                keras.layers.Embedding(TOKENS, 5), keras.layers.Flatten(),
+    if kind in ("dense", "sparse"):
+      layers = [keras.Input((6,), sparse=kind == "sparse"), RowsSeen(),
                 keras.layers.Dense(CLASSES)]
-    model = keras.Sequential(layers)
-    model.compile(keras.optimizers.Adam(0.05),
+    elif kind == "embedding":
+      # Its gradient is sparse: Keras's Adam squares it slice by slice.
+      layers = [keras.Input((4,), dtype="int32"),
+                keras.layers.Embedding(TOKENS, 5), keras.layers.Flatten()]
+    else:
+      layers = [keras.Input((None,), dtype="int32", ragged=True),
+                keras.layers.Embedding(TOKENS, 5),
+                keras.layers.Lambda(lambda t: tf.reduce_mean(t, axis=1))]
+    model = keras.Sequential(layers + [keras.layers.Dense(CLASSES)]
+                             if kind in ("embedding", "ragged") else layers)
+    # Keras's kernel gradient for a sparse input has a slice per column of
+    # the rows, so each replica's part adds its own: Adam, which squares
+    # each, differs from one device as it does under fit.
+    optimizer = (keras.optimizers.SGD(0.1, momentum=0.5) if kind == "sparse"
+                 else keras.optimizers.Adam(0.05))
+    model.compile(optimizer,
                   keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                   metrics=["accuracy"], run_eagerly=run_eagerly,
                   jit_compile=False)
@@ -153,13 +165,29 @@ def on_batch_model(kind, strategy=None, run_eagerly=False):
 
 
 def on_batch_data(kind, rows):
+  """`x` (as NumPy, dense: 0 pads a ragged row, is left out of a sparse
+  one), `y` and sample weights for `CALLS` batches of `rows`."""
   rng = np.random.default_rng(5)
   total = CALLS * rows
-  x = (rng.normal(size=(total, 6)).astype(np.float32) if kind == "dense" else
-       rng.integers(0, TOKENS, size=(total, 4)).astype(np.int32))
+  if kind in ("dense", "sparse"):
+    x = rng.normal(size=(total, 6)).astype(np.float32)
+    if kind == "sparse":
+      x *= rng.random(x.shape) < 0.5
+  else:
+    x = rng.integers(1, TOKENS, size=(total, 4)).astype(np.int32)
+    if kind == "ragged":
+      x *= np.arange(4) < rng.integers(1, 5, size=(total, 1))
   y = rng.integers(0, CLASSES, size=total)
   sample_weight = rng.uniform(0.1, 2.0, size=total).astype(np.float32)
   return x, y, sample_weight
+
+
+def as_input(kind, x):
+  if kind == "sparse":
+    return tf.sparse.from_dense(x)
+  if kind == "ragged":
+    return tf.RaggedTensor.from_tensor(x, padding=0)
+  return x
 
 
 def on_batch_calls(model, kind, rows, weighting):
@@ -172,12 +200,12 @@ def on_batch_calls(model, kind, rows, weighting):
     weights = {"sample_weight": {"sample_weight": sample_weight[part]},
                "class_weight": {"class_weight": {0: 1.0, 1: 3.0, 2: 0.5}},
                None: {}}[weighting]
-    logs.append(model.train_on_batch(x[part], y[part], return_dict=True,
-                                     **weights))
+    logs.append(model.train_on_batch(as_input(kind, x[part]), y[part],
+                                     return_dict=True, **weights))
   weights = ({"sample_weight": sample_weight[:rows]}
              if weighting == "sample_weight" else {})
-  logs.append(model.test_on_batch(x[:rows], y[:rows], return_dict=True,
-                                  **weights))
+  logs.append(model.test_on_batch(as_input(kind, x[:rows]), y[:rows],
+                                  return_dict=True, **weights))
   return logs, model.get_weights()
 
 
@@ -188,7 +216,8 @@ def one_device_on_batch_calls(kind, rows, weighting):
 
 ON_BATCH_CASES = (("dense", 16, None), ("dense", 16, "sample_weight"),
                   ("dense", 16, "class_weight"), ("dense", 7, None),
-                  ("embedding", 16, None))
+                  ("embedding", 16, None), ("sparse", 7, None),
+                  ("ragged", 7, None))
 
 
 class OnBatchTest(unittest.TestCase):
