@@ -587,15 +587,15 @@ def xla_on_accelerators(resolve_auto_jit_compile):
 
 def split_batch(strategy, batch):
   """A batch (any nest) as per-replica contiguous parts, cut as every global
-  batch is (`global_batch_input.split_rows`)."""
-  batch = tf.nest.map_structure(
-      lambda t: t if isinstance(t, (tf.SparseTensor, tf.RaggedTensor)) else
-      tf.convert_to_tensor(t), batch)
-
-  def part(ctx):
+  batch is (`global_batch_input.split_rows`): cut on the host, each part
+  copied to its replica's device."""
+  leaves = tf.nest.flatten(batch)
+  with tf.device(strategy.extended.host_device):
     # Every replica of every sync group takes its part.
-    i, n = ctx.replica_id_in_sync_group, ctx.num_replicas_in_sync
-    return tf.nest.map_structure(
-        lambda t: global_batch_input.split_rows(t, n)[i], batch)
-
-  return strategy.experimental_distribute_values_from_function(part)
+    parts = [global_batch_input.split_rows(
+        leaf if isinstance(leaf, (tf.SparseTensor, tf.RaggedTensor)) else
+        tf.convert_to_tensor(leaf),
+        strategy.extended.num_replicas_in_all_groups) for leaf in leaves]
+  return strategy.experimental_distribute_values_from_function(
+      lambda ctx: tf.nest.pack_sequence_as(batch, [
+          tf.identity(p[ctx.replica_id_in_sync_group]) for p in parts]))
