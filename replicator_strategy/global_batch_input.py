@@ -88,6 +88,28 @@ def _local_spec(spec, num_local, parts):
   return tfi.values.PerReplicaSpec(*specs) if num_local > 1 else specs[0]
 
 
+def split_rows(leaf, num_parts):
+  """`leaf` (a tensor, `tf.RaggedTensor` or `tf.SparseTensor`) cut along its
+  first axis into `num_parts` contiguous parts, in order, as every global
+  batch is cut (`_part_sizes`).
+
+  >>> [part.numpy().tolist() for part in split_rows(tf.range(7), 2)]
+  [[0, 1, 2, 3], [4, 5, 6]]
+  """
+  num_rows = leaf.shape[0]
+  if num_rows is None:
+    num_rows = tf.shape(leaf, out_type=tf.int64)[0]
+  sizes = _part_sizes(num_rows, num_parts)
+  if not isinstance(leaf, tf.SparseTensor):
+    return tf.split(leaf, sizes, num=num_parts)
+  sizes = tf.cast(sizes, tf.int64)
+  starts = tf.cumsum(sizes, exclusive=True)
+  rest = leaf.dense_shape[1:]
+  return [tf.sparse.slice(
+      leaf, tf.concat([starts[i:i + 1], tf.zeros_like(rest)], 0),
+      tf.concat([sizes[i:i + 1], rest], 0)) for i in range(num_parts)]
+
+
 class GlobalBatchDataset(tf.distribute.DistributedDataset):
   """`dataset`'s global batches, each split among `devices` (see module doc).
 
@@ -199,12 +221,8 @@ class GlobalBatchIterator(tf.distribute.DistributedIterator,
       return batch
     leaves = []
     for leaf in tf.nest.flatten(batch):
-      num_rows = leaf.shape[0]
-      if num_rows is None:
-        num_rows = tf.shape(leaf, out_type=tf.int64)[0]
-      parts = tf.split(leaf, _part_sizes(num_rows, total), num=total)
       on_devices = []
-      for device, part in zip(self._devices, parts[first:]):
+      for device, part in zip(self._devices, split_rows(leaf, total)[first:]):
         with tf.device(device):
           on_devices.append(tf.identity(part))
       leaves.append(tfi.values.PerReplica(tuple(on_devices))

@@ -3,9 +3,10 @@
 - `patches`: the table `PATCHES` (what is wrapped, why, when it acts), in
   place while a ReplicatorStrategy lives (`hold`), or as `install()` and
   `uninstall()` decide.
-- `training`: global per-batch logs, rows once from `predict_on_batch`, loss
-  scaled by each replica's share of the rows, the model built from the whole
-  first batch, clipping after the all-reduce, `predict` across workers.
+- `training`: global per-batch logs, each replica its part of the batch in
+  `train_on_batch`, `test_on_batch` and `predict_on_batch`, loss scaled by
+  each replica's share of the rows, the model built from the whole first
+  batch, clipping after the all-reduce, `predict` across workers.
 - `chief_writes`: across workers, files written once, by the chief.
 - `preemption_saves`: `BackupAndRestore` saves at the step every worker
   agreed to stop at after a SIGTERM.

@@ -53,6 +53,7 @@ from keras.src.layers.regularization.spatial_dropout import BaseSpatialDropout
 from keras.src.losses import loss  # Where Keras scales losses.
 from keras.src.saving import saving_lib  # The H5 store of weights files.
 from keras.src.trainers import data_adapters  # Which data fit takes.
+from keras.src.trainers.data_adapters import data_adapter_utils  # class_weight as sample weights.
 from keras.src.trainers import trainer
 # pylint: enable=g-import-not-at-top,unused-import
 

@@ -80,8 +80,9 @@ _IN_ROW_LAYER = ("in a random layer's call that _ROWS marked, for draws of "
 PATCHES = (
     Patch(_MODEL, "get_metrics_result",
           training.global_metrics_result, _UNDER_US),
-    Patch(_MODEL, "predict_on_batch",
-          training.split_predict_on_batch, _UNDER_US),
+    *(Patch(_MODEL, name, training.split_on_batch,
+            _UNDER_US + ": the batch cut into the replicas' parts")
+      for name in ("train_on_batch", "test_on_batch", "predict_on_batch")),
     Patch(_MODEL, "_maybe_symbolic_build",
           training.build_from_batch_spec,
           "the strategy is a ReplicatorStrategy"),

@@ -6,9 +6,11 @@
   and linear metrics. Here the metric variables are summed across replicas
   first (one batched all-reduce per step) and the results computed from the
   sums, exactly as one device would.
-- `predict_on_batch` hands the whole batch to every replica and concatenates
-  the replicas' outputs: N times the rows. Here the batch is split into
-  contiguous per-replica parts, so the rows come back once, in order.
+- `train_on_batch`, `test_on_batch` and `predict_on_batch` hand the whole
+  batch to every replica: N times the work, N copies of every slice of a
+  sparse gradient, and N times the rows from `predict_on_batch`. Here the
+  batch is cut into per-replica parts as `fit` cuts one, so they train,
+  evaluate and predict as one device does.
 - A replica's mean loss is scaled by 1/N, which is right only when every
   replica has as many rows; a final partial batch then trains differently
   from one device. And the scaled value is what a custom `train_step` sees
@@ -64,6 +66,7 @@ unchanged for any other strategy.
 
 import contextlib
 import functools
+import inspect
 import threading
 import warnings
 
@@ -112,10 +115,14 @@ def build_from_batch_spec(maybe_symbolic_build):
   @functools.wraps(maybe_symbolic_build)
   def wrapper(self, iterator=None, data_batch=None):
     strategy = self.distribute_strategy
-    if iterator is None or not isinstance(strategy,
-                                          strategy_lib.ReplicatorStrategy):
+    if not isinstance(strategy, strategy_lib.ReplicatorStrategy):
       return maybe_symbolic_build(self, iterator=iterator,
                                   data_batch=data_batch)
+    if iterator is None:
+      # `split_on_batch`'s parts: built from the first replica's, as `fit`
+      # builds from one replica's spec.
+      return maybe_symbolic_build(self, data_batch=tf.nest.map_structure(
+          lambda v: strategy.experimental_local_results(v)[0], data_batch))
     if type(self).call is keras.Model.call:
       # No call() to build from (a GAN's custom train_step, say): defer to
       # the step's first trace, as Keras does without a strategy.
@@ -248,15 +255,40 @@ def warn_override_unscaled(compute_loss):
 _warned_overrides = set()
 
 
-def split_predict_on_batch(predict_on_batch):
+def split_on_batch(on_batch):
+  """`Model.train_on_batch`, `test_on_batch` or `predict_on_batch`, its
+  batch (`x`, `y`, `sample_weight`) cut into the replicas' parts as `fit`
+  cuts a batch.
 
-  @functools.wraps(predict_on_batch)
-  def wrapper(self, x):
+  Keras gives every replica the whole batch: N times the work, N times the
+  rows from `predict_on_batch`, and N copies of each slice of a sparse
+  gradient (which Keras's Adam squares one by one). A `class_weight` is
+  turned into sample weights from the whole batch's labels first, as Keras
+  does; Keras builds the model from the first replica's part
+  (`build_from_batch_spec`).
+  """
+  signature = inspect.signature(on_batch)
+
+  @functools.wraps(on_batch)
+  def wrapper(self, *args, **kwargs):
     strategy = self.distribute_strategy
-    if (isinstance(strategy, strategy_lib.ReplicatorStrategy) and
-        strategy.extended.num_replicas_in_all_groups > 1):
-      x = split_batch(strategy, x)
-    return predict_on_batch(self, x)
+    if not (isinstance(strategy, strategy_lib.ReplicatorStrategy) and
+            strategy.extended.num_replicas_in_all_groups > 1):
+      return on_batch(self, *args, **kwargs)
+    call = signature.bind(self, *args, **kwargs)
+    data = call.arguments
+    if data.get("class_weight") is not None:
+      if data.get("sample_weight") is not None:
+        # Keras refuses both, naming the values received.
+        return on_batch(self, *args, **kwargs)
+      data["sample_weight"] = (
+          ki.data_adapter_utils.class_weight_to_sample_weights(
+              data["y"], data["class_weight"]))
+      data["class_weight"] = None
+    for name in ("x", "y", "sample_weight"):
+      if data.get(name) is not None:
+        data[name] = split_batch(strategy, data[name])
+    return on_batch(*call.args, **call.kwargs)
 
   return wrapper
 
@@ -555,17 +587,16 @@ def xla_on_accelerators(resolve_auto_jit_compile):
 
 
 def split_batch(strategy, batch):
-  """A batch (any nest) as per-replica contiguous parts, sizes within one."""
-  batch = tf.nest.map_structure(tf.convert_to_tensor, batch)
-
-  def part(ctx):
+  """A batch (any nest) as per-replica contiguous parts, cut as every global
+  batch is (`global_batch_input.split_rows`): cut on the host, each part
+  copied to its replica's device."""
+  leaves = tf.nest.flatten(batch)
+  with tf.device(strategy.extended.host_device):
     # Every replica of every sync group takes its part.
-    i, n = ctx.replica_id_in_sync_group, ctx.num_replicas_in_sync
-
-    def rows(t):
-      total = tf.shape(t)[0]
-      return t[(total * i) // n:(total * (i + 1)) // n]
-
-    return tf.nest.map_structure(rows, batch)
-
-  return strategy.experimental_distribute_values_from_function(part)
+    parts = [global_batch_input.split_rows(
+        leaf if isinstance(leaf, (tf.SparseTensor, tf.RaggedTensor)) else
+        tf.convert_to_tensor(leaf),
+        strategy.extended.num_replicas_in_all_groups) for leaf in leaves]
+  return strategy.experimental_distribute_values_from_function(
+      lambda ctx: tf.nest.pack_sequence_as(batch, [
+          tf.identity(p[ctx.replica_id_in_sync_group]) for p in parts]))

@@ -233,5 +233,35 @@ class FallsBackToTFTest(unittest.TestCase):
         _rows(4, 4), ["/gpu:0", "/gpu:1"], None))
 
 
+class SplitRowsTest(unittest.TestCase):
+  """A ragged or sparse batch is cut into the rows a dense one is cut into."""
+
+  @parameterized.expand([("eagerly", False), ("in_a_tf_function", True)])
+  def test_ragged_and_sparse_as_dense(self, _, traced):
+    # 7 rows of 1 to 3 nonzero values, 0 after them: a ragged row's end.
+    dense = tf.constant(np.arange(1, 22).reshape(7, 3) *
+                        (np.arange(3) < np.arange(7)[:, None] % 3 + 1))
+    inputs = {"dense": dense,
+              "ragged": tf.RaggedTensor.from_tensor(dense, padding=0),
+              "sparse": tf.sparse.from_dense(dense)}
+    # In a function, the number of rows is known when it runs.
+    specs = {"dense": tf.TensorSpec([None, 3], dense.dtype),
+             "ragged": tf.RaggedTensorSpec([None, None], dense.dtype),
+             "sparse": tf.SparseTensorSpec([None, 3], dense.dtype)}
+    parts = {}
+    for kind, value in inputs.items():
+      split = lambda v: global_batch_input.split_rows(v, 3)
+      if traced:
+        split = tf.function(split, input_signature=[specs[kind]])
+      parts[kind] = split(value)
+    self.assertEqual(tf.concat(parts["dense"], 0).numpy().tolist(),
+                     dense.numpy().tolist())
+    for part, ragged, sparse in zip(parts["dense"], parts["ragged"],
+                                    parts["sparse"]):
+      want = part.numpy().tolist()
+      self.assertEqual(ragged.to_tensor(shape=part.shape).numpy().tolist(),
+                       want)
+      self.assertEqual(tf.sparse.to_dense(sparse).numpy().tolist(), want)
+
 if __name__ == "__main__":
   unittest.main()

@@ -117,6 +117,151 @@ class KerasIntegrationTest(unittest.TestCase):
                                    err_msg=f"{method} {key}")
 
 
+TOKENS, CLASSES, CALLS = 12, 3, 3
+
+
+class RowsSeen(keras.layers.Layer):
+  """Passes its input on; run eagerly, records each replica's rows."""
+
+  def __init__(self, **kwargs):
+    super().__init__(**kwargs)
+    self.seen = []
+
+  def call(self, x):
+    if tf.executing_eagerly():  # Not the model's symbolic build.
+      self.seen.append(int(tf.shape(x)[0]))
+    return x
+
+
+def on_batch_model(kind, strategy=None, run_eagerly=False):
+  """A classifier of features ("dense", or "sparse" ones) or of tokens
+  ("embedding", or "ragged" rows of them)."""
+  keras.utils.set_random_seed(3)
+  scope = strategy.scope() if strategy else tf.distribute.get_strategy().scope()
+  with scope:
+    if kind in ("dense", "sparse"):
+      layers = [keras.Input((6,), sparse=kind == "sparse"), RowsSeen(),
+                keras.layers.Dense(CLASSES)]
+    elif kind == "embedding":
+      # Its gradient is sparse: Keras's Adam squares it slice by slice.
+      layers = [keras.Input((4,), dtype="int32"),
+                keras.layers.Embedding(TOKENS, 5), keras.layers.Flatten()]
+    else:
+      layers = [keras.Input((None,), dtype="int32", ragged=True),
+                keras.layers.Embedding(TOKENS, 5),
+                keras.layers.Lambda(lambda t: tf.reduce_mean(t, axis=1))]
+    model = keras.Sequential(layers + [keras.layers.Dense(CLASSES)]
+                             if kind in ("embedding", "ragged") else layers)
+    # Keras's kernel gradient for a sparse input has a slice per column of
+    # the rows, so each replica's part adds its own: Adam, which squares
+    # each, differs from one device as it does under fit.
+    optimizer = (keras.optimizers.SGD(0.1, momentum=0.5) if kind == "sparse"
+                 else keras.optimizers.Adam(0.05))
+    model.compile(optimizer,
+                  keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  metrics=["accuracy"], run_eagerly=run_eagerly,
+                  jit_compile=False)
+  return model
+
+
+def on_batch_data(kind, rows):
+  """`x` (as NumPy, dense: 0 pads a ragged row, is left out of a sparse
+  one), `y` and sample weights for `CALLS` batches of `rows`."""
+  rng = np.random.default_rng(5)
+  total = CALLS * rows
+  if kind in ("dense", "sparse"):
+    x = rng.normal(size=(total, 6)).astype(np.float32)
+    if kind == "sparse":
+      x *= rng.random(x.shape) < 0.5
+  else:
+    x = rng.integers(1, TOKENS, size=(total, 4)).astype(np.int32)
+    if kind == "ragged":
+      x *= np.arange(4) < rng.integers(1, 5, size=(total, 1))
+  y = rng.integers(0, CLASSES, size=total)
+  sample_weight = rng.uniform(0.1, 2.0, size=total).astype(np.float32)
+  return x, y, sample_weight
+
+
+def as_input(kind, x):
+  if kind == "sparse":
+    return tf.sparse.from_dense(x)
+  if kind == "ragged":
+    return tf.RaggedTensor.from_tensor(x, padding=0)
+  return x
+
+
+def on_batch_calls(model, kind, rows, weighting):
+  """`CALLS` train_on_batch calls, then a test_on_batch: the logs each
+  returns, and the weights."""
+  x, y, sample_weight = on_batch_data(kind, rows)
+  logs = []
+  for k in range(CALLS):
+    part = slice(k * rows, (k + 1) * rows)
+    weights = {"sample_weight": {"sample_weight": sample_weight[part]},
+               "class_weight": {"class_weight": {0: 1.0, 1: 3.0, 2: 0.5}},
+               None: {}}[weighting]
+    logs.append(model.train_on_batch(as_input(kind, x[part]), y[part],
+                                     return_dict=True, **weights))
+  weights = ({"sample_weight": sample_weight[:rows]}
+             if weighting == "sample_weight" else {})
+  logs.append(model.test_on_batch(as_input(kind, x[:rows]), y[:rows],
+                                  return_dict=True, **weights))
+  return logs, model.get_weights()
+
+
+@functools.cache
+def one_device_on_batch_calls(kind, rows, weighting):
+  return on_batch_calls(on_batch_model(kind), kind, rows, weighting)
+
+
+ON_BATCH_CASES = (("dense", 16, None), ("dense", 16, "sample_weight"),
+                  ("dense", 16, "class_weight"), ("dense", 7, None),
+                  ("embedding", 16, None), ("sparse", 7, None),
+                  ("ragged", 7, None))
+
+
+class OnBatchTest(unittest.TestCase):
+  """train_on_batch and test_on_batch split the batch as fit and evaluate do."""
+
+  @parameterized.expand([
+      (f"{kind}_{rows}_rows_{weighting}_{n}_replicas", kind, rows, weighting, n)
+      for kind, rows, weighting in ON_BATCH_CASES for n in (2, 4)])
+  def test_as_on_one_device(self, _, kind, rows, weighting, n):
+    want_logs, want_weights = one_device_on_batch_calls(kind, rows, weighting)
+    logs, weights = on_batch_calls(
+        on_batch_model(kind, topology.strategy_over(n)), kind, rows, weighting)
+    for call, (got, want) in enumerate(zip(logs, want_logs)):
+      self.assertEqual(sorted(got), sorted(want))
+      for key in want:
+        np.testing.assert_allclose(got[key], want[key], rtol=1e-5, atol=1e-6,
+                                   err_msg=f"call {call}: {key}")
+    for got, want in zip(weights, want_weights):
+      np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+  @parameterized.expand([(f"{n}_replicas", n, parts)
+                         for n, parts in ((2, [4, 3]), (4, [2, 2, 2, 1]))])
+  def test_each_replica_sees_its_part(self, _, n, parts):
+    model = on_batch_model("dense", topology.strategy_over(n),
+                           run_eagerly=True)
+    seen = model.layers[0].seen
+    x, y, _ = on_batch_data("dense", 7)
+    model.train_on_batch(x[:7], y[:7])
+    self.assertEqual(sorted(seen), sorted(parts))
+    seen.clear()
+    model.test_on_batch(x[:7], y[:7])
+    self.assertEqual(sorted(seen), sorted(parts))
+
+  def test_class_weight_with_sample_weight_is_refused_as_by_keras(self):
+    model = on_batch_model("dense", topology.strategy_over(2))
+    x, y, sample_weight = on_batch_data("dense", 4)
+    with self.assertRaisesRegex(
+        ValueError, r"`sample_weight` and `class_weight` cannot be specified "
+        r"at the same time. Received: sample_weight=\[.*\], "
+        r"class_weight=\{0: 2.0\}"):
+      model.train_on_batch(x[:4], y[:4], sample_weight=sample_weight[:4],
+                           class_weight={0: 2.0})
+
+
 class BatchShareTest(unittest.TestCase):
   """Each replica's share of the rows, by which its loss gradient is scaled."""
 
