@@ -25,6 +25,7 @@ import tensorflow as tf
 
 import models
 import replicator_strategy as rs
+import saves
 import topology
 
 BATCH = 16
@@ -76,29 +77,6 @@ def uninterrupted(n):
   return trained(n, STEPS).get_weights()
 
 
-def _save_weights(model, directory):
-  path = os.path.join(directory, "w.weights.h5")
-  model.save_weights(path)
-  return lambda fresh: fresh.load_weights(path)
-
-
-def _save_keras(model, directory):
-  path = os.path.join(directory, "m.keras")
-  model.save(path)
-  return lambda fresh: fresh.load_weights(path)  # A .keras file's weights.
-
-
-def _save_checkpoint(model, directory):
-  path = tf.train.Checkpoint(model=model, optimizer=model.optimizer).save(
-      os.path.join(directory, "ckpt"))
-  return lambda fresh: tf.train.Checkpoint(
-      model=fresh, optimizer=fresh.optimizer).restore(path).assert_consumed()
-
-
-_FORMATS = {"weights_h5": _save_weights, "keras": _save_keras,
-            "checkpoint": _save_checkpoint}
-
-
 def resumed(n, saved_after, save, directory):
   load = save(trained(n, saved_after), directory)
   fresh = compiled(over(n))
@@ -123,11 +101,11 @@ class ResumeTest(unittest.TestCase):
 
   @parameterized.expand([
       (f"{n}_replicas_{f}_before_{step}", n, f, after)
-      for n in topology.REPLICA_COUNTS for f in _FORMATS
+      for n in topology.REPLICA_COUNTS for f in saves.FORMATS
       for step, after in (("accumulating", 4), ("update", 5))])
   def test_resumed_equals_uninterrupted_exactly(self, _, n, fmt, saved_after):
     with tempfile.TemporaryDirectory() as directory:
-      model = resumed(n, saved_after, _FORMATS[fmt], directory)
+      model = resumed(n, saved_after, saves.FORMATS[fmt], directory)
     assert_equal_weights(model.get_weights(), uninterrupted(n))
 
   def test_every_replica_gets_its_own_accumulator_back(self):
@@ -135,7 +113,7 @@ class ResumeTest(unittest.TestCase):
       model = trained(4, 2)
       saved = replica_copies(model.optimizer)
       self.assertTrue(any(np.any(c[0] != c[1]) for c in saved))
-      for save in _FORMATS.values():
+      for save in saves.FORMATS.values():
         fresh = compiled(topology.strategy_over(4))
         save(model, directory)(fresh)
         for got, want in zip(replica_copies(fresh.optimizer), saved):
@@ -146,15 +124,15 @@ class ResumeTest(unittest.TestCase):
     with tempfile.TemporaryDirectory() as directory:
       on_four = trained(4, 2)
       on_two = compiled(topology.strategy_over(2))
-      _save_weights(on_four, directory)(on_two)
+      saves.save_weights(on_four, directory)(on_two)
       fit(on_two, 2, 4)
       alone = compiled(None)
-      _save_checkpoint(on_two, directory)(alone)
+      saves.save_checkpoint(on_two, directory)(alone)
       fit(alone, 4, STEPS)
     for g, w in zip(alone.get_weights(), uninterrupted(None), strict=True):
       np.testing.assert_allclose(g, w, rtol=RTOL, atol=1e-7)
 
-  @parameterized.expand(_FORMATS.items())
+  @parameterized.expand(saves.FORMATS.items())
   def test_no_strategy_then_two_replicas(self, _, save):
     # The file has no replica values: the sum goes to the first replica.
     with tempfile.TemporaryDirectory() as directory:
@@ -268,9 +246,7 @@ class StockKerasTest(unittest.TestCase):
       np.testing.assert_array_equal(got.numpy(), want)
     self.assertTrue(any(np.any(s != 0) for s in self.sums))
 
-  @parameterized.expand([("weights_h5", _save_weights),
-                         ("keras", _save_keras),
-                         ("checkpoint", _save_checkpoint)])
+  @parameterized.expand(saves.FORMATS.items())
   def test_loads_the_sum_of_the_replicas_accumulators(self, _, save):
     load = save(self.saved, self.directory)
     fresh = compiled(None)

@@ -13,7 +13,6 @@ gradients as one device does.
 """
 
 import functools
-import os
 import tempfile
 import unittest
 
@@ -25,6 +24,7 @@ import tensorflow as tf
 
 import replicator_strategy as rs
 from replicator_strategy import variables
+import saves
 from test_layout_map import FEATURES
 from test_layout_map import megatron_layout
 from test_layout_map import mesh
@@ -78,25 +78,6 @@ def accumulators(model):
   return [a.value for a in model.optimizer._accumulated_gradients]  # pylint: disable=protected-access
 
 
-def _save_weights(model, directory):
-  path = os.path.join(directory, "w.weights.h5")
-  model.save_weights(path)
-  return lambda fresh: fresh.load_weights(path)
-
-
-def _save_keras(model, directory):
-  path = os.path.join(directory, "m.keras")
-  model.save(path)
-  return lambda fresh: fresh.load_weights(path)  # A .keras file's weights.
-
-
-def _save_checkpoint(model, directory):
-  path = tf.train.Checkpoint(model=model, optimizer=model.optimizer).save(
-      os.path.join(directory, "ckpt"))
-  return lambda fresh: tf.train.Checkpoint(
-      model=fresh, optimizer=fresh.optimizer).restore(path).assert_consumed()
-
-
 class SplitAccumulatorTest(unittest.TestCase):
 
   def test_trains_as_one_device_with_the_accumulators_split(self):
@@ -147,8 +128,7 @@ class SplitAccumulatorTest(unittest.TestCase):
 
   @parameterized.expand([
       (f"{name}_before_{step}", save, after)
-      for name, save in (("weights_h5", _save_weights), ("keras", _save_keras),
-                         ("checkpoint", _save_checkpoint))
+      for name, save in saves.FORMATS.items()
       for step, after in (("accumulating", 4), ("update", 5))])
   def test_resumed_equals_uninterrupted_exactly(self, _, save, saved_after):
     with tempfile.TemporaryDirectory() as directory:
@@ -166,10 +146,10 @@ class SplitAccumulatorTest(unittest.TestCase):
     # again, resumed on one device: equal to one device within rounding.
     with tempfile.TemporaryDirectory() as directory:
       on_one_replica = compiled(1)
-      _save_weights(trained(2, 4), directory)(on_one_replica)
+      saves.save_weights(trained(2, 4), directory)(on_one_replica)
       fit(on_one_replica, 4, 5)
       alone = compiled(None)
-      _save_checkpoint(on_one_replica, directory)(alone)
+      saves.save_checkpoint(on_one_replica, directory)(alone)
     fit(alone, 5, STEPS)
     for want, have in zip(trained(None, STEPS).get_weights(),
                           alone.get_weights(), strict=True):
