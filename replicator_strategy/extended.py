@@ -52,7 +52,7 @@ class ReplicatorExtended(tfi.StrategyExtendedV1):
                variable_partitioner=None, model_layouts=None, sync_groups=1):
     """`device_groups`: each replica's devices (`group_by_replica`);
     `model_layouts`: a `layouts.ModelLayouts`, or None; `sync_groups`: how
-    many sync groups the replicas form (`collectives.sync_groups`)."""
+    many sync groups the replicas form (`sync_groups.topology`)."""
     super().__init__(container_strategy)
     self.variable_partitioner = variable_partitioner
     self.model_layouts = model_layouts

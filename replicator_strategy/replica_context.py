@@ -361,7 +361,7 @@ class ReplicaContext(tfi.ThreadReplicaContext):
   @property
   def replica_id_in_group(self):
     """This replica's index within its sync group (see
-    `replicator_strategy.collectives.sync_groups`): the replica id, with one
+    `replicator_strategy.sync_groups.topology`): the replica id, with one
     group."""
     return tfi.replica_id(self) % self.num_replicas_in_sync
 

@@ -26,7 +26,7 @@ from replicator_strategy.cluster import runtime as worker_runtime
 from replicator_strategy.model_parallel import layouts
 from replicator_strategy.model_parallel import logical_devices
 from replicator_strategy.model_parallel import tpu_names
-from replicator_strategy import sync_groups as sync_groups_lib
+from replicator_strategy.sync_groups import rounds
 
 # TF turns the timeout into int64 microseconds (collective ops, through a
 # float32) and int64 nanoseconds of a clock (heartbeats), which overflow past
@@ -140,8 +140,8 @@ class ReplicatorStrategy(tf.distribute.Strategy):
                average_every=1, outer_optimizer=None,
                overlap_averaging=False):
     _check_timeout(timeout_seconds)
-    sync_groups_lib.check_arguments(sync_groups, average_every,
-                                    outer_optimizer, overlap_averaging)
+    rounds.check_arguments(sync_groups, average_every,
+                           outer_optimizer, overlap_averaging)
     if sync_groups > 1:
       _refuse_with_sync_groups(
           shard_optimizer_state=shard_optimizer_state,
@@ -193,7 +193,7 @@ class ReplicatorStrategy(tf.distribute.Strategy):
     super().__init__(extended_lib.ReplicatorExtended(
         self, groups, all_reduce, cluster, timeout_seconds,
         variable_partitioner, model_layouts, sync_groups))
-    self.averaging = sync_groups_lib.Averaging(
+    self.averaging = rounds.Averaging(
         self, average_every, outer_optimizer, overlap=overlap_averaging)
     self.shard_optimizer_state = shard_optimizer_state
     self.gradient_compression = gradient_compression
@@ -218,7 +218,7 @@ class ReplicatorStrategy(tf.distribute.Strategy):
   def sync_groups_state(self):
     """What a checkpoint keeps of the rounds between sync groups: the outer
     optimizer's state, the weights at the last round and an overlapped
-    round's exchange in flight (`replicator_strategy.sync_groups.
+    round's exchange in flight (`replicator_strategy.sync_groups.rounds.
     SyncGroupsState`). Save it beside the model:
     `tf.train.Checkpoint(model=model, optimizer=optimizer,
     sync_groups=strategy.sync_groups_state)`; `BackupAndRestore` does."""

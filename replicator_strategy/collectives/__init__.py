@@ -11,6 +11,10 @@ making values with one part per replica (`per_replica`).
 What the replica context's collectives are given, and that every replica
 asks for the same merge, is checked here too (`checks`).
 
-May import: `replicator_strategy._tf_internal` and its own modules; nothing
-from `sharding`, `cluster`, `cli` or `keras`.
+With sync groups, `communicator.for_topology` hands back a
+`sync_groups.topology.GroupedCommunicator` instead.
+
+May import: `replicator_strategy._tf_internal`, `sync_groups.topology` (from
+`communicator` only) and its own modules; nothing from `sharding`,
+`cluster`, `cli` or `keras`.
 """

@@ -26,15 +26,15 @@ from replicator_strategy.collectives import watchdog as collective_watchdog
 from replicator_strategy.collectives import per_replica
 from replicator_strategy.collectives import reduce_op as reduce_op_lib
 from replicator_strategy.collectives import replica_collectives
-from replicator_strategy.collectives import sync_groups as sync_groups_lib
 from replicator_strategy.collectives import worker_collectives
+from replicator_strategy.sync_groups import topology
 
 
 def for_topology(devices, all_reduce, cluster, timeout_seconds, sync_groups=1):
   """The communicator for this worker's `devices`, in `cluster` (or alone).
 
-  With `sync_groups` > 1, a `sync_groups.GroupedCommunicator`: exchanges
-  within each group, the one chosen here between all of them.
+  With `sync_groups` > 1, a `sync_groups.topology.GroupedCommunicator`:
+  exchanges within each group, the one chosen here between all of them.
   """
   if cluster:
     everyone = ClusterCommunicator(devices, all_reduce, cluster,
@@ -43,7 +43,7 @@ def for_topology(devices, all_reduce, cluster, timeout_seconds, sync_groups=1):
     everyone = Communicator(devices, all_reduce, timeout_seconds)
   if sync_groups == 1:
     return everyone
-  return sync_groups_lib.GroupedCommunicator(
+  return topology.GroupedCommunicator(
       everyone, sync_groups,
       lambda group_devices: Communicator(group_devices, all_reduce,
                                          timeout_seconds),

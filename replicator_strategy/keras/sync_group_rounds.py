@@ -3,7 +3,7 @@
 With `ReplicatorStrategy(sync_groups=G, average_every=H)` Keras's train
 function is followed, after each call, by a look at the optimizer's
 `iterations` (the steps done, which checkpoints keep): when it passed a
-multiple of H, an averaging round runs (`replicator_strategy.sync_groups`).
+multiple of H, an averaging round runs (`replicator_strategy.sync_groups.rounds`).
 Before the first step the weights are kept as the first round's `old` (with
 an outer optimizer). Each train step counts its replicas' rows, which a
 round weighs the groups by (`Averaging.count_rows`). When `fit` returns, a

@@ -1,7 +1,7 @@
 """Averaging rounds between sync groups: local SGD, and DiLoCo's outer step.
 
 With `ReplicatorStrategy(sync_groups=G, average_every=H)` each group trains
-on its own (`replicator_strategy.collectives.sync_groups`); every H steps an
+on its own (`replicator_strategy.sync_groups.topology`); every H steps an
 averaging round makes the weights of every replica of every group their
 mean (local SGD; Lin et al., 2018), each group weighted by the rows it
 trained on since the last round where its steps counted them

@@ -3,7 +3,7 @@
 TF-Replicator's RFC (tensorflow/community, rfcs/20181016-replicator.md)
 names them: `num_replicas_in_sync` replicas form a sync group, and
 `num_sync_groups` groups train side by side, exchanging nothing between
-their rounds of averaging (`replicator_strategy.sync_groups`).
+their rounds of averaging (`replicator_strategy.sync_groups.rounds`).
 
 Groups are contiguous in global replica order and lie within one worker, so
 a group's exchange is local: a `Communicator` over a slice of this worker's
