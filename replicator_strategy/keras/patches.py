@@ -80,10 +80,16 @@ _NO_ROWS = ("a ReplicatorStrategy replica (of several) runs the layer (a "
 _IN_ROW_LAYER = ("in a random layer's call that _ROWS marked, for draws of "
                  "rank 1 or more")
 
-# In order: a later entry on the same name wraps an earlier one.
+# In order: a later entry on the same name wraps an earlier one. Where rows
+# wrap the same method, a comment says why in that order; test_keras_patches
+# (LayeringTest) fails if such rows are reordered.
 PATCHES = (
     Patch(_MODEL, "get_metrics_result",
           global_results.global_metrics_result, _UNDER_US),
+    # test_on_batch, predict_on_batch, outer to inner: with_one_model (sync
+    # groups, below), split_on_batch. The one cuts the data, the other swaps
+    # the first group's weights in around the call: outermost, they are in
+    # place for all that runs inside, the split included.
     *(Patch(_MODEL, name, batches.split_on_batch,
             _UNDER_US + ": the batch cut into the replicas' parts")
       for name in ("train_on_batch", "test_on_batch", "predict_on_batch")),
@@ -119,6 +125,15 @@ PATCHES = (
     Patch(keras.optimizers.LossScaleOptimizer, "check_finite",
           loss_scale.finite_on_every_replica,
           _UNDER_US + ": whether any replica's gradients overflowed"),
+    # _all_reduce_sum_gradients, outer to inner: gather_for_clipping
+    # (sharded_weights, below), slices_as_on_one_device, skip_if_reduced,
+    # compressed_on_the_wire. compressed_on_the_wire is the sum itself (it
+    # calls Keras's only without compression), so every other wrapper sits
+    # above it: skip_if_reduced, to sum nothing twice when the gradients were
+    # summed before clipping; slices_as_on_one_device, which changes what is
+    # summed (a slice's values); gather_for_clipping outermost, which takes
+    # sharded weights' gradients (gathered, not summed) out of what any sum
+    # below sees.
     Patch(_OPTIMIZER, "_all_reduce_sum_gradients",
           gradient_exchange.compressed_on_the_wire,
           "the strategy is a ReplicatorStrategy(gradient_compression=...)"),
@@ -160,6 +175,10 @@ PATCHES = (
           "<path>/output key the layout map has"),
     Patch(keras.layers.Embedding, "call", sharded_weights.lookup_rows,
           _SHARDED + ": the Embedding's table"),
+    # _make_function, outer to inner: rows_counted (sync groups, below),
+    # compiled_per_replica. rows_counted knows the train step by identity
+    # (step_function == self.train_step), which compiled_per_replica's
+    # tf.function would hide; inside it, the step compiled counts its rows.
     Patch(_MODEL, "_make_function", compiled_steps.compiled_per_replica,
           "the strategy is a ReplicatorStrategy and jit_compile=True"),
     Patch(_MODEL, "make_predict_function",
