@@ -100,6 +100,7 @@ def layering(table):
 
 
 class LayeringTest(unittest.TestCase):
+  maxDiff = None
 
   def test_methods_wrapped_more_than_once_keep_their_order(self):
     self.assertEqual(layering(keras_patches.PATCHES), LAYERING)
