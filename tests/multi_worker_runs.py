@@ -22,7 +22,7 @@ import keras
 import models
 import replicator_strategy as rs
 from replicator_strategy.cluster import scratch
-from replicator_strategy.keras import training as keras_training
+from replicator_strategy.keras import replica_loss
 
 GLOBAL_BATCH = 16
 
@@ -714,7 +714,7 @@ def batch_share(strategy):
   values = strategy.experimental_distribute_values_from_function(
       lambda ctx: tf.ones([ctx.replica_id_in_sync_group + 1, 2]))
   shares = tf.function(lambda: strategy.run(
-      lambda x: keras_training.batch_share(
+      lambda x: replica_loss.batch_share(
           tf.distribute.get_replica_context()),
       (values,)))
   return [float(s) for s in strategy.experimental_local_results(shares())]

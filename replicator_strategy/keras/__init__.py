@@ -3,10 +3,15 @@
 - `patches`: the table `PATCHES` (what is wrapped, why, when it acts), in
   place while a ReplicatorStrategy lives (`hold`), or as `install()` and
   `uninstall()` decide.
-- `training`: global per-batch logs, each replica its part of the batch in
-  `train_on_batch`, `test_on_batch` and `predict_on_batch`, loss scaled by
-  each replica's share of the rows, the model built from the whole first
-  batch, clipping after the all-reduce, `predict` across workers.
+- `replica_loss`: loss scaled by each replica's share of the rows.
+- `batches`: each replica its part of the batch in `train_on_batch`,
+  `test_on_batch` and `predict_on_batch`; the model built from the batches'
+  spec.
+- `gradient_exchange`: clipping after the all-reduce, compressed gradients,
+  sparse rows summed as on one device.
+- `compiled_steps`: `jit_compile` per replica.
+- `global_results`: global per-batch logs, `predict` across workers.
+- `replicas`: whether a wrapper acts (what the five above share).
 - `chief_writes`: across workers, files written once, by the chief.
 - `preemption_saves`: `BackupAndRestore` saves at the step every worker
   agreed to stop at after a SIGTERM.

@@ -39,7 +39,7 @@ import keras
 import tensorflow as tf
 
 from replicator_strategy.keras import _internal as ki
-from replicator_strategy.keras import training
+from replicator_strategy.keras import replicas
 
 # Each class that defines the `call` the layers run (Conv1D's own does not
 # call its base's).
@@ -54,7 +54,7 @@ def skipped_without_rows(call):
   @functools.wraps(call)
   def wrapper(layer, inputs, *args, **kwargs):
     if (inputs.shape[0] or getattr(layer, "synchronized", False) or
-        not training.in_our_replicas()):
+        not replicas.in_our_replicas()):
       return call(layer, inputs, *args, **kwargs)
 
     def no_rows():

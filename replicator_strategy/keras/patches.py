@@ -37,13 +37,17 @@ import keras
 
 from replicator_strategy.keras import _internal as ki
 from replicator_strategy.keras import accumulators
+from replicator_strategy.keras import batches
 from replicator_strategy.keras import chief_writes
+from replicator_strategy.keras import compiled_steps
 from replicator_strategy.keras import empty_replicas
+from replicator_strategy.keras import global_results
+from replicator_strategy.keras import gradient_exchange
 from replicator_strategy.keras import loss_scale
 from replicator_strategy.keras import model_parallel
-from replicator_strategy.keras import training
 from replicator_strategy.keras import preemption_saves
 from replicator_strategy.keras import random_layers
+from replicator_strategy.keras import replica_loss
 from replicator_strategy.keras import sharded_optimizer
 from replicator_strategy.keras import sharded_weights
 from replicator_strategy.keras import sync_group_rounds
@@ -76,32 +80,38 @@ _NO_ROWS = ("a ReplicatorStrategy replica (of several) runs the layer (a "
 _IN_ROW_LAYER = ("in a random layer's call that _ROWS marked, for draws of "
                  "rank 1 or more")
 
-# In order: a later entry on the same name wraps an earlier one.
+# In order: a later entry on the same name wraps an earlier one. Where rows
+# wrap the same method, a comment says why in that order; test_keras_patches
+# (LayeringTest) fails if such rows are reordered.
 PATCHES = (
     Patch(_MODEL, "get_metrics_result",
-          training.global_metrics_result, _UNDER_US),
-    *(Patch(_MODEL, name, training.split_on_batch,
+          global_results.global_metrics_result, _UNDER_US),
+    # test_on_batch, predict_on_batch, outer to inner: with_one_model (sync
+    # groups, below), split_on_batch. The one cuts the data, the other swaps
+    # the first group's weights in around the call: outermost, they are in
+    # place for all that runs inside, the split included.
+    *(Patch(_MODEL, name, batches.split_on_batch,
             _UNDER_US + ": the batch cut into the replicas' parts")
       for name in ("train_on_batch", "test_on_batch", "predict_on_batch")),
     Patch(_MODEL, "_maybe_symbolic_build",
-          training.build_from_batch_spec,
+          batches.build_from_batch_spec,
           "the strategy is a ReplicatorStrategy"),
     Patch(ki.loss, "scale_loss_for_distribution",
-          functools.partial(training.scale_by_batch_share,
+          functools.partial(replica_loss.scale_by_batch_share,
                             scale=True), _UNDER_US),
     Patch(ki.loss, "unscale_loss_for_distribution",
-          functools.partial(training.scale_by_batch_share,
+          functools.partial(replica_loss.scale_by_batch_share,
                             scale=False), _UNDER_US),
-    Patch(_MODEL, "_compute_loss", training.loss_scaled_whole,
+    Patch(_MODEL, "_compute_loss", replica_loss.loss_scaled_whole,
           _UNDER_US + ": the loss compute_loss returns, scaled as a whole"),
-    Patch(_MODEL, "compute_loss", training.warn_override_unscaled,
+    Patch(_MODEL, "compute_loss", replica_loss.warn_override_unscaled,
           _UNDER_US + ", called by an override of compute_loss from a step "
           "of its own (a warning, once per class)"),
     Patch(_OPTIMIZER, "_backend_apply_gradients",
-          training.reduce_before_clipping,
+          gradient_exchange.reduce_before_clipping,
           _UNDER_US + " and the optimizer clips"),
     Patch(_OPTIMIZER, "_clip_gradients",
-          training.reduce_accumulated_before_clipping,
+          gradient_exchange.reduce_accumulated_before_clipping,
           _UNDER_US + ", the optimizer accumulates gradients and clips"),
     Patch(_OPTIMIZER, "add_variable_from_reference",
           accumulators.per_replica_accumulators,
@@ -115,14 +125,23 @@ PATCHES = (
     Patch(keras.optimizers.LossScaleOptimizer, "check_finite",
           loss_scale.finite_on_every_replica,
           _UNDER_US + ": whether any replica's gradients overflowed"),
+    # _all_reduce_sum_gradients, outer to inner: gather_for_clipping
+    # (sharded_weights, below), slices_as_on_one_device, skip_if_reduced,
+    # compressed_on_the_wire. compressed_on_the_wire is the sum itself (it
+    # calls Keras's only without compression), so every other wrapper sits
+    # above it: skip_if_reduced, to sum nothing twice when the gradients were
+    # summed before clipping; slices_as_on_one_device, which changes what is
+    # summed (a slice's values); gather_for_clipping outermost, which takes
+    # sharded weights' gradients (gathered, not summed) out of what any sum
+    # below sees.
     Patch(_OPTIMIZER, "_all_reduce_sum_gradients",
-          training.compressed_on_the_wire,
+          gradient_exchange.compressed_on_the_wire,
           "the strategy is a ReplicatorStrategy(gradient_compression=...)"),
     Patch(_OPTIMIZER, "_all_reduce_sum_gradients",
-          training.skip_if_reduced,
+          gradient_exchange.skip_if_reduced,
           "the gradients were all-reduced before clipping"),
     Patch(_OPTIMIZER, "_all_reduce_sum_gradients",
-          training.slices_as_on_one_device,
+          gradient_exchange.slices_as_on_one_device,
           _UNDER_US + " and a sparse gradient's rows are constants (an "
           "Embedding of positions)"),
     Patch(_OPTIMIZER, "add_variable_from_reference",
@@ -156,22 +175,27 @@ PATCHES = (
           "<path>/output key the layout map has"),
     Patch(keras.layers.Embedding, "call", sharded_weights.lookup_rows,
           _SHARDED + ": the Embedding's table"),
-    Patch(_MODEL, "_make_function", training.compiled_per_replica,
+    # _make_function, outer to inner: rows_counted (sync groups, below),
+    # compiled_per_replica. rows_counted knows the train step by identity
+    # (step_function == self.train_step), which compiled_per_replica's
+    # tf.function would hide; inside it, the step compiled counts its rows.
+    Patch(_MODEL, "_make_function", compiled_steps.compiled_per_replica,
           "the strategy is a ReplicatorStrategy and jit_compile=True"),
     Patch(_MODEL, "make_predict_function",
-          training.predict_compiled_per_device,
+          compiled_steps.predict_compiled_per_device,
           "the strategy is a ReplicatorStrategy over several devices per "
           "replica and jit_compile=True"),
-    Patch(_MODEL, "predict_step", training.predict_step_per_device,
+    Patch(_MODEL, "predict_step", compiled_steps.predict_step_per_device,
           "traced for a ReplicatorStrategy over several devices per replica "
           "with jit_compile=True"),
-    Patch(_MODEL, "_resolve_auto_jit_compile", training.xla_on_accelerators,
+    Patch(_MODEL, "_resolve_auto_jit_compile",
+          compiled_steps.xla_on_accelerators,
           "the strategy is a ReplicatorStrategy and jit_compile=\"auto\""),
     Patch(ki.data_adapters, "is_tf_dataset",
-          training.takes_global_batch_dataset,
+          batches.takes_global_batch_dataset,
           "the data is a ReplicatorStrategy's distributed dataset"),
     Patch(ki.tf_trainer, "reduce_per_replica",
-          training.concat_across_workers,
+          global_results.concat_across_workers,
           "predict across several ReplicatorStrategy workers"),
     Patch(_MODEL, "_make_function", sync_group_rounds.rows_counted,
           _GROUPS + ": the train step counts its rows for the rounds"),

@@ -151,7 +151,7 @@ def sharded_update_step(backend_update_step):
     if ctx is None:  # Called in cross-replica context: the gradients are global.
       return sharded.step(sharded.AllReplicas(strategy, grads, summed=True),
                           weights, learning_rate, update)
-    # keras.training sums the gradients first where the optimizer clips.
+    # keras.gradient_exchange sums the gradients first where the optimizer clips.
     summed = step_context.gradients_summed(self)
     if not replica_context.merge_call_possible():
       # Inside control flow (gradient accumulation's tf.cond): each replica

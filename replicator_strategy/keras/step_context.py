@@ -4,7 +4,7 @@ Keras runs an optimizer's step as a chain of its methods
 (`_backend_apply_gradients`, then `_clip_gradients`, `_apply_weight_decay`
 and `_backend_update_step` with its `_all_reduce_sum_gradients`) and has no
 argument for the one thing ReplicatorStrategy's wrappers of them must agree
-on: whether the gradients are summed over the replicas already (`training`
+on: whether the gradients are summed over the replicas already (`gradient_exchange`
 sums them before an optimizer clips). A `StepContext` holds it, for one
 optimizer in one replica, opened by `stepping` around the step. Each
 replica traces the step in its own thread and the threads take turns at

@@ -303,7 +303,7 @@ class LayeringTest(unittest.TestCase):
     found = _keras_imports({
         "replicator_strategy.cluster.preemption_checkpoint": ast.parse(
             "from replicator_strategy.keras import chief_writes\n"
-            "import replicator_strategy.keras.training\n"
+            "import replicator_strategy.keras.batches\n"
             "from replicator_strategy import keras\n"
             "from ..keras import patches\n"
             "from replicator_strategy import strategy\n")})

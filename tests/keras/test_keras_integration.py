@@ -11,7 +11,7 @@ import numpy as np
 from parameterized import parameterized
 import tensorflow as tf
 
-from replicator_strategy.keras import training
+from replicator_strategy.keras import replica_loss
 import topology
 
 ROWS, GLOBAL_BATCH = 44, 16  # The last batch has 12 rows: uneven on 4 replicas.
@@ -270,7 +270,7 @@ class BatchShareTest(unittest.TestCase):
     strategy = topology.strategy_over(n)
     values = strategy.experimental_distribute_values_from_function(
         lambda ctx: tf.ones([ctx.replica_id_in_sync_group + 1, 2]))
-    share = lambda x: training.batch_share(tf.distribute.get_replica_context())
+    share = lambda x: replica_loss.batch_share(tf.distribute.get_replica_context())
     got = strategy.experimental_local_results(
         tf.function(lambda v: strategy.run(share, (v,)))(values))
     total = n * (n + 1) / 2
@@ -280,7 +280,7 @@ class BatchShareTest(unittest.TestCase):
   def test_without_rows_it_is_unknown(self):
     strategy = topology.strategy_over(2)
     shares = strategy.run(
-        lambda: training.batch_share(tf.distribute.get_replica_context()))
+        lambda: replica_loss.batch_share(tf.distribute.get_replica_context()))
     self.assertIsNone(shares)
 
 

@@ -4,6 +4,8 @@ They are in place while a ReplicatorStrategy lives, so other strategies'
 tracebacks never pass through them.
 """
 
+import collections
+import functools
 import json
 import os
 import subprocess
@@ -60,6 +62,56 @@ class PatchTableTest(unittest.TestCase):
     finally:
       keras_patches.install()
     self.assertEqual(len(model.predict_on_batch(np.ones((4, 2)))), 4)
+
+
+# Each method the table wraps more than once: its wrappers, outer to inner,
+# in the order patches.py's comments explain.
+LAYERING = {
+    (keras.Model, "test_on_batch"): ["with_one_model", "split_on_batch"],
+    (keras.Model, "predict_on_batch"): ["with_one_model", "split_on_batch"],
+    (keras.Model, "_make_function"): ["rows_counted", "compiled_per_replica"],
+    (keras.optimizers.Optimizer, "_all_reduce_sum_gradients"): [
+        "gather_for_clipping", "slices_as_on_one_device", "skip_if_reduced",
+        "compressed_on_the_wire"],
+    (keras.optimizers.Optimizer, "add_variable_from_reference"): [
+        "average_reads_whole", "shard_slots", "per_replica_accumulators"],
+    (keras.optimizers.Optimizer, "_backend_update_step"): [
+        "update_shards", "sharded_update_step"],
+    (keras.layers.Embedding, "call"): ["lookup_rows", "megatron_embedding"],
+    (keras.callbacks.BackupAndRestore, "_save_model"): [
+        "backup_to_scratch_unless_chief", "group_state_beside_backup"],
+    (keras.callbacks.BackupAndRestore, "on_train_begin"): [
+        "watching", "group_state_from_backup"],
+    (keras.callbacks.BackupAndRestore, "on_train_end"): [
+        "watched", "keep_backup_unless_chief"],
+}
+
+
+def layering(table):
+  """Each (owner, name) wrapped more than once in `table`: its wrappers'
+  names, outer (a later row) to inner."""
+  wrappers = collections.defaultdict(list)
+  for patch in table:
+    wrap = patch.wrap
+    if isinstance(wrap, functools.partial):
+      wrap = wrap.func
+    wrappers[(patch.owner, patch.name)].insert(0, wrap.__name__)
+  return {key: names for key, names in wrappers.items() if len(names) > 1}
+
+
+class LayeringTest(unittest.TestCase):
+  maxDiff = None
+
+  def test_methods_wrapped_more_than_once_keep_their_order(self):
+    self.assertEqual(layering(keras_patches.PATCHES), LAYERING)
+
+  def test_two_rows_swapped_are_caught(self):
+    table = list(keras_patches.PATCHES)
+    names = [getattr(p.wrap, "__name__", None) for p in table]
+    i = names.index("compressed_on_the_wire")
+    j = names.index("skip_if_reduced")
+    table[i], table[j] = table[j], table[i]
+    self.assertNotEqual(layering(table), LAYERING)
 
 
 # Run in a fresh process: the suite's own process has `install()`ed the

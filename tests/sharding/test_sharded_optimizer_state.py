@@ -50,7 +50,7 @@ _OPTIMIZERS = {
     "amsgrad": lambda: keras.optimizers.Adam(learning_rate=0.01, amsgrad=True),
     "adamw": lambda: keras.optimizers.AdamW(learning_rate=0.01,
                                             weight_decay=0.1),
-    # Clipping sums the gradients before the step (keras.training), so
+    # Clipping sums the gradients before the step (keras.gradient_exchange), so
     # the step cuts the summed gradient instead of reduce-scattering.
     "adam_clipnorm": lambda: keras.optimizers.Adam(learning_rate=0.01,
                                                    clipnorm=0.5),

@@ -1,0 +1,168 @@
+"""The optimizer's gradient all-reduce: before clipping, compressed, sparse rows as one.
+
+- Gradient clipping (`clipnorm`, `global_clipnorm`, `clipvalue`) clips each
+  replica's share of the gradient before the all-reduce, which is not the
+  clipped global gradient. Here clipping optimizers all-reduce first.
+- The all-reduce of a sparse gradient keeps every replica's slice at a row
+  apart, where one device has one slice for a lookup that does not depend
+  on the batch (an `Embedding` of positions), and Keras's Adam squares each
+  slice. Here such slices are summed, as one device has them.
+
+And one thing Keras has no word for: with
+`ReplicatorStrategy(gradient_compression=...)` the optimizer's gradient
+all-reduce sends 16-bit floats (`replicator_strategy.collectives.compression`).
+"""
+
+import functools
+
+import keras
+import tensorflow as tf
+
+from replicator_strategy.keras import _internal as ki
+from replicator_strategy.keras import replicas
+from replicator_strategy.keras import sharded_weights
+from replicator_strategy.keras import step_context
+from replicator_strategy.collectives import compression as compression_lib
+
+
+def _clips(optimizer):
+  """Whether `optimizer` clips its gradients (by norm, global norm or value)."""
+  return optimizer.clipnorm or optimizer.global_clipnorm or optimizer.clipvalue
+
+
+def reduce_before_clipping(backend_apply_gradients):
+
+  @functools.wraps(backend_apply_gradients)
+  def wrapper(self, grads, trainable_variables):
+    if not (_clips(self) and replicas.in_our_replicas()):
+      return backend_apply_gradients(self, grads, trainable_variables)
+    with step_context.stepping(self) as step:
+      # With accumulation, `reduce_accumulated_before_clipping` reduces
+      # before clipping, at update steps only.
+      if not self.gradient_accumulation_steps:
+        pairs = ki.all_reduce_sum_gradients(self, zip(
+            grads, [v.value if isinstance(v, keras.Variable) else v
+                    for v in trainable_variables]))
+        grads = [g for g, _ in pairs]
+        step.gradients_summed = True
+      return backend_apply_gradients(self, grads, trainable_variables)
+
+  return wrapper
+
+
+def reduce_accumulated_before_clipping(clip_gradients):
+  """With gradient accumulation, clipping of the global (g + acc) / steps.
+
+  Keras clips each replica's (g + acc) / steps at an update step, before its
+  all-reduce; here they are all-reduced first, at update steps only (Keras
+  clips nowhere else), and the update's own all-reduce is skipped.
+  """
+
+  @functools.wraps(clip_gradients)
+  def wrapper(self, grads):
+    # The step `reduce_before_clipping` opened where the optimizer clips.
+    step = step_context.current(self)
+    if step is None or not self.gradient_accumulation_steps:
+      return clip_gradients(self, grads)
+    if sharded_weights.any_sharded(ki.optimizer_weights(self)):
+      sharded_weights.refuse_clipping_accumulated()
+    # Without sharded weights, the weights do not change the sum.
+    pairs = ki.all_reduce_sum_gradients(self, [(g, None) for g in grads])
+    step.gradients_summed = True
+    return clip_gradients(self, [g for g, _ in pairs])
+
+  return wrapper
+
+
+def compressed_on_the_wire(all_reduce_sum_gradients):
+  """The optimizer's gradient sum, sent as the strategy's 16-bit floats.
+
+  `ReplicatorStrategy(gradient_compression=...)`; see
+  `replicator_strategy.collectives.compression`.
+  """
+  @functools.wraps(all_reduce_sum_gradients)
+  def wrapper(self, grads_and_vars):
+    strategy = tf.distribute.get_strategy()
+    wire = (compression_lib.wire_dtype(strategy.gradient_compression)
+            if replicas.in_our_replicas() else None)
+    if wire is None:
+      return all_reduce_sum_gradients(self, grads_and_vars)
+    pairs = list(grads_and_vars)
+    summed = iter(compression_lib.all_reduce_sum(
+        tf.distribute.get_replica_context(),
+        [g for g, _ in pairs if g is not None], wire))
+    return [(None if g is None else next(summed), v) for g, v in pairs]
+
+  return wrapper
+
+
+def skip_if_reduced(all_reduce_sum_gradients):
+
+  @functools.wraps(all_reduce_sum_gradients)
+  def wrapper(self, grads_and_vars):
+    if step_context.gradients_summed(self):
+      return list(grads_and_vars)
+    return all_reduce_sum_gradients(self, grads_and_vars)
+
+  return wrapper
+
+
+def slices_as_on_one_device(all_reduce_sum_gradients):
+  """The optimizer's gradient sum, with rows every replica looks up alike
+  summed row by row, as one device's gradient has them.
+
+  The all-reduce of an `IndexedSlices` gradient concatenates the replicas'
+  slices: one device's own for a lookup of the batch's rows (a slice per
+  token), but a lookup at rows that do not depend on the batch (an
+  `Embedding` of positions, `arange` with no batch axis) gives one slice per
+  row on one device, the batch's sum, and N after the all-reduce. Keras's
+  Adam squares each slice, so its second moment differs (slices 1 and 2 at
+  one row give 5, one device's 3 gives 9). Here such a gradient's values are
+  summed across the replicas and its indices kept.
+  """
+
+  @functools.wraps(all_reduce_sum_gradients)
+  def wrapper(self, grads_and_vars):
+    pairs = list(grads_and_vars)
+    alike = [replicas.in_our_replicas() and isinstance(g, tf.IndexedSlices) and
+             computed_from_constants(g.indices) for g, _ in pairs]
+    if not any(alike):
+      return all_reduce_sum_gradients(self, pairs)
+    summed = all_reduce_sum_gradients(
+        self, [(g.values, v) if a else (g, v)
+               for (g, v), a in zip(pairs, alike)])
+    return [(tf.IndexedSlices(s, g.indices, g.dense_shape), v) if a else (s, v)
+            for (g, _), (s, v), a in zip(pairs, summed, alike)]
+
+  return wrapper
+
+
+def computed_from_constants(tensor):
+  """Whether the traced `tensor` is computed from constants alone, by ops
+  that are not stateful: then it is the same on every replica.
+
+  False where that is not known: an eager tensor, or one that depends on a
+  function's inputs (the batch), a variable or a random op.
+
+  >>> found = []
+  >>> @tf.function(input_signature=[tf.TensorSpec([None])])
+  ... def traced(x):
+  ...   found.append(computed_from_constants(tf.range(5) * 2))
+  ...   found.append(computed_from_constants(tf.range(tf.shape(x)[0])))
+  ...   return x
+  >>> _ = traced(tf.ones([3]))
+  >>> found
+  [True, False]
+  """
+  if tf.executing_eagerly() or not hasattr(tensor, "op"):
+    return False
+  seen, pending = set(), [tensor.op]
+  while pending:
+    op = pending.pop()
+    if op in seen or op.type == "Const":
+      continue
+    if not op.inputs or op.op_def.is_stateful:
+      return False
+    seen.add(op)
+    pending.extend(t.op for t in op.inputs)
+  return True
