@@ -89,6 +89,16 @@ def _sum_on_first(strategy, value):
   return lambda i: value if first and i == 0 else tf.zeros_like(value)
 
 
+def local_reads(variable):
+  """Each of this worker's components of the distributed `variable`, read on
+  its device."""
+  reads = []
+  for component in variable.values:
+    with tf.device(component.device):
+      reads.append(component.read_value())
+  return reads
+
+
 class SavedCopies:
   """A distributed variable whose saves keep a copy per replica or per group.
 
@@ -115,11 +125,7 @@ class SavedCopies:
 
   def _local_copies(self):
     """This worker's replicas' copies, each read on its device."""
-    reads = []
-    for component in self.values:
-      with tf.device(component.device):
-        reads.append(component.read_value())
-    return reads
+    return local_reads(self)
 
   def _assign_local_copies(self, value_of):
     """Gives each of this worker's replicas i the value `value_of(i)`."""

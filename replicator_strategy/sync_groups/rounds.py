@@ -318,7 +318,7 @@ class Averaging:
     if self._strategy.num_sync_groups == 1 or not variables:
       yield
       return
-    own = [_components(v) for v in variables]
+    own = [variables_lib.local_reads(v) for v in variables]
     key = tuple(id(v) for v in variables)
     if key not in self._first_group:
       self._first_group[key] = tf.function(
@@ -337,7 +337,8 @@ class Averaging:
     first = self._strategy.extended.first_replica_id
     values = [per_replica.wrap([
         part if first + i == 0 else tf.zeros_like(part)
-        for i, part in enumerate(_components(v))]) for v in variables]
+        for i, part in enumerate(variables_lib.local_reads(v))])
+        for v in variables]
     sums = self._strategy.extended.communicator.round_ops.batch_reduce(
         tf.distribute.ReduceOp.SUM, [(p, p) for p in values])
     for v, value in zip(variables, sums):
@@ -503,7 +504,7 @@ class Averaging:
     if not variables:
       return []
     ops = self._strategy.extended.communicator.round_ops
-    values = [_components(v) for v in variables]
+    values = [variables_lib.local_reads(v) for v in variables]
     if rows is not None:
       scales = self._row_scales(ops, rows)
       # A replica of no rows counts for nothing, whatever its weights hold.
@@ -516,21 +517,12 @@ class Averaging:
   def _row_scales(self, ops, rows):
     """Each local replica's rows times the replicas, over every replica's
     rows: exactly 1 for each when all counted as many, or none counted."""
-    counts = per_replica.wrap(_components(rows))
+    counts = per_replica.wrap(variables_lib.local_reads(rows))
     totals = per_replica.parts(
         ops.reduce(tf.distribute.ReduceOp.SUM, counts, counts))
     replicas = float(self._strategy.extended.num_replicas_in_all_groups)
     return [tf.where(total > 0, count * replicas / total, 1.0)
             for count, total in zip(per_replica.parts(counts), totals)]
-
-
-def _components(variable):
-  """Each local replica's value of `variable`, read on its device."""
-  parts = []
-  for component in variable.values:
-    with tf.device(component.device):
-      parts.append(component.read_value())
-  return parts
 
 
 def _restart(rows):
