@@ -14,7 +14,7 @@ import functools
 
 import tensorflow as tf
 
-from replicator_strategy import replica_context
+from replicator_strategy.keras import replicas
 
 
 def finite_on_every_replica(check_finite):
@@ -23,10 +23,9 @@ def finite_on_every_replica(check_finite):
   @functools.wraps(check_finite)
   def wrapper(self, grads):
     finite = check_finite(self, grads)
-    ctx = tf.distribute.get_replica_context()
-    if not (isinstance(ctx, replica_context.ReplicaContext) and
-            ctx.num_replicas_in_sync > 1):
+    if not replicas.in_our_replicas():
       return finite
+    ctx = tf.distribute.get_replica_context()
     overflowed = ctx.all_reduce(tf.distribute.ReduceOp.SUM,
                                 tf.cast(tf.logical_not(finite), tf.float32))
     return tf.equal(overflowed, 0.0)
