@@ -47,6 +47,26 @@ def _step(strategy, replica_fn, mode):
   return step if mode == "eager" else tf.function(step)
 
 
+def _recording_thunks(ran, first):
+  """A replica function whose map_gather's thunk k returns `first + k` and
+  appends (k, the replica that ran it) to `ran`."""
+
+  def replica_fn(call):
+    ctx = tf.distribute.get_replica_context()
+    rid = ctx.replica_id_in_sync_group
+
+    def thunk(k):
+      def record(replica):
+        ran.append((k, int(replica)))
+        return np.float32(first + k)
+      return tf.reshape(tf.py_function(record, [rid], tf.float32), [])
+
+    return call(lambda: ctx.map_gather([lambda k=k: thunk(k)
+                                        for k in range(NUM_THUNKS)]))
+
+  return replica_fn
+
+
 class MapGatherTest(unittest.TestCase):
 
   @parameterized.expand(_CASES)
@@ -75,19 +95,7 @@ class MapGatherTest(unittest.TestCase):
     strategy = topology.strategy_over(n)
     ran = []  # (thunk, replica) of each run of a thunk.
 
-    def replica_fn(call):
-      ctx = tf.distribute.get_replica_context()
-      rid = ctx.replica_id_in_sync_group
-
-      def thunk(k):
-        def record(replica):
-          ran.append((k, int(replica)))
-          return np.float32(k)
-        return tf.reshape(tf.py_function(record, [rid], tf.float32), [])
-
-      return call(lambda: ctx.map_gather([lambda k=k: thunk(k)
-                                          for k in range(NUM_THUNKS)]))
-
+    replica_fn = _recording_thunks(ran, first=0.0)
     step = _step(strategy, replica_fn, mode)
     steps = 2  # Traced, the second step runs the first one's graph.
     outs = [step() for _ in range(steps)]
@@ -138,19 +146,7 @@ class MapGatherSyncGroupsTest(unittest.TestCase):
     strategy = topology.strategy_over(4, sync_groups=2)
     ran = []  # (thunk, replica) of each run of a thunk.
 
-    def replica_fn(call):
-      ctx = tf.distribute.get_replica_context()
-      rid = ctx.replica_id_in_sync_group
-
-      def thunk(k):
-        def record(replica):
-          ran.append((k, int(replica)))
-          return np.float32(k + 1)
-        return tf.reshape(tf.py_function(record, [rid], tf.float32), [])
-
-      return call(lambda: ctx.map_gather([lambda k=k: thunk(k)
-                                          for k in range(NUM_THUNKS)]))
-
+    replica_fn = _recording_thunks(ran, first=1.0)
     out = _step(strategy, replica_fn, mode)()
     assert_per_replica(self, strategy, out,
                        [tuple(k + 1.0 for k in range(NUM_THUNKS))] * 4)
