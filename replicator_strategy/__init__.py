@@ -34,6 +34,8 @@ _PUBLIC = {
     "ReplicaContext": "replicator_strategy.replica_context",
     "ReplicatorExtended": "replicator_strategy.extended",
     "ReplicatorStrategy": "replicator_strategy.strategy",
+    "Sharding": "replicator_strategy.options",
+    "SyncGroups": "replicator_strategy.options",
     "local_devices": "replicator_strategy.devices",
     "split_cpu": "replicator_strategy.devices",
 }

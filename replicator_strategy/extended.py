@@ -46,25 +46,29 @@ class ReplicatorExtended(tfi.StrategyExtendedV1):
   'add_on_one_device: devices share host memory'
   """
 
-  def __init__(self, container_strategy, device_groups, all_reduce,
-               cluster=None,
-               timeout_seconds=collective_watchdog.DEFAULT_TIMEOUT_SECONDS,
-               variable_partitioner=None, model_layouts=None, sync_groups=1):
-    """`device_groups`: each replica's devices (`group_by_replica`);
-    `model_layouts`: a `layouts.ModelLayouts`, or None; `sync_groups`: how
-    many sync groups the replicas form (`sync_groups.topology`)."""
+  def __init__(self, container_strategy, options, all_reduce, cluster=None,
+               timeout_seconds=collective_watchdog.DEFAULT_TIMEOUT_SECONDS):
+    """`options`: the strategy's `options.StrategyOptions`, its mesh giving
+    each replica's devices and the sync groups."""
     super().__init__(container_strategy)
-    self.variable_partitioner = variable_partitioner
-    self.model_layouts = model_layouts
-    self.logical_devices = logical_devices.LogicalDevices(device_groups)
+    self.options = options
+    self.logical_devices = logical_devices.LogicalDevices(
+        options.mesh.device_groups)
     self.communicator = communicator_lib.for_topology(
         [group[0] for group in self.logical_devices.groups], all_reduce,
-        cluster, timeout_seconds, sync_groups)
+        cluster, timeout_seconds, options.sync.groups)
+    self.variable_partitioner = options.sharding.partitioner(
+        self.communicator.num_replicas)
     self._devices = self.communicator.devices
     tfi.set_default_device(self, self.communicator.default_device)
     # Partial final batches: a replica may get fewer (or no) examples.
     self.experimental_enable_get_next_as_optional = True
     logging.info("ReplicatorStrategy: %s", self.communicator.describe())
+
+  @property
+  def model_layouts(self):
+    """The layout map as read (`layouts.ModelLayouts`), or None."""
+    return self.options.layouts
 
   @property
   def cluster(self):

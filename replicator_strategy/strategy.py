@@ -8,6 +8,7 @@ TF-Replicator (Buchlovsky et al., 2019, arXiv:1902.00465) rebuilt as a
 `tf.distribute.Strategy`.
 """
 
+import dataclasses
 import math
 import numbers
 import warnings
@@ -21,6 +22,8 @@ from replicator_strategy.collectives import watchdog as collective_watchdog
 from replicator_strategy import devices as devices_lib
 from replicator_strategy import extended as extended_lib
 from replicator_strategy.collectives import compression as compression_lib
+from replicator_strategy import mesh as mesh_lib
+from replicator_strategy import options as options_lib
 from replicator_strategy.collectives import reduce_op as reduce_op_lib
 from replicator_strategy.cluster import runtime as worker_runtime
 from replicator_strategy.model_parallel import layouts
@@ -138,67 +141,86 @@ class ReplicatorStrategy(tf.distribute.Strategy):
                gradient_compression=None, devices_per_replica=1,
                layout_map=None, batch_dim_name=None, sync_groups=1,
                average_every=1, outer_optimizer=None,
-               overlap_averaging=False):
+               overlap_averaging=False, *, mesh=None, sharding=None, sync=None,
+               axis_roles=None):
     _check_timeout(timeout_seconds)
-    rounds.check_arguments(sync_groups, average_every,
-                           outer_optimizer, overlap_averaging)
-    if sync_groups > 1:
-      _refuse_with_sync_groups(
-          shard_optimizer_state=shard_optimizer_state,
-          variable_partitioner=variable_partitioner, layout_map=layout_map,
-          devices_per_replica=devices_per_replica)
     compression_lib.wire_dtype(gradient_compression)  # Checks the name.
-    if not isinstance(shard_optimizer_state, bool):
-      raise ValueError(
-          f"Expected `shard_optimizer_state` to be True or False. Received: "
-          f"shard_optimizer_state={shard_optimizer_state!r}.")
-    if variable_partitioner is not None and not callable(variable_partitioner):
-      raise ValueError(
-          f"Expected `variable_partitioner` to be None or a callable "
-          f"(shape, dtype) -> list of ints, such as "
-          f"tf.distribute.experimental.partitioners.FixedShardsPartitioner"
-          f"(num_shards). Received: variable_partitioner="
-          f"{variable_partitioner!r}.")
+    sharding = _record(sharding, options_lib.Sharding, "sharding",
+                       optimizer_state=("shard_optimizer_state",
+                                        shard_optimizer_state),
+                       weights=("variable_partitioner", variable_partitioner))
+    sync = _record(sync, options_lib.SyncGroups, "sync",
+                   groups=("sync_groups", sync_groups),
+                   average_every=("average_every", average_every),
+                   outer_optimizer=("outer_optimizer", outer_optimizer),
+                   overlap=("overlap_averaging", overlap_averaging))
     cluster = (cluster_lib.from_resolver(cluster_resolver)
                if cluster_resolver is not None else
                cluster_lib.from_environment())
     if cluster:
       worker_runtime.start(cluster, timeout_seconds)
-    model_layouts = None
-    if layout_map is not None:
-      model_layouts = layouts.ModelLayouts(layout_map, batch_dim_name)
-      devices, devices_per_replica = _mesh_devices(
-          model_layouts, devices, devices_per_replica)
-    elif batch_dim_name is not None:
+    num_workers = cluster.num_workers if cluster else 1
+    if batch_dim_name is not None and layout_map is None and mesh is None:
       raise ValueError(
-          f"`batch_dim_name={batch_dim_name!r}` names an axis of a layout "
-          f"map's mesh, but no `layout_map` was given. Pass `layout_map=...`, "
-          f"or leave batch_dim_name out.")
-    if devices is None:
-      if devices_lib.tpu_present():
-        raise NotImplementedError(devices_lib.tpu_not_supported_message())
-      devices = devices_lib.local_devices()
-      if devices_lib.is_lone_cpu(devices):
-        warnings.warn(
-            "ReplicatorStrategy: no GPU, so 1 replica on the CPU. For "
-            "testing, replicator_strategy.split_cpu(n) before any TensorFlow "
-            "op gives n replicas on n logical CPU devices.", stacklevel=2)
+          f"`batch_dim_name={batch_dim_name!r}` names an axis of a mesh, but "
+          f"neither `layout_map` nor `mesh` was given. Pass one, or leave "
+          f"batch_dim_name out.")
+    if batch_dim_name is not None:
+      axis_roles = {"batch": batch_dim_name, **(axis_roles or {})}
+    model_layouts = (layouts.ModelLayouts(layout_map, batch_dim_name)
+                     if layout_map is not None else None)
+    if mesh is not None:
+      the_mesh, sync = _from_mesh(mesh, axis_roles, num_workers, sync,
+                                  devices, devices_per_replica, model_layouts)
     else:
-      devices = devices_lib.resolve_devices(devices)
-    groups = logical_devices.group_by_replica(devices, devices_per_replica)
-    if len(groups[0]) > 1 and variable_partitioner:
+      if axis_roles is not None and batch_dim_name is None:
+        raise ValueError(
+            "`axis_roles` names the axes of a `mesh`, but no mesh was given. "
+            "Pass mesh=keras.distribution.DeviceMesh(...), or leave axis_roles "
+            "out.")
+      if model_layouts is not None:
+        devices, devices_per_replica = _mesh_devices(
+            model_layouts, devices, devices_per_replica)
+      devices = _devices_or_default(devices)
+      logical_devices.group_by_replica(devices, devices_per_replica)  # Checks k.
+      the_mesh = mesh_lib.Mesh.from_keywords(
+          devices, devices_per_replica, sync.groups, num_workers)
+    if sync.groups > 1:
+      _refuse_with_sync_groups(sharding, model_layouts,
+                               the_mesh.size("model"))
+    if the_mesh.size("model") > 1 and sharding.weights is not None:
       raise NotImplementedError(
           "A replica over several devices (devices_per_replica > 1 or "
           "layout_map) does not combine with variable_partitioner yet.")
+    options = options_lib.StrategyOptions(
+        mesh=the_mesh, sharding=sharding, sync=sync,
+        gradient_compression=gradient_compression, layouts=model_layouts)
     super().__init__(extended_lib.ReplicatorExtended(
-        self, groups, all_reduce, cluster, timeout_seconds,
-        variable_partitioner, model_layouts, sync_groups))
+        self, options, all_reduce, cluster, timeout_seconds))
     self.averaging = rounds.Averaging(
-        self, average_every, outer_optimizer, overlap=overlap_averaging)
-    self.shard_optimizer_state = shard_optimizer_state
-    self.gradient_compression = gradient_compression
+        self, sync.average_every, sync.outer_optimizer, overlap=sync.overlap)
     for hook in CREATION_HOOKS:
       hook(self)
+
+  @property
+  def shard_optimizer_state(self):
+    """Whether optimizer slots are sharded over the replicas
+    (`options.Sharding.optimizer_state`)."""
+    return self.extended.options.sharding.optimizer_state
+
+  @property
+  def gradient_compression(self):
+    """The 16-bit dtype gradients travel as, or None."""
+    return self.extended.options.gradient_compression
+
+  @property
+  def mesh(self):
+    """The device mesh (`replicator_strategy.mesh.Mesh`): axes by role.
+
+    >>> print(ReplicatorStrategy(devices_per_replica=2).mesh)
+    batch 2 x model 2
+    """
+    return self.extended.options.mesh
 
   @property
   def num_sync_groups(self):
@@ -346,7 +368,7 @@ class ReplicatorStrategy(tf.distribute.Strategy):
               f"every {self.average_every} steps"
               if self.num_sync_groups > 1 else "")
     return (f"ReplicatorStrategy({n} replica{'s' if n > 1 else ''}{groups}"
-            f"{workers}: "
+            f"{workers}, mesh {self.mesh}: "
             f"{', '.join(self.extended.worker_devices)}; all-reduce "
             f"{self.extended.all_reduce_choice})")
 
@@ -364,12 +386,94 @@ def _check_timeout(timeout_seconds):
         f"pass timeout_seconds={MAX_TIMEOUT_SECONDS} (about 31 years).")
 
 
-def _refuse_with_sync_groups(**arguments):
+def _record(record, cls, name, **keywords):
+  """`record`, or the `cls` record the older keywords describe.
+
+  `keywords` maps each field to (keyword name, value given); giving both a
+  record and a keyword other than its default is an error.
+  """
+  defaults = cls()
+  given = {field: value for field, (_, value) in keywords.items()
+           if not _is_default(value, getattr(defaults, field))}
+  if record is None:
+    return cls(**given)
+  if not isinstance(record, cls):
+    raise ValueError(
+        f"Expected `{name}` to be a replicator_strategy.{cls.__name__}. "
+        f"Received: {name}={record!r}.")
+  if given:
+    raise ValueError(
+        f"Pass either `{name}=` or the keywords it replaces, not both. "
+        f"Received: {name}={record!r} and "
+        + ", ".join(f"{keywords[f][0]}={v!r}" for f, v in given.items()) + ".")
+  return record
+
+
+def _is_default(value, default):
+  # By type too: True == 1, but sync_groups=True is a mistake to report.
+  return type(value) is type(default) and value == default
+
+
+def _devices_or_default(devices):
+  """`devices` resolved, or every GPU, else every logical CPU device."""
+  if devices is not None:
+    return devices_lib.resolve_devices(devices)
+  if devices_lib.tpu_present():
+    raise NotImplementedError(devices_lib.tpu_not_supported_message())
+  devices = devices_lib.local_devices()
+  if devices_lib.is_lone_cpu(devices):
+    warnings.warn(
+        "ReplicatorStrategy: no GPU, so 1 replica on the CPU. For "
+        "testing, replicator_strategy.split_cpu(n) before any TensorFlow "
+        "op gives n replicas on n logical CPU devices.", stacklevel=3)
+  return devices
+
+
+def _from_mesh(device_mesh, axis_roles, num_workers, sync, devices,
+               devices_per_replica, model_layouts):
+  """The strategy's mesh from `mesh=`, and `sync` with its groups."""
+  if devices is not None or devices_per_replica != 1:
+    raise ValueError(
+        "Pass either `mesh` or `devices`/`devices_per_replica`: the mesh "
+        "lists the devices and its model axis gives each replica's. Received "
+        f"both (devices={devices!r}, devices_per_replica="
+        f"{devices_per_replica!r}).")
+  the_mesh = mesh_lib.Mesh.from_device_mesh(device_mesh, axis_roles,
+                                            num_workers)
+  try:
+    resolved = devices_lib.resolve_devices(the_mesh.devices)
+  except ValueError as e:
+    raise ValueError(
+        f"The mesh must list this worker's devices, as "
+        f"keras.distribution.list_devices() names them. {e}") from None
+  the_mesh = dataclasses.replace(the_mesh, devices=tuple(resolved))
+  if model_layouts is not None:
+    layout_groups = [devices_lib.resolve_devices(group)
+                     for group in model_layouts.device_groups]
+    if [list(g) for g in the_mesh.device_groups] != layout_groups:
+      raise ValueError(
+          f"The layout map's mesh and `mesh` must give the replicas the same "
+          f"devices. Received: mesh {the_mesh} with replicas "
+          f"{[list(g) for g in the_mesh.device_groups]}, layout map replicas "
+          f"{layout_groups}. Build the layout map over the same DeviceMesh.")
+  groups = the_mesh.num_sync_groups
+  if sync.groups not in (1, groups):
+    raise ValueError(
+        f"The mesh forms {groups} sync group(s) (its group axis, {the_mesh}), "
+        f"but sync groups={sync.groups}. Leave the number of groups out, or "
+        f"make the mesh's group axis agree.")
+  if groups > 1 and sync.groups == 1:
+    sync = dataclasses.replace(sync, groups=groups)
+  return the_mesh, sync
+
+
+def _refuse_with_sync_groups(sharding, model_layouts, devices_per_replica):
   """Refuses what sync groups do not combine with yet."""
-  defaults = {"shard_optimizer_state": False, "variable_partitioner": None,
-              "layout_map": None, "devices_per_replica": 1}
-  given = [f"{name}={value!r}" for name, value in arguments.items()
-           if value != defaults[name]]
+  given = [f"{name}={value!r}" for name, value, default in (
+      ("shard_optimizer_state", sharding.optimizer_state, False),
+      ("variable_partitioner", sharding.weights, None),
+      ("layout_map", model_layouts and model_layouts.layout_map, None),
+      ("devices_per_replica", devices_per_replica, 1)) if value != default]
   if given:
     raise NotImplementedError(
         f"sync_groups > 1 does not combine with {', '.join(given)} yet: "

@@ -23,6 +23,7 @@ from replicator_strategy.keras import replicas
 from replicator_strategy.keras import sharded_weights
 from replicator_strategy.keras import step_context
 from replicator_strategy.collectives import compression as compression_lib
+from replicator_strategy import options as options_lib
 
 
 def _clips(optimizer):
@@ -82,8 +83,7 @@ def compressed_on_the_wire(all_reduce_sum_gradients):
   """
   @functools.wraps(all_reduce_sum_gradients)
   def wrapper(self, grads_and_vars):
-    strategy = tf.distribute.get_strategy()
-    wire = (compression_lib.wire_dtype(strategy.gradient_compression)
+    wire = (compression_lib.wire_dtype(options_lib.of().gradient_compression)
             if replicas.in_our_replicas() else None)
     if wire is None:
       return all_reduce_sum_gradients(self, grads_and_vars)

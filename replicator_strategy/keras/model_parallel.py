@@ -22,6 +22,7 @@ import functools
 import keras
 import tensorflow as tf
 
+from replicator_strategy import options as options_lib
 from replicator_strategy import replica_context
 from replicator_strategy.keras import _internal as ki
 from replicator_strategy.model_parallel import layouts
@@ -30,8 +31,8 @@ from replicator_strategy.model_parallel import split_variables
 
 
 def _model_layouts():
-  strategy = tf.distribute.get_strategy()
-  return getattr(strategy.extended, "model_layouts", None)
+  options = options_lib.of()
+  return options and options.layouts
 
 
 def variable_paths(initialize):

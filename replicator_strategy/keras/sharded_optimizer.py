@@ -44,12 +44,12 @@ import functools
 import keras
 import tensorflow as tf
 
+from replicator_strategy import options as options_lib
 from replicator_strategy import replica_context
 from replicator_strategy.model_parallel import split_variables
 from replicator_strategy.sharding import creation
 from replicator_strategy.sharding import optimizer_state as sharded
 from replicator_strategy.sharding import variables as sharded_variables
-from replicator_strategy import strategy as strategy_lib
 from replicator_strategy.keras import _internal as ki
 from replicator_strategy.keras import model_parallel
 from replicator_strategy.keras import step_context
@@ -72,10 +72,9 @@ _KEPT_WHOLE = ("average", "gradient_accumulator")
 
 
 def _sharding_strategy():
-  strategy = tf.distribute.get_strategy()
-  if (isinstance(strategy, strategy_lib.ReplicatorStrategy) and
-      strategy.shard_optimizer_state):
-    return strategy
+  options = options_lib.of()
+  if options and options.sharding.optimizer_state:
+    return tf.distribute.get_strategy()
   return None
 
 

@@ -38,6 +38,7 @@ import tensorflow as tf
 from replicator_strategy import _tf_internal as tfi
 from replicator_strategy.collectives import compression as compression_lib
 from replicator_strategy.collectives import per_replica
+from replicator_strategy import options as options_lib
 
 
 class PiecewiseVariable(tfi.values.DistributedVariable):
@@ -276,8 +277,8 @@ def _rows_to_their_replicas(ctx, picked):
 
 def _wire(ctx):
   """The 16-bit dtype `ctx`'s strategy sends gradients as, or None."""
-  return compression_lib.wire_dtype(
-      getattr(ctx.strategy, "gradient_compression", None))
+  options = options_lib.of(ctx.strategy)
+  return compression_lib.wire_dtype(options and options.gradient_compression)
 
 
 def _checked_ids(every_id, num_rows):

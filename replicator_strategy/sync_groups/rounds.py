@@ -37,7 +37,6 @@ True
 
 import contextlib
 import functools
-import numbers
 import threading
 
 import tensorflow as tf
@@ -45,46 +44,6 @@ import tensorflow as tf
 from replicator_strategy import replica_context as replica_context_lib
 from replicator_strategy import variables as variables_lib
 from replicator_strategy.collectives import per_replica
-
-
-def check_arguments(sync_groups, average_every, outer_optimizer,
-                    overlap_averaging=False):
-  """Refuses a bad `sync_groups`, `average_every`, `outer_optimizer` or
-  `overlap_averaging`."""
-  if not isinstance(overlap_averaging, bool):
-    raise ValueError(
-        f"Expected `overlap_averaging` to be True or False. Received: "
-        f"overlap_averaging={overlap_averaging!r}.")
-  for name, value in (("sync_groups", sync_groups),
-                      ("average_every", average_every)):
-    if (isinstance(value, bool) or not isinstance(value, numbers.Integral) or
-        value < 1):
-      raise ValueError(
-          f"Expected `{name}` to be an int of at least 1. Received: "
-          f"{name}={value!r}. " + (
-              "Pass the number of groups the replicas form (1: all "
-              "synchronous)." if name == "sync_groups" else
-              "Pass how many steps each group takes between averaging "
-              "rounds (1: every step)."))
-  if outer_optimizer is not None:
-    import keras  # pylint: disable=g-import-not-at-top  # Only to check the type.
-    if not isinstance(outer_optimizer, keras.optimizers.Optimizer):
-      raise ValueError(
-          f"Expected `outer_optimizer` to be None (plain averaging) or a Keras "
-          f"optimizer, such as keras.optimizers.SGD(0.7, momentum=0.9, "
-          f"nesterov=True) (DiLoCo's). Received: outer_optimizer="
-          f"{outer_optimizer!r} of type {type(outer_optimizer).__name__}.")
-  if sync_groups > 1:
-    return
-  for name, value, default, what in (
-      ("average_every", average_every, 1, "sets the steps between"),
-      ("outer_optimizer", outer_optimizer, None, "applies the change between"),
-      ("overlap_averaging", overlap_averaging, False, "overlaps")):
-    if value != default:
-      raise ValueError(
-          f"`{name}` {what} sync groups' averaging rounds, but sync_groups=1 "
-          f"has no rounds. Received: {name}={value!r}. Pass sync_groups > 1, "
-          f"or leave {name} out.")
 
 
 def _tf_variable(variable):

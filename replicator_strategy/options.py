@@ -1,0 +1,179 @@
+"""The strategy's options: small frozen records, read through one accessor.
+
+`ReplicatorStrategy(sharding=Sharding(...), sync=SyncGroups(...))` says
+how state is sharded and how sync groups train; the older keywords
+(`shard_optimizer_state`, `variable_partitioner`, `sync_groups`,
+`average_every`, `outer_optimizer`, `overlap_averaging`) build the same
+records. The strategy keeps every option in one `StrategyOptions`, its
+`extended.options`; the core and the Keras patches read it through
+`of(strategy)`.
+
+>>> import replicator_strategy as rs
+>>> strategy = rs.ReplicatorStrategy(
+...     sharding=rs.Sharding(optimizer_state=True),
+...     sync=rs.SyncGroups(groups=2, average_every=4))
+>>> of(strategy).sync
+SyncGroups(groups=2, average_every=4, outer_optimizer=None, overlap=False)
+>>> print(of(strategy).mesh)
+group 2 x batch 2
+"""
+
+import dataclasses
+import numbers
+import typing
+
+import tensorflow as tf
+
+from replicator_strategy import mesh as mesh_lib
+
+# What `Sharding(weights=BATCH)` names: every trainable weight cut over the
+# batch axis, along its first dimension, a shard per replica.
+BATCH = "batch"
+
+
+@dataclasses.dataclass(frozen=True)
+class Sharding:
+  """What is held once, cut over the replicas (`docs/sharding.md`).
+
+  >>> import replicator_strategy as rs
+  >>> strategy = rs.ReplicatorStrategy(   # 4 replicas here
+  ...     sharding=rs.Sharding(optimizer_state=True, weights="batch"))
+  >>> strategy.extended.options.sharding.weights
+  'batch'
+
+  Attributes:
+    optimizer_state: each Keras optimizer slot as 1/N slices, one per
+      replica, each updated on its replica (ZeRO stages 1 and 2).
+    weights: None (every replica holds every weight), `"batch"` (every
+      trainable weight cut along its first dimension over the replicas, a
+      shard each: ZeRO stage 3), or a callable `(shape, dtype) -> shards
+      per axis` such as TF's `FixedShardsPartitioner`, which picks the
+      weights and their shard counts.
+  """
+
+  optimizer_state: bool = False
+  weights: typing.Any = None
+
+  def __post_init__(self):
+    if not isinstance(self.optimizer_state, bool):
+      raise ValueError(
+          f"Expected `shard_optimizer_state` to be True or False. Received: "
+          f"shard_optimizer_state={self.optimizer_state!r} (Sharding's "
+          f"optimizer_state).")
+    if not (self.weights is None or self.weights == BATCH or
+            callable(self.weights)):
+      raise ValueError(
+          f"Expected `variable_partitioner` (Sharding's weights) to be None, "
+          f"{BATCH!r} (every weight cut over the replicas) or a callable "
+          f"(shape, dtype) -> list of ints, such as "
+          f"tf.distribute.experimental.partitioners.FixedShardsPartitioner"
+          f"(num_shards). Received: variable_partitioner={self.weights!r} "
+          f"(Sharding's weights).")
+
+  def partitioner(self, num_replicas):
+    """The `(shape, dtype) -> shards per axis` callable `weights` means, or None."""
+    if self.weights != BATCH:
+      return self.weights
+    return tf.distribute.experimental.partitioners.FixedShardsPartitioner(
+        num_replicas)
+
+
+@dataclasses.dataclass(frozen=True)
+class SyncGroups:
+  """Sync groups: replicas in sync inside a group, the groups averaging
+  their weights every `average_every` steps (`docs/sync-groups.md`).
+
+  >>> import keras
+  >>> import replicator_strategy as rs
+  >>> strategy = rs.ReplicatorStrategy(sync=rs.SyncGroups(
+  ...     groups=2, average_every=8,
+  ...     outer_optimizer=keras.optimizers.SGD(0.7, momentum=0.9, nesterov=True)))
+  >>> strategy.num_sync_groups, strategy.num_replicas_in_sync
+  (2, 2)
+
+  Attributes:
+    groups: how many groups the replicas form (1: every replica in sync).
+    average_every: steps between averaging rounds.
+    outer_optimizer: None (a round sets the mean), or a Keras optimizer a
+      round applies the change since the last round through (DiLoCo).
+    overlap: a round's exchange runs beside the next steps and lands one
+      round late (Streaming DiLoCo's overlap).
+  """
+
+  groups: int = 1
+  average_every: int = 1
+  outer_optimizer: typing.Any = None
+  overlap: bool = False
+
+  def __post_init__(self):
+    _check_sync_groups(self.groups, self.average_every, self.outer_optimizer,
+                       self.overlap)
+
+
+def _check_sync_groups(sync_groups, average_every, outer_optimizer,
+                       overlap_averaging):
+  """Refuses a bad `sync_groups`, `average_every`, `outer_optimizer` or
+  `overlap_averaging`."""
+  if not isinstance(overlap_averaging, bool):
+    raise ValueError(
+        f"Expected `overlap_averaging` to be True or False. Received: "
+        f"overlap_averaging={overlap_averaging!r}.")
+  for name, value in (("sync_groups", sync_groups),
+                      ("average_every", average_every)):
+    if (isinstance(value, bool) or not isinstance(value, numbers.Integral) or
+        value < 1):
+      raise ValueError(
+          f"Expected `{name}` to be an int of at least 1. Received: "
+          f"{name}={value!r}. " + (
+              "Pass the number of groups the replicas form (1: all "
+              "synchronous)." if name == "sync_groups" else
+              "Pass how many steps each group takes between averaging "
+              "rounds (1: every step)."))
+  if outer_optimizer is not None:
+    import keras  # pylint: disable=g-import-not-at-top  # Only to check the type.
+    if not isinstance(outer_optimizer, keras.optimizers.Optimizer):
+      raise ValueError(
+          f"Expected `outer_optimizer` to be None (plain averaging) or a Keras "
+          f"optimizer, such as keras.optimizers.SGD(0.7, momentum=0.9, "
+          f"nesterov=True) (DiLoCo's). Received: outer_optimizer="
+          f"{outer_optimizer!r} of type {type(outer_optimizer).__name__}.")
+  if sync_groups > 1:
+    return
+  for name, value, default, what in (
+      ("average_every", average_every, 1, "sets the steps between"),
+      ("outer_optimizer", outer_optimizer, None, "applies the change between"),
+      ("overlap_averaging", overlap_averaging, False, "overlaps")):
+    if value != default:
+      raise ValueError(
+          f"`{name}` {what} sync groups' averaging rounds, but sync_groups=1 "
+          f"has no rounds. Received: {name}={value!r}. Pass sync_groups > 1, "
+          f"or leave {name} out.")
+
+
+@dataclasses.dataclass(frozen=True)
+class StrategyOptions:
+  """Every option of one strategy (`extended.options`).
+
+  Attributes:
+    mesh: the device mesh (`replicator_strategy.mesh.Mesh`).
+    sharding: a `Sharding`.
+    sync: a `SyncGroups`.
+    gradient_compression: None, "bfloat16" or "float16".
+    layouts: the layout map as read (`model_parallel.layouts.ModelLayouts`),
+      or None.
+  """
+
+  mesh: mesh_lib.Mesh
+  sharding: Sharding = Sharding()
+  sync: SyncGroups = SyncGroups()
+  gradient_compression: str | None = None
+  layouts: typing.Any = None
+
+
+def of(strategy=None):
+  """`strategy`'s `StrategyOptions` (default: the current strategy's), or
+  None for a strategy that is not a `ReplicatorStrategy`."""
+  if strategy is None:
+    strategy = tf.distribute.get_strategy()
+  options = getattr(strategy.extended, "options", None)
+  return options if isinstance(options, StrategyOptions) else None
