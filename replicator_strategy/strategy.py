@@ -448,7 +448,7 @@ def _from_mesh(device_mesh, axis_roles, num_workers, sync, devices,
         f"keras.distribution.list_devices() names them. {e}") from None
   the_mesh = dataclasses.replace(the_mesh, devices=tuple(resolved))
   if model_layouts is not None:
-    layout_groups = [devices_lib.resolve_devices(group)
+    layout_groups = [list(devices_lib.resolve_devices(group))
                      for group in model_layouts.device_groups]
     if [list(g) for g in the_mesh.device_groups] != layout_groups:
       raise ValueError(
@@ -472,7 +472,7 @@ def _refuse_with_sync_groups(sharding, model_layouts, devices_per_replica):
   given = [f"{name}={value!r}" for name, value, default in (
       ("shard_optimizer_state", sharding.optimizer_state, False),
       ("variable_partitioner", sharding.weights, None),
-      ("layout_map", model_layouts and model_layouts.layout_map, None),
+      ("layout_map", model_layouts and "LayoutMap(...)", None),
       ("devices_per_replica", devices_per_replica, 1)) if value != default]
   if given:
     raise NotImplementedError(
