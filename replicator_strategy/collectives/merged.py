@@ -62,7 +62,7 @@ def all_gather(strategy, values, paths, axis, options):
 
 def reduce_scatter(strategy, values, op, axes):
   """Slice r of each of `values` reduced with `op`, on replica r."""
-  return [strategy.extended.communicator.reduce_scatter(op, v, a)
+  return [strategy.extended.communicator.reduce_scatter(v, op, a)
           for v, a in zip(values, axes)]
 
 

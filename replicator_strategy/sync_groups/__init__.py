@@ -12,6 +12,6 @@ rounds through `keras/sync_group_rounds.py`, and each group's saved value is
 with the Keras integration and the variables.
 
 May import: `replicator_strategy._tf_internal`, `replica_context`,
-`variables`, `collectives.per_replica` and its own modules; nothing from
-`sharding`, `cluster`, `cli` or `keras`.
+`variables`, `collectives.per_replica`, `collectives.protocol` and its own
+modules; nothing from `sharding`, `cluster`, `cli` or `keras`.
 """
