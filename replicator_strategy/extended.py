@@ -1,9 +1,10 @@
 """`ReplicatorExtended`: the strategy's machinery behind `tf.distribute.Strategy`.
 
 Everything TF and Keras reach through `strategy.extended` lives here:
-variable creation, reductions, updates, input distribution and replica
-execution. Subclasses TF's `StrategyExtendedV1`, the base every TF strategy
-uses, because `Strategy.run` calls its `call_for_each_replica`.
+variable creation, reductions, updates, input distribution (through
+`input_distribution`) and replica execution. Subclasses TF's
+`StrategyExtendedV1`, the base every TF strategy uses, because `Strategy.run`
+calls its `call_for_each_replica`.
 
 >>> import replicator_strategy as rs
 >>> strategy = rs.ReplicatorStrategy()
@@ -16,13 +17,13 @@ import tensorflow as tf
 
 from replicator_strategy import _tf_internal as tfi
 from replicator_strategy.collectives import watchdog as collective_watchdog
-from replicator_strategy import global_batch_input
 from replicator_strategy.model_parallel import layouts
 from replicator_strategy.model_parallel import logical_devices
 from replicator_strategy.model_parallel import split_variables
 from replicator_strategy.collectives import communicator as communicator_lib
 from replicator_strategy.collectives import packing
 from replicator_strategy.collectives import reduce_op as reduce_op_lib
+from replicator_strategy import input_distribution
 from replicator_strategy import replica_context
 from replicator_strategy import replica_runner
 from replicator_strategy.sharding import creation as sharding
@@ -300,59 +301,27 @@ class ReplicatorExtended(tfi.StrategyExtendedV1):
       destinations = self._devices
     return self.communicator.ops_for(tensor, None).broadcast(tensor, destinations)
 
-  # Input.
+  # Input: see `input_distribution`.
 
   def _input_workers_with_options(self, options=None):
-    compute = self._devices
-    if options is not None and not options.experimental_fetch_to_device:
-      compute = (self.host_device,) * len(self._devices)
-    return tfi.input_lib.InputWorkers([(self.host_device, compute)])
+    return input_distribution.input_workers(self, options)
 
   @property
   def _input_workers(self):
     return self._input_workers_with_options()
 
   def _experimental_distribute_dataset(self, dataset, options):
-    _reject_per_replica_mode(options, "experimental_distribute_dataset")
-    if self.num_replicas_in_all_groups > 1:
-      _reject_unbatched(dataset, self.num_replicas_in_all_groups)
-    if self.deals_worker_slices:
-      _reject_unsliceable(dataset, options)
-      return global_batch_input.GlobalBatchDataset(
-          dataset, self._devices, self.host_device,
-          worker_slice=(self.first_replica_id,
-                        self.num_replicas_in_all_groups))
-    self.communicator.check_dataset(dataset)
-    if self.num_workers == 1 and global_batch_input.splits_on_host(
-        dataset, self._devices, options):
-      return global_batch_input.GlobalBatchDataset(dataset, self._devices,
-                                                   self.host_device)
-    return tfi.input_util.get_distributed_dataset(
-        dataset, self._input_workers_with_options(options),
-        tfi.container_strategy(self),
-        num_replicas_in_sync=self.num_replicas_in_all_groups,
-        input_context=self.communicator.dataset_input_context(),
-        options=options)
+    return input_distribution.distribute_dataset(self, dataset, options)
 
   def _distribute_datasets_from_function(self, dataset_fn, options):
-    _reject_per_replica_mode(options, "distribute_datasets_from_function")
-    return tfi.input_util.get_distributed_datasets_from_function(
-        dataset_fn, self._input_workers_with_options(options),
-        [self.communicator.input_context()], tfi.container_strategy(self),
-        options)
+    return input_distribution.distribute_datasets_from_function(
+        self, dataset_fn, options)
 
   def _experimental_distribute_values_from_function(self, value_fn):
-    per_replica = []
-    for i, device in enumerate(self._devices):
-      with tf.device(device):
-        per_replica.append(value_fn(tf.distribute.experimental.ValueContext(
-            self.first_replica_id + i, self.num_replicas_in_all_groups)))
-    return _utils.regroup(per_replica, always_wrap=True)
+    return input_distribution.distribute_values_from_function(self, value_fn)
 
   def _experimental_make_numpy_dataset(self, numpy_input, session):
-    return tfi.numpy_dataset.one_host_numpy_dataset(
-        numpy_input, tfi.numpy_dataset.SingleDevice(self.host_device),
-        session)
+    return input_distribution.numpy_dataset(self, numpy_input, session)
 
   # Topology.
 
@@ -414,41 +383,3 @@ def _as_one_replica(value, destinations):
     destinations = value
   return value, destinations
 
-
-def _reject_unbatched(dataset, num_replicas):
-  """Refuses scalar elements, which TF's rebatching fails on with an IndexError."""
-  scalars = [
-      "element" + "".join(f"[{key!r}]" for key in path)
-      for path, spec in tfi.nest.flatten_with_tuple_paths(dataset.element_spec)
-      if getattr(spec, "shape", None) is not None and spec.shape.rank == 0]
-  if scalars:
-    raise ValueError(
-        f"experimental_distribute_dataset splits each element of the dataset "
-        f"along its first dimension, the batch, among {num_replicas} "
-        f"replicas, but this dataset has scalars with no such dimension "
-        f"({', '.join(scalars)}): it looks unbatched. Received: element_spec="
-        f"{dataset.element_spec}. Batch it with the global batch size "
-        f"first: dataset.batch(global_batch_size).")
-
-
-def _reject_unsliceable(dataset, options):
-  """Refuses, with sync groups across workers, what a worker cannot cut its
-  replicas' parts from."""
-  if not global_batch_input.can_serve(dataset, options):
-    raise NotImplementedError(
-        f"With sync groups across workers, experimental_distribute_dataset "
-        f"gives each worker its replicas' contiguous parts of every global "
-        f"batch (so a group trains on the rows it would in one process), "
-        f"which it does for batches of dense tensors with the default input "
-        f"options only yet. Received: element_spec={dataset.element_spec}, "
-        f"options={options}. Batch dense tensors and pass no options, or "
-        f"give each worker its rows with distribute_datasets_from_function.")
-
-
-def _reject_per_replica_mode(options, api):
-  if (options is not None and options.experimental_replication_mode ==
-      tf.distribute.InputReplicationMode.PER_REPLICA):
-    raise NotImplementedError(
-        f"ReplicatorStrategy.{api} does not support "
-        f"InputReplicationMode.PER_REPLICA yet. Use the default PER_WORKER "
-        f"mode (leave experimental_replication_mode unset).")

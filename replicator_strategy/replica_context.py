@@ -10,22 +10,22 @@ On top of `tf.distribute.ReplicaContext` this adds MIN/MAX all-reduce,
 `broadcast`, `reduce_scatter`, `all_to_all` and `map_gather`, all
 differentiable, on both paths (example: `ReplicaContext`).
 
+`ReplicaContext` holds the collectives, each with its gradient; the traced
+exchange under them is `collectives.exchange`, their merge functions
+`collectives.merged`, and a replica's rows of the global batch `batch_rows`.
+
 Design after TF-Replicator (Buchlovsky et al., 2019, arXiv:1902.00465).
 """
-
-import collections
 
 import tensorflow as tf
 
 from replicator_strategy import _tf_internal as tfi
+from replicator_strategy import batch_rows as batch_rows_lib
 from replicator_strategy.collectives import checks
+from replicator_strategy.collectives import exchange
+from replicator_strategy.collectives import merged
 from replicator_strategy.collectives import replica_collectives
 from replicator_strategy.collectives import reduce_op as reduce_op_lib
-
-
-BatchRows = collections.namedtuple("BatchRows", ["first", "count", "total"])
-BatchRows.__doc__ = """A replica's rows in the global batch: the `count` rows from
-row `first` on, of `total` rows (every replica's, in replica order)."""
 
 
 class ReplicaContext(tfi.ThreadReplicaContext):
@@ -46,38 +46,9 @@ class ReplicaContext(tfi.ThreadReplicaContext):
 
   def __init__(self, strategy, replica_id_in_sync_group, inputs=()):
     super().__init__(strategy, replica_id_in_sync_group)
-    self._home_graph = tf.compat.v1.get_default_graph()
-    self._inputs = inputs
-    self._batch_rows = {}
-
-  def outside_loops(self, fn):
-    """`fn()`, built in this replica's own graph if called inside a while loop.
-
-    Collectives can't run in a replica's while loop (each replica runs its
-    own copy); a value the loop only reads, such as a sharded weight
-    gathered whole, can be built before it, where the replicas merge, and
-    the loop captures it (gradients flow back through the capture).
-    """
-    graph = tf.compat.v1.get_default_graph()
-    in_loop = False
-    while graph is not None and graph is not self._home_graph:
-      in_loop = in_loop or isinstance(graph, tfi.WHILE_LOOP_GRAPHS)
-      graph = getattr(graph, "outer_graph", None)
-    if not (in_loop and graph is self._home_graph):
-      return fn()
-    with self._home_graph.as_default():
-      return fn()
-
-  @property
-  def can_merge(self):
-    """Whether `merge_call` can gather the replicas here.
-
-    False inside control flow or a nested `tf.function`: each replica traces
-    its own graph there. Eager code (even under `tf.init_scope`) always merges:
-    replica threads take turns, so a blocking collective would never return.
-    """
-    return (tf.executing_eagerly() or
-            tf.compat.v1.get_default_graph() is self._home_graph)
+    # Where strategy.run traces this replica: where the replicas can merge.
+    self.home_graph = tf.compat.v1.get_default_graph()
+    self._rows = batch_rows_lib.Counter(inputs)
 
   def _merge_call(self, fn, args, kwargs):
     signature, checked = checks.same_merge(fn)
@@ -109,22 +80,25 @@ class ReplicaContext(tfi.ThreadReplicaContext):
     # and Keras's tests do, for a value already all-reduced.
     value = tf.nest.map_structure(
         lambda v: v if tf.is_tensor(v) else tf.convert_to_tensor(v), value)
-    if self.can_merge and not op.is_extremum and _has_indexed_slices(value):
+    if (self.can_merge and not op.is_extremum and
+        merged.has_indexed_slices(value)):
       # TF's path keeps IndexedSlices sparse (it has no gradient).
       return super().all_reduce(op.to_tf(), value, options)
     flat = [tf.convert_to_tensor(v) for v in tf.nest.flatten(value)]
     if op.is_extremum:
-      ys = self._exchange(
-          lambda strategy, *values: _reduce_extremum(strategy, op, *values),
+      ys = exchange.exchange(
+          self,
+          lambda strategy, *values: merged.reduce_extremum(strategy, values, op),
           lambda keys, values: self._collectives.all_reduce(
               self.local_index, op, values, keys),
           flat,
           grad=lambda xs, ys, dys: reduce_op_lib.extremum_gradient(
               xs, ys, dys, lambda ts: self.all_reduce("sum", ts)))
     else:
-      ys = self._exchange(
-          lambda strategy, *values: strategy.extended.batch_reduce_to(
-              op.to_tf(), [(v, _destination(v)) for v in values], options),
+      ys = exchange.exchange(
+          self,
+          lambda strategy, *values: merged.all_reduce(strategy, values, op,
+                                                      options),
           lambda keys, values: self._collectives.all_reduce(
               self.local_index, op, values, keys),
           flat, grad=lambda xs, ys, dys: self.all_reduce(op, dys))
@@ -145,16 +119,16 @@ class ReplicaContext(tfi.ThreadReplicaContext):
           f"{num_replicas}). Received: source_replica_id="
           f"{source_replica_id!r}")
     is_source = self.replica_id_in_group == source_replica_id
-    value = _own_tensors(value, "broadcast")
+    value = checks.own_tensors(value, "broadcast")
     flat = tf.nest.flatten(value)
 
     def grad(xs, ys, dys):
       summed = self.all_reduce("sum", dys)
       return [g if is_source else tf.zeros_like(g) for g in summed]
 
-    ys = self._exchange(
-        lambda strategy, *values: _broadcast_from(
-            strategy, source_replica_id, *values),
+    ys = exchange.exchange(
+        self, lambda strategy, *values: merged.broadcast_from(
+            strategy, values, source_replica_id),
         lambda keys, values: self._collectives.all_reduce(
             self.local_index, reduce_op_lib.ReduceOp.SUM,
             [v if is_source else tf.zeros_like(v) for v in values], keys),
@@ -168,17 +142,13 @@ class ReplicaContext(tfi.ThreadReplicaContext):
     """
     checks.refuse_cross_replica_context("all_gather")
     checks.refuse_indexed_slices(value, "all_gather")
-    value = _own_tensors(value, "all_gather")
+    value = checks.own_tensors(value, "all_gather")
     flat = tf.nest.flatten(value)
     paths = [path for path, _ in tfi.nest.flatten_with_tuple_paths(value)]
 
-    def gather(strategy, *values):
-      checks.check_gatherable(strategy, values, paths, axis)
-      return [strategy.extended.communicator.all_gather(v, axis, options)
-              for v in values]
-
-    ys = self._exchange(
-        gather,
+    ys = exchange.exchange(
+        self, lambda strategy, *values: merged.all_gather(
+            strategy, values, paths, axis, options),
         lambda keys, values: self._collectives.all_gather(
             self.local_index, values, axis, keys),
         flat, grad=lambda xs, ys, dys: [
@@ -218,7 +188,7 @@ class ReplicaContext(tfi.ThreadReplicaContext):
     checks.refuse_cross_replica_context("reduce_scatter")
     op = reduce_op_lib.parse(reduce_op)
     n = self.num_replicas_in_sync
-    value = _own_tensors(value, "reduce_scatter")
+    value = checks.own_tensors(value, "reduce_scatter")
     flat, axes = checks.split_evenly(value, axis, n, "reduce_scatter", "axis")
 
     def grad(xs, ys, dys):
@@ -233,10 +203,9 @@ class ReplicaContext(tfi.ThreadReplicaContext):
       return reduce_op_lib.route_to_extremum(
           xs, full_ys, full_dys, lambda ts: self.all_reduce("sum", ts))
 
-    ys = self._exchange(
-        lambda strategy, *values: [
-            strategy.extended.communicator.reduce_scatter(op, v, a)
-            for v, a in zip(values, axes)],
+    ys = exchange.exchange(
+        self, lambda strategy, *values: merged.reduce_scatter(
+            strategy, values, op, axes),
         lambda keys, values: self._collectives.reduce_scatter(
             self.local_index, op, values, axes, keys),
         flat, grad=grad)
@@ -260,7 +229,7 @@ class ReplicaContext(tfi.ThreadReplicaContext):
     [array([ 0., 10.], dtype=float32), array([ 1., 11.], dtype=float32)]
     """
     checks.refuse_cross_replica_context("all_to_all")
-    value = _own_tensors(value, "all_to_all")
+    value = checks.own_tensors(value, "all_to_all")
     flat, splits = checks.split_evenly(
         value, split_axis, self.num_replicas_in_sync, "all_to_all",
         "split_axis")
@@ -272,10 +241,9 @@ class ReplicaContext(tfi.ThreadReplicaContext):
       return [self.all_to_all(dy, split_axis=c, concat_axis=s)
               for dy, s, c in zip(dys, splits, concats)]
 
-    ys = self._exchange(
-        lambda strategy, *values: [
-            strategy.extended.communicator.all_to_all(v, s, c)
-            for v, s, c in zip(values, splits, concats)],
+    ys = exchange.exchange(
+        self, lambda strategy, *values: merged.all_to_all(
+            strategy, values, splits, concats),
         lambda keys, values: self._collectives.all_to_all(
             self.local_index, values, splits, concats, keys),
         flat, grad=grad)
@@ -308,49 +276,65 @@ class ReplicaContext(tfi.ThreadReplicaContext):
     [1.0, 0.5, 0.25]
     """
     checks.refuse_cross_replica_context("map_gather")
-    calls = _thunk_calls(thunks, fn)
+    calls = checks.thunk_calls(thunks, fn)
     n = self.num_replicas_in_sync
     replica = self.replica_id_in_group
     results = []
     for i, call in enumerate(calls):
       what = f"thunks[{i}]()" if fn is None else f"fn(thunks[{i}])"
       if i % n == replica:
-        result = _checked_result(call(), what)
+        result = checks.thunk_result(call(), what)
       else:
-        specs = _checked_result(tf.function(call).get_concrete_function()
-                                .structured_outputs, what)
+        specs = checks.thunk_result(
+            tf.function(call).get_concrete_function().structured_outputs, what)
         result = tf.nest.map_structure(
             lambda t: tf.zeros(t.shape, t.dtype), specs)
       results.append(result)
     return tuple(self.all_reduce("sum", results))
 
-  def batch_rows(self):
-    """Where this replica's rows lie in the global batch, or None if unknown.
+  def all_reduce_all_groups(self, reduce_op, value):
+    """`all_reduce` ("sum" or "mean") over every replica of every sync group.
 
-    A `BatchRows` (`first`, `count`, `total`: int64 scalars), the global
-    batch being every replica's rows in replica order, as one device sees
-    them (with sync groups: its group's rows, which the group trains on).
-    Rows are the leading dimension of the first tensor given to
-    `strategy.run`; one all-reduce per traced step (a vector of every
-    replica's count) counts them.
+    The one exchange between groups a step may ask for (Keras's per-step
+    logs of global metrics); with one group, `all_reduce` itself.
     """
-    graph = tf.compat.v1.get_default_graph()
-    if graph not in self._batch_rows:
-      leaves = [t for t in tf.nest.flatten(self._inputs)
-                if tf.is_tensor(t) and t.shape.rank != 0]
-      rows = None
-      if leaves:
-        count = tf.shape(leaves[0], out_type=tf.int64)[0]
-        replica = self.replica_id_in_group
-        # Counts travel as float32, exact below 2**24 rows: the all-reduce
-        # every path (merge, control flow, workers, GPUs) already carries.
-        own = tf.one_hot(replica, self.num_replicas_in_sync,
-                         on_value=tf.cast(count, tf.float32))
-        counts = tf.cast(self.all_reduce("sum", own), tf.int64)
-        rows = BatchRows(first=tf.reduce_sum(counts[:replica]), count=count,
-                         total=tf.reduce_sum(counts))
-      self._batch_rows[graph] = rows
-    return self._batch_rows[graph]
+    communicator = self.strategy.extended.communicator
+    if communicator.num_sync_groups == 1:
+      return self.all_reduce(reduce_op, value)
+    checks.refuse_cross_replica_context("all_reduce_all_groups")
+    op = reduce_op_lib.parse(reduce_op)
+    if op.is_extremum:
+      raise ValueError(
+          f"Expected `reduce_op` of all_reduce_all_groups to be 'sum' or "
+          f"'mean'. Received: reduce_op={reduce_op!r}.")
+    flat = [tf.convert_to_tensor(v) for v in tf.nest.flatten(value)]
+    everyone = communicator.everyone.replica_collectives
+    ys = exchange.exchange(
+        self, lambda strategy, *values: strategy.extended.communicator.
+        reduce_all_groups(op.to_tf(), values),
+        lambda keys, values: everyone.all_reduce(self.local_index, op, values,
+                                                 keys),
+        flat, grad=lambda xs, ys, dys: self.all_reduce_all_groups(op, dys),
+        collectives=everyone)
+    return tf.nest.pack_sequence_as(value, ys)
+
+  # Where this replica is and what it sees: documented API, computed elsewhere.
+
+  @property
+  def can_merge(self):
+    """Whether `merge_call` can gather the replicas here (see
+    `collectives.exchange.can_merge`)."""
+    return exchange.can_merge(self)
+
+  def outside_loops(self, fn):
+    """`fn()`, built where the replicas merge if called inside a while loop
+    (see `collectives.exchange.outside_loops`)."""
+    return exchange.outside_loops(self, fn)
+
+  def batch_rows(self):
+    """Where this replica's rows lie in the global batch, or None if unknown:
+    a `batch_rows.BatchRows` (`first`, `count`, `total`: int64 scalars)."""
+    return self._rows.rows(self)
 
   def logical_device(self, logical_device_id):
     """Ops inside run on this replica's device `logical_device_id` (see
@@ -370,32 +354,6 @@ class ReplicaContext(tfi.ThreadReplicaContext):
     """The index of this replica's sync group, 0 with one group."""
     return tfi.replica_id(self) // self.num_replicas_in_sync
 
-  def all_reduce_all_groups(self, reduce_op, value):
-    """`all_reduce` ("sum" or "mean") over every replica of every sync group.
-
-    The one exchange between groups a step may ask for (Keras's per-step
-    logs of global metrics); with one group, `all_reduce` itself.
-    """
-    communicator = self.strategy.extended.communicator
-    if communicator.num_sync_groups == 1:
-      return self.all_reduce(reduce_op, value)
-    checks.refuse_cross_replica_context("all_reduce_all_groups")
-    op = reduce_op_lib.parse(reduce_op)
-    if op.is_extremum:
-      raise ValueError(
-          f"Expected `reduce_op` of all_reduce_all_groups to be 'sum' or "
-          f"'mean'. Received: reduce_op={reduce_op!r}.")
-    flat = [tf.convert_to_tensor(v) for v in tf.nest.flatten(value)]
-    everyone = communicator.everyone.replica_collectives
-    ys = self._exchange(
-        lambda strategy, *values: strategy.extended.communicator.
-        reduce_all_groups(op.to_tf(), values),
-        lambda keys, values: everyone.all_reduce(self.local_index, op, values,
-                                                 keys),
-        flat, grad=lambda xs, ys, dys: self.all_reduce_all_groups(op, dys),
-        collectives=everyone)
-    return tf.nest.pack_sequence_as(value, ys)
-
   @property
   def local_index(self):
     """This replica's index among this worker's replicas."""
@@ -403,192 +361,7 @@ class ReplicaContext(tfi.ThreadReplicaContext):
 
   @property
   def _collectives(self):
-    return self.strategy.extended.communicator.replica_collectives
-
-  def collective_keys(self, count, collectives=None):
-    """Instance keys for this replica's next `count` run-time collectives
-    (of its own group's, or of `collectives`)."""
-    graph = self._home_graph
-    if self._built_for_outer_tape():
-      # The home graph's function was traced before: it takes no new
-      # captures. `_check_outer_tape_order` refused control flow here.
-      graph = tf.compat.v1.get_default_graph()
-    else:
-      replica_collectives.check_not_in_replica_loop(graph)
-      replica_collectives.check_in_function(graph)
-    return (collectives or self._collectives).draw_keys(
-        self.local_index, count, graph)
-
-  def _exchange(self, merge_fn, collective_fn, xs, grad, keys_per_tensor=1,
-                collectives=None):
-    """Differentiable exchange of the tensors `xs` between replicas.
-
-    Through `merge_call` (`merge_fn(strategy, *per_replica_xs)`) where the
-    replicas can meet, else through run-time collectives
-    (`collective_fn(keys, xs)`, keys drawn from `collectives`, by default
-    the group's). `grad(xs, ys, dys)` gives the gradients,
-    through collectives of the same path (inside a `tf.cond`, its gradient
-    branch launches run-time collectives too).
-    """
-    merging = self.can_merge
-    position = self._next_exchange()
-    if not merging:
-      # Drawn outside the custom gradient, which would otherwise take the
-      # key counters for variables to differentiate.
-      keys = self.collective_keys(keys_per_tensor * len(xs), collectives)
-
-    @tfi.custom_gradient
-    def exchange(*xs):
-      if merging:
-        # Cut from the other replicas' inputs, which a TF1 graph holds too:
-        # custom_gradient would take the variables behind them for this
-        # replica's (their gradients flow through their own replica's).
-        ys = [tf.stop_gradient(y) for y in self.merge_call(merge_fn, args=xs)]
-      else:
-        ys = collective_fn(keys, list(xs))
-
-      def gradient(*dys):
-        if not merging and tfi.differentiating_for_higher_order():
-          # TF then rebuilds the forward control flow inside functions of its
-          # own, where the replicas' collectives lose their common order.
-          raise NotImplementedError(
-              "Gradients through a cross-replica collective inside control "
-              "flow (a tf.cond branch in the function passed to "
-              "strategy.run) are taken with a non-persistent GradientTape "
-              "that no other tape watches; this one is persistent, or nested "
-              "in another tape. Use one non-persistent tape per gradient, or "
-              "call the collective outside the tf.cond.")
-        self._check_outer_tape_order(position)
-        return grad(list(xs), ys, list(dys))
-
-      return list(ys), gradient
-
-    return exchange(*xs)
-
-  def _next_exchange(self):
-    """This replica's count of the exchanges traced before this one in its
-    home graph: the same for the same exchange on every replica."""
-    counts = tfi.owned_by(self._home_graph, "exchanges_traced")
-    key = (id(self.strategy), self.local_index)
-    position = counts.get(key, 0)
-    counts[key] = position + 1
-    return position
-
-  def _built_for_outer_tape(self):
-    """Whether this replica's ops are being built outside its thread: by a
-    gradient that a tape outside strategy.run takes of the whole step."""
-    return tf.distribute.get_replica_context() is not self
-
-  def _check_outer_tape_order(self, position):
-    """Refuses a gradient of exchanges that the replicas would launch in
-    different orders.
-
-    A tape outside the `tf.function` that calls strategy.run differentiates
-    the whole function, every replica at once, outside the replicas' home
-    graph: TF builds the replicas' gradients interleaved, in an order of its
-    own, and each replica launches its run-time collectives in the order
-    they are built. Where that order differs between replicas, or lies in a
-    gradient's control flow (not ordered at all), the collectives could only
-    wait for each other or meet the wrong partners.
-    """
-    if not self._built_for_outer_tape():
-      return  # A gradient inside strategy.run: built replica by replica.
-    graph = tf.compat.v1.get_default_graph()
-    if isinstance(graph, tfi.CONTROL_FLOW_GRAPH):
-      raise NotImplementedError(
-          "ReplicatorStrategy: a tf.GradientTape outside the tf.function "
-          "that calls strategy.run differentiates a cross-replica collective "
-          "called inside a tf.cond (or loop) of the replica function; its "
-          "gradient's collectives could not keep one order on every "
-          "replica. " + _OUTER_TAPE_FIX)
-    built = tfi.owned_by(graph, "exchanges_differentiated").setdefault(
-        id(self.strategy), {})
-    mine = built.setdefault(self.local_index, [])
-    mine.append(position)
-    for replica, theirs in built.items():
-      if len(theirs) >= len(mine) and theirs[len(mine) - 1] != position:
-        raise NotImplementedError(
-            f"ReplicatorStrategy: a tf.GradientTape outside the tf.function "
-            f"that calls strategy.run differentiates its cross-replica "
-            f"collectives in an order that differs between replicas: "
-            f"TensorFlow builds that gradient for every replica at once, "
-            f"here reaching collective #{position + 1} of local replica "
-            f"{self.local_index} where it reached collective "
-            f"#{theirs[len(mine) - 1] + 1} of local replica {replica}. "
-            f"Their gradients' collectives would wait for each other. " +
-            _OUTER_TAPE_FIX)
-
-
-_OUTER_TAPE_FIX = (
-    "Take the gradient inside the function given to strategy.run (a "
-    "tf.GradientTape there, then all-reduce the gradients or apply them with "
-    "an optimizer, as Keras's train_step does).")
-
-
-def _has_indexed_slices(value):
-  return any(isinstance(v, tf.IndexedSlices) for v in tf.nest.flatten(value))
-
-
-def _destination(value):
-  """Where a merge_call's reduction of `value` goes, as TF's all_reduce says:
-  its replicas' devices, or a one-replica value's own device."""
-  return value.device if isinstance(value, tf.Tensor) else value
-
-
-def _own_tensors(value, api):
-  """`value` as tensors of this replica's own (a None in it refused).
-
-  A tensor made outside `strategy.run` reaches every replica as one object,
-  which merge_call would take for a single value instead of one per replica
-  (a broadcast from another replica would come back as zeros, a gather with
-  one part). A copy per replica keeps each replica's part its own.
-  """
-  checks.reject_none(value, "value", f"ReplicaContext.{api}")
-  return tf.nest.map_structure(tf.identity, value)
-
-
-def _thunk_calls(thunks, fn):
-  """Argument-free calls of `map_gather`'s thunks (or of `fn` on its inputs)."""
-  if not isinstance(thunks, (list, tuple)) or not thunks:
-    raise ValueError(
-        "Expected `thunks` given to ReplicaContext.map_gather to be a "
-        f"non-empty list or tuple. Received: thunks={thunks!r}")
-  if fn is not None:
-    if not callable(fn):
-      raise TypeError(
-          "Expected `fn` given to ReplicaContext.map_gather to be callable "
-          f"or None. Received: fn={fn!r}")
-    return [lambda x=x: fn(x) for x in thunks]
-  for i, thunk in enumerate(thunks):
-    if not callable(thunk):
-      raise TypeError(
-          "Expected every element of `thunks` given to "
-          "ReplicaContext.map_gather to be callable (or give `fn` to apply "
-          f"to them). Received: thunks[{i}]={thunk!r}")
-  return list(thunks)
-
-
-def _checked_result(result, what):
-  """`result`, what the call `what` ("thunks[3]()") returned, as tensors,
-  each of a static shape and a dtype that sums over replicas; a ValueError
-  naming the part that is not."""
-  checks.reject_none(result, what, "ReplicaContext.map_gather")
-  result = tf.nest.map_structure(tf.convert_to_tensor, result)
-  for path, t in tfi.nest.flatten_with_tuple_paths(result):
-    where = what + "".join(f"[{key!r}]" for key in path)
-    if not t.shape.is_fully_defined():
-      raise ValueError(
-          f"Expected every tensor that ReplicaContext.map_gather's {where} "
-          f"returns to have a static shape: the replicas that don't run it "
-          f"need one. Received: shape {t.shape}. Set it in the thunk, e.g. "
-          f"with tf.ensure_shape.")
-    if not (t.dtype.is_floating or t.dtype.is_integer):
-      raise ValueError(
-          f"Expected every tensor that ReplicaContext.map_gather's {where} "
-          f"returns to be of a float or integer dtype: results travel in a "
-          f"sum over replicas. Received: dtype {t.dtype.name}. Cast it in "
-          f"the thunk (tf.cast) and back after.")
-  return result
+    return exchange.group_collectives(self)
 
 
 def merge_call_possible():
@@ -600,28 +373,3 @@ def merge_call_possible():
   if ctx is None:
     return False
   return not isinstance(ctx, ReplicaContext) or ctx.can_merge
-
-
-def _reduce_extremum(strategy, op, *per_replica):
-  return [strategy.extended.reduce_extremum_to(op, v, destinations=v)
-          for v in per_replica]
-
-
-def _broadcast_from(strategy, source_replica_id, *per_replica):
-  """The source's value everywhere: a sum in which only the source counts.
-
-  The source may be on another worker, so this is an all-reduce, not a copy.
-  """
-  extended = strategy.extended
-  n = strategy.num_replicas_in_sync
-  out = []
-  for value in per_replica:
-    masked = [
-        part if (extended.first_replica_id + i) % n == source_replica_id else
-        tf.zeros_like(part)
-        for i, part in enumerate(strategy.experimental_local_results(value))
-    ]
-    out.append(extended.reduce_to(tf.distribute.ReduceOp.SUM,
-                                  tfi.distribute_utils.regroup(masked, always_wrap=True),
-                                  destinations=value))
-  return out

@@ -240,7 +240,7 @@ class ReplicatorStrategy(tf.distribute.Strategy):
   def sync_groups_state(self):
     """What a checkpoint keeps of the rounds between sync groups: the outer
     optimizer's state, the weights at the last round and an overlapped
-    round's exchange in flight (`replicator_strategy.sync_groups.rounds.
+    round's exchange in flight (`replicator_strategy.sync_groups.state.
     SyncGroupsState`). Save it beside the model:
     `tf.train.Checkpoint(model=model, optimizer=optimizer,
     sync_groups=strategy.sync_groups_state)`; `BackupAndRestore` does."""

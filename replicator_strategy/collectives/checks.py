@@ -54,6 +54,17 @@ def reject_none(value, argument, api):
           f"`{argument}`, or put a tensor in its place.")
 
 
+def own_tensors(value, api):
+  """`value` as tensors of this replica's own (a None in it refused).
+
+  A tensor made outside `strategy.run` reaches every replica as one object,
+  which merge_call would take for a single value instead of one per replica
+  (a broadcast from another replica would come back as zeros, a gather with
+  one part). A copy per replica keeps each replica's part its own.
+  """
+  reject_none(value, "value", f"ReplicaContext.{api}")
+  return tf.nest.map_structure(tf.identity, value)
+
 def refuse_indexed_slices(value, api):
   """A NotImplementedError naming the first `tf.IndexedSlices` in `value`,
   as TF's strategies raise for all_gather (densified silently, it would
@@ -189,3 +200,47 @@ def _check_same_merge(signatures):
         "point: " + "; ".join(f"replica {i}: {p}" for i, p in enumerate(parts))
         + ". Every replica must call the same all_reduce / merge_call (same "
         "op) in the same order.")
+
+
+def thunk_calls(thunks, fn):
+  """Argument-free calls of `map_gather`'s thunks (or of `fn` on its inputs)."""
+  if not isinstance(thunks, (list, tuple)) or not thunks:
+    raise ValueError(
+        "Expected `thunks` given to ReplicaContext.map_gather to be a "
+        f"non-empty list or tuple. Received: thunks={thunks!r}")
+  if fn is not None:
+    if not callable(fn):
+      raise TypeError(
+          "Expected `fn` given to ReplicaContext.map_gather to be callable "
+          f"or None. Received: fn={fn!r}")
+    return [lambda x=x: fn(x) for x in thunks]
+  for i, thunk in enumerate(thunks):
+    if not callable(thunk):
+      raise TypeError(
+          "Expected every element of `thunks` given to "
+          "ReplicaContext.map_gather to be callable (or give `fn` to apply "
+          f"to them). Received: thunks[{i}]={thunk!r}")
+  return list(thunks)
+
+
+def thunk_result(result, what):
+  """`result`, what the call `what` ("thunks[3]()") of `map_gather` returned,
+  as tensors, each of a static shape and a dtype that sums over replicas; a
+  ValueError naming the part that is not."""
+  reject_none(result, what, "ReplicaContext.map_gather")
+  result = tf.nest.map_structure(tf.convert_to_tensor, result)
+  for path, t in tfi.nest.flatten_with_tuple_paths(result):
+    where = what + "".join(f"[{key!r}]" for key in path)
+    if not t.shape.is_fully_defined():
+      raise ValueError(
+          f"Expected every tensor that ReplicaContext.map_gather's {where} "
+          f"returns to have a static shape: the replicas that don't run it "
+          f"need one. Received: shape {t.shape}. Set it in the thunk, e.g. "
+          f"with tf.ensure_shape.")
+    if not (t.dtype.is_floating or t.dtype.is_integer):
+      raise ValueError(
+          f"Expected every tensor that ReplicaContext.map_gather's {where} "
+          f"returns to be of a float or integer dtype: results travel in a "
+          f"sum over replicas. Received: dtype {t.dtype.name}. Cast it in "
+          f"the thunk (tf.cast) and back after.")
+  return result

@@ -24,6 +24,7 @@ from replicator_strategy import _tf_internal as tfi
 from replicator_strategy.collectives import all_reduce as all_reduce_lib
 from replicator_strategy.collectives import watchdog as collective_watchdog
 from replicator_strategy.collectives import per_replica
+from replicator_strategy.collectives import protocol
 from replicator_strategy.collectives import reduce_op as reduce_op_lib
 from replicator_strategy.collectives import replica_collectives
 from replicator_strategy.collectives import worker_collectives
@@ -51,8 +52,11 @@ def for_topology(devices, all_reduce, cluster, timeout_seconds, sync_groups=1):
           devices, cluster.num_workers, timeout_seconds) if cluster else None)
 
 
-class Communicator:
+class Communicator(protocol.Collectives):
   """Replicas on this process's `devices`, no other worker.
+
+  Its collectives (`ops_for`, `all_gather`, `reduce_scatter`, `all_to_all`)
+  are `protocol.Collectives`'.
 
   Attributes:
     devices: this worker's replica devices, one replica each.
@@ -134,11 +138,8 @@ class Communicator:
     del destinations, axis, options
     return value
 
-  def reduce_scatter(self, op, value, axis):
-    """Slice r (of N along `axis`) of per-replica `value` reduced with `op`,
-    on replica r, as a `PerReplica`.
-
-    Logical CPUs share one memory, so the fewest passes win: the parts are
+  def reduce_scatter(self, value, op, axis):
+    """Logical CPUs share one memory, so the fewest passes win: the parts are
     reduced once, on the first device, and cut there (measured faster than
     cutting on every device). Separate memories cut each part on its own
     device and reduce slice r on device r, so only slices move, each once.
@@ -155,17 +156,12 @@ class Communicator:
             op, [p[r] for p in pieces]))
 
   def all_gather(self, value, axis, options=None):
-    """Every replica's part of per-replica `value`, concatenated in global
-    replica order along `axis`, on every local replica; a `Mirrored`.
-
-    `options`: a `tf.distribute.experimental.CommunicationOptions`."""
+    """Through `gather_ops`, as TF gathers per-replica values."""
     return tfi.gather(self.gather_ops, _wrapped(value), _wrapped(value), axis,
                       options)
 
   def all_to_all(self, value, split_axis, concat_axis):
-    """Slice j (of N along `split_axis`) of replica r's value to replica j,
-    which concatenates what it receives in replica order along `concat_axis`;
-    a `PerReplica`."""
+    """Each replica's part cut on its own device, slice j gathered on j."""
     pieces = self._cut(value, split_axis)
     return per_replica.make(
         self.devices,
@@ -258,7 +254,7 @@ class ClusterCommunicator(Communicator):
     return tfi.gather(self._worker_reduce_ops, value, destinations, axis,
                       options)
 
-  def reduce_scatter(self, op, value, axis):
+  def reduce_scatter(self, value, op, axis):
     """As one process's, reduced across every worker.
 
     In a graph, a hierarchical reduce-scatter (`KeyedCollectiveOps`): only

@@ -36,6 +36,7 @@ import tensorflow as tf
 
 from replicator_strategy import _tf_internal as tfi
 from replicator_strategy.collectives import watchdog as collective_watchdog
+from replicator_strategy.collectives import protocol
 from replicator_strategy.collectives import reduce_op as reduce_op_lib
 
 ReduceOp = reduce_op_lib.ReduceOp
@@ -65,11 +66,12 @@ def new_group_key():
   return next(_group_keys)
 
 
-class ReplicaCollectives:
+class ReplicaCollectives(protocol.LaunchedCollectives):
   """Run-time collectives among `group_size` replicas, this worker's on `devices`.
 
-  Methods take the replica's index among this worker's `devices`. Waits are
-  bounded by `timeout_seconds` through `collective_watchdog`.
+  `protocol.LaunchedCollectives`: methods take the replica's index among
+  this worker's `devices`. Waits are bounded by `timeout_seconds` through
+  `collective_watchdog`.
   """
 
   def __init__(self, devices, group_size,

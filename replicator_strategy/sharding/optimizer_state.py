@@ -154,7 +154,7 @@ class AllReplicas(Exchange):
         communicator.devices, lambda r: compression_lib.to_wire(
             layout.padded_flat(parts[r]), self._wire))
     shards = per_replica.parts(communicator.reduce_scatter(
-        reduce_op_lib.ReduceOp.SUM, per_replica.wrap(padded), axis=0))
+        per_replica.wrap(padded), reduce_op_lib.ReduceOp.SUM, axis=0))
     return _from_wire(communicator.devices, shards, parts[0].dtype)
 
   def update_shards(self, layout, weight, gradient_shards, update_fn):

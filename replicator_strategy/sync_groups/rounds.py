@@ -37,127 +37,18 @@ True
 
 import contextlib
 import functools
-import threading
 
 import tensorflow as tf
 
 from replicator_strategy import replica_context as replica_context_lib
 from replicator_strategy import variables as variables_lib
 from replicator_strategy.collectives import per_replica
+from replicator_strategy.sync_groups import state as state_lib
 
 
 def _tf_variable(variable):
   """The distributed TF variable behind `variable` (a Keras one: its value)."""
   return variable if isinstance(variable, tf.Variable) else variable.value
-
-
-class ExchangeInFlight(tf.train.experimental.PythonState):
-  """An overlapped round's exchange, running in a thread until the next
-  round takes its means.
-
-  A checkpoint keeps whether one is in flight; its inputs, the snapshots,
-  are variables beside it (`SyncGroupsState.snapshots`). Restored, the next
-  round redoes the exchange from the restored snapshots: the same means, as
-  if it had never stopped.
-  """
-
-  def __init__(self):
-    self._thread = None
-    self._result = {}
-    self._key = None  # Ids of the variables it was started for.
-    self._redo = False  # Restored in flight: redo it from the snapshots.
-
-  @property
-  def in_flight(self):
-    return self._thread is not None or self._redo
-
-  def start(self, key, exchange):
-    """Runs `exchange` (returning the means) in a thread, for the variables
-    with ids `key`."""
-    result = {}
-
-    def run():
-      result["means"] = exchange()
-
-    thread = threading.Thread(target=run, daemon=True,
-                              name="sync_groups_exchange")
-    thread.start()
-    self._thread, self._result, self._key, self._redo = (
-        thread, result, key, False)
-
-  def take(self, key, exchange):
-    """The exchange's means, once it is done (redone by `exchange` when it
-    was restored in flight)."""
-    thread, result, started_for = self._thread, self._result, self._key
-    self._thread, self._key, self._redo = None, None, False
-    if thread is None:
-      return exchange()
-    thread.join()
-    if started_for != key:
-      raise ValueError(
-          "An overlapped averaging round was started for other variables "
-          "than these; give every round the same variables.")
-    return result["means"]
-
-  def serialize(self):
-    return "in flight" if self.in_flight else ""
-
-  def deserialize(self, string_value):
-    if self._thread is not None:
-      self._thread.join()  # Its snapshots are being replaced: drop it.
-    self._thread, self._key = None, None
-    self._redo = bool(string_value)
-
-
-class SyncGroupsState(tf.Module):
-  """What a checkpoint keeps of the rounds between sync groups.
-
-  `strategy.sync_groups_state`: save it beside the model and its optimizer,
-  `tf.train.Checkpoint(model=..., optimizer=..., sync_groups=...)`, and a
-  run restored between rounds goes on exactly as it would have. It holds
-  the outer optimizer's copy (`outer_optimizer`, with its momentum and
-  iterations), the trainable weights' values at the last round (`anchors`,
-  with an outer optimizer), each replica's rows since then (`rows`) and,
-  with overlap, the snapshots of the round in flight (`snapshots`, and their
-  rows, `snapshot_rows`) and whether it is (`exchange`). Anchors, snapshots
-  and the outer optimizer's slots are made before the first step
-  (`strategy.sync_groups_step(0, trainable_variables)`, or Keras's `fit`);
-  a checkpoint read before that is restored into them as they are made,
-  so its files must stay until then.
-
-  >>> import keras
-  >>> import replicator_strategy as rs
-  >>> strategy = rs.ReplicatorStrategy(
-  ...     sync_groups=2, average_every=4,
-  ...     outer_optimizer=keras.optimizers.SGD(0.7, momentum=0.9,
-  ...                                          nesterov=True))
-  >>> with strategy.scope():
-  ...   model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
-  ...   model.compile("sgd", "mse")
-  >>> checkpoint = tf.train.Checkpoint(model=model, optimizer=model.optimizer,
-  ...                                  sync_groups=strategy.sync_groups_state)
-  >>> _ = model.fit(tf.ones((48, 3)), tf.ones((48, 1)), batch_size=8,
-  ...               verbose=0)  # 6 steps: a round after step 4, and fit's last
-  >>> len(strategy.sync_groups_state.anchors)  # The kernel's and the bias's
-  2
-  >>> outer = strategy.sync_groups_state.outer_optimizer
-  >>> int(outer.iterations.numpy())  # Two outer steps, with their momentum
-  2
-  >>> path = checkpoint.write("diloco_checkpoint")
-  >>> _ = outer.iterations.assign(0)
-  >>> checkpoint.read(path).assert_existing_objects_matched() and None
-  >>> int(outer.iterations.numpy())
-  2
-  """
-
-  def __init__(self, outer_optimizer):
-    super().__init__(name="sync_groups")
-    self.outer_optimizer = outer_optimizer
-    self.anchors = []
-    self.snapshots = []
-    self.rows = None
-    self.snapshot_rows = None
-    self.exchange = ExchangeInFlight()
 
 
 class Averaging:
@@ -179,7 +70,7 @@ class Averaging:
   last round (`count_rows`), so a group that trained on more rows counts
   more; with none counted (a custom loop that does not count), equally.
 
-  `state`: what a checkpoint keeps of it (`SyncGroupsState`).
+  `state`: what a checkpoint keeps of it (`state.SyncGroupsState`).
   """
 
   def __init__(self, strategy, average_every, outer_optimizer=None,
@@ -195,7 +86,7 @@ class Averaging:
       with strategy.scope():
         self.outer_optimizer = type(outer_optimizer).from_config(
             outer_optimizer.get_config())
-    self.state = SyncGroupsState(self.outer_optimizer)
+    self.state = state_lib.SyncGroupsState(self.outer_optimizer)
     self._anchors = {}  # id of a trainable variable -> its value at the last round.
     self._rounds = {}  # ids of the variables -> the round's tf.function.
     self._first_group = {}  # ids of the variables -> its tf.function.

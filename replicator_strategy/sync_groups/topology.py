@@ -32,6 +32,7 @@ import tensorflow as tf
 
 from replicator_strategy import _tf_internal as tfi
 from replicator_strategy.collectives import per_replica
+from replicator_strategy.collectives import protocol
 
 
 def check_divides(num_groups, num_replicas, local_replicas):
@@ -52,8 +53,29 @@ def check_divides(num_groups, num_replicas, local_replicas):
         f" (one group per worker) or a multiple of it.")
 
 
-class GroupedCommunicator:
+def _each_group(name, declared):
+  """The collective `name` of `protocol.Collectives` (`declared`), each sync
+  group's own: every group's part of the value, through its communicator."""
+  wrap_class = (tfi.values.Mirrored
+                if getattr(declared, "same_on_every_replica", False)
+                else tfi.values.PerReplica)
+
+  def call(self, value, *args, **kwargs):
+    return _joined([getattr(group, name)(part, *args, **kwargs)
+                    for group, part in zip(self.groups, self.split(value))],
+                   wrap_class)
+
+  call.__name__ = name
+  call.__doc__ = f"`protocol.Collectives.{name}` within each sync group."
+  return call
+
+
+@protocol.forwarded(protocol.Collectives, _each_group)
+class GroupedCommunicator(protocol.Collectives):
   """`everyone`'s replicas in `num_groups` sync groups, each exchanging alone.
+
+  Its collectives (`protocol.Collectives`) run within each group: all but
+  `ops_for`, group by group from the protocol itself.
 
   Attributes:
     everyone: the communicator among every replica of every group.
@@ -123,19 +145,6 @@ class GroupedCommunicator:
   @property
   def gather_ops(self):
     return self.cross_device_ops
-
-  def reduce_scatter(self, op, value, axis):
-    return _joined([group.reduce_scatter(op, part, axis)
-                    for group, part in zip(self.groups, self.split(value))])
-
-  def all_gather(self, value, axis, options=None):
-    return _joined([group.all_gather(part, axis, options)
-                    for group, part in zip(self.groups, self.split(value))],
-                   tfi.values.Mirrored)
-
-  def all_to_all(self, value, split_axis, concat_axis):
-    return _joined([group.all_to_all(part, split_axis, concat_axis)
-                    for group, part in zip(self.groups, self.split(value))])
 
   def reduce_all_groups(self, reduce_op, values):
     """Each of the per-replica `values` reduced over every replica of every
@@ -213,25 +222,26 @@ def _joined(per_group, wrap_class=tfi.values.PerReplica):
       wrap_class=wrap_class, always_wrap=True)
 
 
-def _in_own_group(method):
+def _in_own_group(name, declared):
+  """The run-time collective `name` (`declared`) among the replicas of
+  `local_index`'s group."""
+  del declared  # Every launched collective takes the local index first.
+
   def call(self, local_index, *args):
     group, index = self._grouped.group_of(local_index)
-    return getattr(group.replica_collectives, method)(index, *args)
-  call.__name__ = method
-  call.__doc__ = (f"`ReplicaCollectives.{method}` among the replicas of "
-                  f"`local_index`'s group.")
+    return getattr(group.replica_collectives, name)(index, *args)
+
+  call.__name__ = name
+  call.__doc__ = (f"`protocol.LaunchedCollectives.{name}` among the "
+                  f"replicas of `local_index`'s group.")
   return call
 
 
-class GroupedReplicaCollectives:
+@protocol.forwarded(protocol.LaunchedCollectives, _in_own_group)
+class GroupedReplicaCollectives(protocol.LaunchedCollectives):
   """Run-time collectives (inside control flow) within each sync group:
-  `ReplicaCollectives`' methods, by a local replica index."""
+  `protocol.LaunchedCollectives`, by a local replica index, each from the
+  protocol itself."""
 
   def __init__(self, grouped):
     self._grouped = grouped
-
-  draw_keys = _in_own_group("draw_keys")
-  all_reduce = _in_own_group("all_reduce")
-  all_gather = _in_own_group("all_gather")
-  all_to_all = _in_own_group("all_to_all")
-  reduce_scatter = _in_own_group("reduce_scatter")

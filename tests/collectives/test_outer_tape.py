@@ -17,6 +17,7 @@ import tensorflow as tf
 
 import replicator_strategy as rs
 from replicator_strategy import _tf_internal as tfi
+from replicator_strategy.collectives import outer_tape
 import topology
 
 ROWS = (np.arange(24, dtype=np.float32).reshape(8, 3) - 10.0) / 10.0
@@ -143,15 +144,15 @@ class OuterTapeInGraphTest(unittest.TestCase):
     replicas = [rs.ReplicaContext(strategy, r) for r in range(2)]
     with tf.Graph().as_default(), tfi.FuncGraph("backward").as_default():
       for replica in replicas:
-        replica._check_outer_tape_order(0)  # pylint: disable=protected-access
-      replicas[0]._check_outer_tape_order(1)  # pylint: disable=protected-access
+        outer_tape.check_order(replica, 0)
+      outer_tape.check_order(replicas[0], 1)
       with self.assertRaisesRegex(
           NotImplementedError, r"tf.GradientTape outside the tf.function "
           r"that calls strategy.run differentiates its cross-replica "
           r"collectives in an order that differs between replicas: .* "
           r"collective #3 of local replica 1 where it reached collective #2 "
           r"of local replica 0"):
-        replicas[1]._check_outer_tape_order(2)  # pylint: disable=protected-access
+        outer_tape.check_order(replicas[1], 2)
 
 
 class OuterTapeEagerlyTest(unittest.TestCase):
