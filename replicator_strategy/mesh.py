@@ -30,8 +30,12 @@ group 2 x batch 1 x model 2
 """
 
 import dataclasses
+import warnings
 
 import numpy as np
+
+from replicator_strategy import devices as devices_lib
+from replicator_strategy.model_parallel import logical_devices
 
 ROLES = ("group", "batch", "model")
 
@@ -121,6 +125,109 @@ class Mesh:
                       f"{name} ({role}) {size}"
                       for name, role, size in zip(self.axis_names, self.roles,
                                                   self.shape))
+
+
+def build(device_mesh, axis_roles, batch_dim_name, devices,
+          devices_per_replica, model_layouts, sync, num_workers):
+  """The strategy's `Mesh` from `mesh=` or the keywords it replaces, and
+  `sync` (an `options.SyncGroups`) with the mesh's groups."""
+  if batch_dim_name is not None and model_layouts is None and (
+      device_mesh is None):
+    raise ValueError(
+        f"`batch_dim_name={batch_dim_name!r}` names an axis of a mesh, but "
+        f"neither `layout_map` nor `mesh` was given. Pass one, or leave "
+        f"batch_dim_name out.")
+  if device_mesh is not None:
+    if batch_dim_name is not None:
+      axis_roles = {"batch": batch_dim_name, **(axis_roles or {})}
+    return _from_mesh(device_mesh, axis_roles, num_workers, sync, devices,
+                      devices_per_replica, model_layouts)
+  if axis_roles is not None:
+    raise ValueError(
+        "`axis_roles` names the axes of a `mesh`, but no mesh was given. "
+        "Pass mesh=keras.distribution.DeviceMesh(...), or leave axis_roles "
+        "out.")
+  if model_layouts is not None:
+    devices, devices_per_replica = _mesh_devices(
+        model_layouts, devices, devices_per_replica)
+  devices = _devices_or_default(devices)
+  logical_devices.group_by_replica(devices, devices_per_replica)  # Checks k.
+  return Mesh.from_keywords(devices, devices_per_replica, sync.groups,
+                            num_workers), sync
+
+
+def _devices_or_default(devices):
+  """`devices` resolved, or every GPU, else every logical CPU device."""
+  if devices is not None:
+    return devices_lib.resolve_devices(devices)
+  if devices_lib.tpu_present():
+    raise NotImplementedError(devices_lib.tpu_not_supported_message())
+  devices = devices_lib.local_devices()
+  if devices_lib.is_lone_cpu(devices):
+    warnings.warn(
+        "ReplicatorStrategy: no GPU, so 1 replica on the CPU. For "
+        "testing, replicator_strategy.split_cpu(n) before any TensorFlow "
+        "op gives n replicas on n logical CPU devices.", stacklevel=4)
+  return devices
+
+
+def _from_mesh(device_mesh, axis_roles, num_workers, sync, devices,
+               devices_per_replica, model_layouts):
+  """The strategy's mesh from `mesh=`, and `sync` with its groups."""
+  if devices is not None or devices_per_replica != 1:
+    raise ValueError(
+        "Pass either `mesh` or `devices`/`devices_per_replica`: the mesh "
+        "lists the devices and its model axis gives each replica's. Received "
+        f"both (devices={devices!r}, devices_per_replica="
+        f"{devices_per_replica!r}).")
+  the_mesh = Mesh.from_device_mesh(device_mesh, axis_roles,
+                                            num_workers)
+  try:
+    resolved = devices_lib.resolve_devices(the_mesh.devices)
+  except ValueError as e:
+    raise ValueError(
+        f"The mesh must list this worker's devices, as "
+        f"keras.distribution.list_devices() names them. {e}") from None
+  the_mesh = dataclasses.replace(the_mesh, devices=tuple(resolved))
+  if model_layouts is not None:
+    layout_groups = [list(devices_lib.resolve_devices(group))
+                     for group in model_layouts.device_groups]
+    if [list(g) for g in the_mesh.device_groups] != layout_groups:
+      raise ValueError(
+          f"The layout map's mesh and `mesh` must give the replicas the same "
+          f"devices. Received: mesh {the_mesh} with replicas "
+          f"{[list(g) for g in the_mesh.device_groups]}, layout map replicas "
+          f"{layout_groups}. Build the layout map over the same DeviceMesh.")
+  groups = the_mesh.num_sync_groups
+  if sync.groups not in (1, groups):
+    raise ValueError(
+        f"The mesh forms {groups} sync group(s) (its group axis, {the_mesh}), "
+        f"but sync groups={sync.groups}. Leave the number of groups out, or "
+        f"make the mesh's group axis agree.")
+  if groups > 1 and sync.groups == 1:
+    sync = dataclasses.replace(sync, groups=groups)
+  return the_mesh, sync
+
+
+def _mesh_devices(model_layouts, devices, devices_per_replica):
+  """The devices and devices per replica that a layout map's mesh gives."""
+  if devices is not None:
+    raise ValueError(
+        "Pass either `devices` or `layout_map`: the layout map's mesh lists "
+        "the devices. Received both.")
+  k = model_layouts.devices_per_replica
+  if devices_per_replica not in (1, k):
+    raise ValueError(
+        f"The layout map's mesh gives each replica {k} devices (its model "
+        f"axis {model_layouts.model_axis!r}), but devices_per_replica="
+        f"{devices_per_replica!r}. Leave devices_per_replica out.")
+  flat = [d for group in model_layouts.device_groups for d in group]
+  try:
+    return devices_lib.resolve_devices(flat), k
+  except ValueError as e:
+    raise ValueError(
+        f"The layout map's mesh must list this worker's devices, as "
+        f"keras.distribution.list_devices() names them. {e}") from None
 
 
 def _role_names(axis_roles, names):

@@ -9,13 +9,14 @@ records. The strategy keeps every option in one `StrategyOptions`, its
 `of(strategy)`.
 
 >>> import replicator_strategy as rs
->>> strategy = rs.ReplicatorStrategy(
-...     sharding=rs.Sharding(optimizer_state=True),
+>>> strategy = rs.ReplicatorStrategy(   # 4 replicas here
 ...     sync=rs.SyncGroups(groups=2, average_every=4))
 >>> of(strategy).sync
 SyncGroups(groups=2, average_every=4, outer_optimizer=None, overlap=False)
 >>> print(of(strategy).mesh)
 group 2 x batch 2
+>>> of(rs.ReplicatorStrategy(shard_optimizer_state=True)).sharding
+Sharding(optimizer_state=True, weights=None)
 """
 
 import dataclasses
@@ -168,6 +169,34 @@ class StrategyOptions:
   sync: SyncGroups = SyncGroups()
   gradient_compression: str | None = None
   layouts: typing.Any = None
+
+
+def record(record, cls, name, **keywords):
+  """`record`, or the `cls` record the older keywords describe.
+
+  `keywords` maps each field to (keyword name, value given); giving both a
+  record and a keyword other than its default is an error.
+  """
+  defaults = cls()
+  given = {field: value for field, (_, value) in keywords.items()
+           if not _is_default(value, getattr(defaults, field))}
+  if record is None:
+    return cls(**given)
+  if not isinstance(record, cls):
+    raise ValueError(
+        f"Expected `{name}` to be a replicator_strategy.{cls.__name__}. "
+        f"Received: {name}={record!r}.")
+  if given:
+    raise ValueError(
+        f"Pass either `{name}=` or the keywords it replaces, not both. "
+        f"Received: {name}={record!r} and "
+        + ", ".join(f"{keywords[f][0]}={v!r}" for f, v in given.items()) + ".")
+  return record
+
+
+def _is_default(value, default):
+  # By type too: True == 1, but sync_groups=True is a mistake to report.
+  return type(value) is type(default) and value == default
 
 
 def of(strategy=None):

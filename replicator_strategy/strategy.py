@@ -8,10 +8,8 @@ TF-Replicator (Buchlovsky et al., 2019, arXiv:1902.00465) rebuilt as a
 `tf.distribute.Strategy`.
 """
 
-import dataclasses
 import math
 import numbers
-import warnings
 
 import tensorflow as tf
 
@@ -19,7 +17,6 @@ from replicator_strategy import _tf_internal as tfi
 from replicator_strategy.cluster import config as cluster_lib
 from replicator_strategy.collectives import checks
 from replicator_strategy.collectives import watchdog as collective_watchdog
-from replicator_strategy import devices as devices_lib
 from replicator_strategy import extended as extended_lib
 from replicator_strategy.collectives import compression as compression_lib
 from replicator_strategy import mesh as mesh_lib
@@ -27,7 +24,6 @@ from replicator_strategy import options as options_lib
 from replicator_strategy.collectives import reduce_op as reduce_op_lib
 from replicator_strategy.cluster import runtime as worker_runtime
 from replicator_strategy.model_parallel import layouts
-from replicator_strategy.model_parallel import logical_devices
 from replicator_strategy.model_parallel import tpu_names
 from replicator_strategy.sync_groups import rounds
 
@@ -145,11 +141,11 @@ class ReplicatorStrategy(tf.distribute.Strategy):
                axis_roles=None):
     _check_timeout(timeout_seconds)
     compression_lib.wire_dtype(gradient_compression)  # Checks the name.
-    sharding = _record(sharding, options_lib.Sharding, "sharding",
+    sharding = options_lib.record(sharding, options_lib.Sharding, "sharding",
                        optimizer_state=("shard_optimizer_state",
                                         shard_optimizer_state),
                        weights=("variable_partitioner", variable_partitioner))
-    sync = _record(sync, options_lib.SyncGroups, "sync",
+    sync = options_lib.record(sync, options_lib.SyncGroups, "sync",
                    groups=("sync_groups", sync_groups),
                    average_every=("average_every", average_every),
                    outer_optimizer=("outer_optimizer", outer_optimizer),
@@ -159,32 +155,11 @@ class ReplicatorStrategy(tf.distribute.Strategy):
                cluster_lib.from_environment())
     if cluster:
       worker_runtime.start(cluster, timeout_seconds)
-    num_workers = cluster.num_workers if cluster else 1
-    if batch_dim_name is not None and layout_map is None and mesh is None:
-      raise ValueError(
-          f"`batch_dim_name={batch_dim_name!r}` names an axis of a mesh, but "
-          f"neither `layout_map` nor `mesh` was given. Pass one, or leave "
-          f"batch_dim_name out.")
-    if batch_dim_name is not None:
-      axis_roles = {"batch": batch_dim_name, **(axis_roles or {})}
     model_layouts = (layouts.ModelLayouts(layout_map, batch_dim_name)
                      if layout_map is not None else None)
-    if mesh is not None:
-      the_mesh, sync = _from_mesh(mesh, axis_roles, num_workers, sync,
-                                  devices, devices_per_replica, model_layouts)
-    else:
-      if axis_roles is not None and batch_dim_name is None:
-        raise ValueError(
-            "`axis_roles` names the axes of a `mesh`, but no mesh was given. "
-            "Pass mesh=keras.distribution.DeviceMesh(...), or leave axis_roles "
-            "out.")
-      if model_layouts is not None:
-        devices, devices_per_replica = _mesh_devices(
-            model_layouts, devices, devices_per_replica)
-      devices = _devices_or_default(devices)
-      logical_devices.group_by_replica(devices, devices_per_replica)  # Checks k.
-      the_mesh = mesh_lib.Mesh.from_keywords(
-          devices, devices_per_replica, sync.groups, num_workers)
+    the_mesh, sync = mesh_lib.build(
+        mesh, axis_roles, batch_dim_name, devices, devices_per_replica,
+        model_layouts, sync, cluster.num_workers if cluster else 1)
     if sync.groups > 1:
       _refuse_with_sync_groups(sharding, model_layouts,
                                the_mesh.size("model"))
@@ -386,87 +361,6 @@ def _check_timeout(timeout_seconds):
         f"pass timeout_seconds={MAX_TIMEOUT_SECONDS} (about 31 years).")
 
 
-def _record(record, cls, name, **keywords):
-  """`record`, or the `cls` record the older keywords describe.
-
-  `keywords` maps each field to (keyword name, value given); giving both a
-  record and a keyword other than its default is an error.
-  """
-  defaults = cls()
-  given = {field: value for field, (_, value) in keywords.items()
-           if not _is_default(value, getattr(defaults, field))}
-  if record is None:
-    return cls(**given)
-  if not isinstance(record, cls):
-    raise ValueError(
-        f"Expected `{name}` to be a replicator_strategy.{cls.__name__}. "
-        f"Received: {name}={record!r}.")
-  if given:
-    raise ValueError(
-        f"Pass either `{name}=` or the keywords it replaces, not both. "
-        f"Received: {name}={record!r} and "
-        + ", ".join(f"{keywords[f][0]}={v!r}" for f, v in given.items()) + ".")
-  return record
-
-
-def _is_default(value, default):
-  # By type too: True == 1, but sync_groups=True is a mistake to report.
-  return type(value) is type(default) and value == default
-
-
-def _devices_or_default(devices):
-  """`devices` resolved, or every GPU, else every logical CPU device."""
-  if devices is not None:
-    return devices_lib.resolve_devices(devices)
-  if devices_lib.tpu_present():
-    raise NotImplementedError(devices_lib.tpu_not_supported_message())
-  devices = devices_lib.local_devices()
-  if devices_lib.is_lone_cpu(devices):
-    warnings.warn(
-        "ReplicatorStrategy: no GPU, so 1 replica on the CPU. For "
-        "testing, replicator_strategy.split_cpu(n) before any TensorFlow "
-        "op gives n replicas on n logical CPU devices.", stacklevel=3)
-  return devices
-
-
-def _from_mesh(device_mesh, axis_roles, num_workers, sync, devices,
-               devices_per_replica, model_layouts):
-  """The strategy's mesh from `mesh=`, and `sync` with its groups."""
-  if devices is not None or devices_per_replica != 1:
-    raise ValueError(
-        "Pass either `mesh` or `devices`/`devices_per_replica`: the mesh "
-        "lists the devices and its model axis gives each replica's. Received "
-        f"both (devices={devices!r}, devices_per_replica="
-        f"{devices_per_replica!r}).")
-  the_mesh = mesh_lib.Mesh.from_device_mesh(device_mesh, axis_roles,
-                                            num_workers)
-  try:
-    resolved = devices_lib.resolve_devices(the_mesh.devices)
-  except ValueError as e:
-    raise ValueError(
-        f"The mesh must list this worker's devices, as "
-        f"keras.distribution.list_devices() names them. {e}") from None
-  the_mesh = dataclasses.replace(the_mesh, devices=tuple(resolved))
-  if model_layouts is not None:
-    layout_groups = [list(devices_lib.resolve_devices(group))
-                     for group in model_layouts.device_groups]
-    if [list(g) for g in the_mesh.device_groups] != layout_groups:
-      raise ValueError(
-          f"The layout map's mesh and `mesh` must give the replicas the same "
-          f"devices. Received: mesh {the_mesh} with replicas "
-          f"{[list(g) for g in the_mesh.device_groups]}, layout map replicas "
-          f"{layout_groups}. Build the layout map over the same DeviceMesh.")
-  groups = the_mesh.num_sync_groups
-  if sync.groups not in (1, groups):
-    raise ValueError(
-        f"The mesh forms {groups} sync group(s) (its group axis, {the_mesh}), "
-        f"but sync groups={sync.groups}. Leave the number of groups out, or "
-        f"make the mesh's group axis agree.")
-  if groups > 1 and sync.groups == 1:
-    sync = dataclasses.replace(sync, groups=groups)
-  return the_mesh, sync
-
-
 def _refuse_with_sync_groups(sharding, model_layouts, devices_per_replica):
   """Refuses what sync groups do not combine with yet."""
   given = [f"{name}={value!r}" for name, value, default in (
@@ -480,25 +374,3 @@ def _refuse_with_sync_groups(sharding, model_layouts, devices_per_replica):
         f"sharded state and model parallelism would have to shard within "
         f"each group. Pass sync_groups=1, or leave "
         f"{', '.join(g.split('=')[0] for g in given)} out.")
-
-
-def _mesh_devices(model_layouts, devices, devices_per_replica):
-  """The devices and devices per replica that a layout map's mesh gives."""
-  if devices is not None:
-    raise ValueError(
-        "Pass either `devices` or `layout_map`: the layout map's mesh lists "
-        "the devices. Received both.")
-  k = model_layouts.devices_per_replica
-  if devices_per_replica not in (1, k):
-    raise ValueError(
-        f"The layout map's mesh gives each replica {k} devices (its model "
-        f"axis {model_layouts.model_axis!r}), but devices_per_replica="
-        f"{devices_per_replica!r}. Leave devices_per_replica out.")
-  flat = [d for group in model_layouts.device_groups for d in group]
-  try:
-    return devices_lib.resolve_devices(flat), k
-  except ValueError as e:
-    raise ValueError(
-        f"The layout map's mesh must list this worker's devices, as "
-        f"keras.distribution.list_devices() names them. {e}") from None
-

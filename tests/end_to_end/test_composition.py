@@ -22,7 +22,6 @@ import keras
 import numpy as np
 from parameterized import parameterized
 import pytest
-import tensorflow as tf
 
 import replicator_strategy as rs
 
