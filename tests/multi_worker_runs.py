@@ -39,9 +39,19 @@ def _row_parallel_layout():
   return layout_map
 
 
+def _worker_mesh(axes):
+  """A worker's mesh over its 2 devices, named as strings (see above)."""
+  return keras.distribution.DeviceMesh((1, 2), axes, ["cpu:0", "cpu:1"])
+
+
 # The strategy options a run spec may name.
 STRATEGY_OPTIONS = {
     "row_parallel": {"layout_map": _row_parallel_layout()},
+    # The same two, written as each worker's mesh.
+    "mesh_row_parallel": {"mesh": _worker_mesh(("batch", "model")),
+                          "layout_map": _row_parallel_layout()},
+    "mesh_group_per_worker": {"mesh": _worker_mesh(("group", "batch")),
+                              "sync": rs.SyncGroups(groups=2, average_every=4)},
     "shard_optimizer_state": {"shard_optimizer_state": True},
     "bfloat16": {"gradient_compression": "bfloat16"},
     # On 2 workers x 2: a sync group per worker.

@@ -347,6 +347,32 @@ class SyncGroupsTwoWorkersTest(RunsOnWorkers, unittest.TestCase):
 
 
 @pytest.mark.slow
+class MeshTwoWorkersTest(RunsOnWorkers, unittest.TestCase):
+  """Each worker's mesh (1 x 2): a group axis spans the workers, a group on
+  each; a model axis stays inside each, a replica over both devices."""
+  RUNS = ("sync_groups_fit",)
+  OPTIONS = "@mesh_group_per_worker"
+  LAUNCH = "keras"
+
+  def test_a_group_axis_of_one_is_a_group_per_worker(self):
+    expected = in_one_process("sync_groups_fit@2_sync_groups")
+    for worker in self.workers:
+      assert_close_nested(self, worker["sync_groups_fit"], expected)
+
+
+@pytest.mark.slow
+class MeshModelAxisTwoWorkersTest(RunsOnWorkers, unittest.TestCase):
+  RUNS = ("keras_fit",)
+  OPTIONS = "@mesh_row_parallel"
+  LAUNCH = "keras"
+
+  def test_a_model_axis_in_each_worker_trains_as_one_device(self):
+    want = in_one_process("keras_fit", 1)
+    for worker in self.workers:
+      assert_close_nested(self, worker["keras_fit"], want)
+
+
+@pytest.mark.slow
 class OverlappedSyncGroupsTwoWorkersTest(SyncGroupsTwoWorkersTest):
   """The same with overlap_averaging=True: each round's exchange between the
   workers runs in a thread while the groups take the next steps."""
