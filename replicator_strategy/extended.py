@@ -155,7 +155,9 @@ class ReplicatorExtended(tfi.StrategyExtendedV1):
     strategy = tfi.container_strategy(self)
     replica_sum = kwargs.pop(variables.REPLICA_SUM, False)
     request = kwargs.pop(sharding.SLOT_REQUEST, None)
-    sharded = sharding.create(strategy, next_creator, request, **kwargs)
+    sharded = sharding.create(strategy, next_creator, request,
+                              variables.sharded_variable_class(strategy),
+                              **kwargs)
     if sharded is not None:
       return sharded
     axis = self._split_axis(kwargs)

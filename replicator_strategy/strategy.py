@@ -81,8 +81,9 @@ class ReplicatorStrategy(tf.distribute.Strategy):
       flow. A finite number of seconds, at most 1e9 (about 31 years).
     shard_optimizer_state: hold each Keras optimizer slot once, a 1/N slice
       on each replica (across workers too), and update each slice on its
-      replica (ZeRO stages 1 and 2, see docs/sharding.md). Default False:
-      every replica holds every slot.
+      replica (ZeRO stages 1 and 2, see docs/sharding.md); with sync
+      groups, each group's slots, 1/n on each of its n replicas. Default
+      False: every replica holds every slot.
     variable_partitioner: shard trainable variables along axis 0 over the
       replicas (ZeRO stage 3, big embedding tables; see docs/sharding.md):
       a callable `(shape, dtype) -> list of shards per axis`, such as TF's
@@ -144,7 +145,6 @@ class ReplicatorStrategy(tf.distribute.Strategy):
                            outer_optimizer, overlap_averaging)
     if sync_groups > 1:
       _refuse_with_sync_groups(
-          shard_optimizer_state=shard_optimizer_state,
           variable_partitioner=variable_partitioner, layout_map=layout_map,
           devices_per_replica=devices_per_replica)
     compression_lib.wire_dtype(gradient_compression)  # Checks the name.
@@ -366,7 +366,7 @@ def _check_timeout(timeout_seconds):
 
 def _refuse_with_sync_groups(**arguments):
   """Refuses what sync groups do not combine with yet."""
-  defaults = {"shard_optimizer_state": False, "variable_partitioner": None,
+  defaults = {"variable_partitioner": None,
               "layout_map": None, "devices_per_replica": 1}
   given = [f"{name}={value!r}" for name, value in arguments.items()
            if value != defaults[name]]

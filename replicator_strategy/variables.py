@@ -21,6 +21,7 @@ import tensorflow as tf
 from replicator_strategy import _tf_internal as tfi
 from replicator_strategy import replica_context
 from replicator_strategy.model_parallel import split_variables
+from replicator_strategy.sharding import variables as sharded_variables
 
 
 class MirroredVariable(tfi.values.MirroredVariable):
@@ -246,6 +247,38 @@ class SyncGroupVariable(SavedCopies, MirroredVariable):
   @property
   def replicas_per_copy(self):
     return self.distribute_strategy.num_replicas_in_sync
+
+
+class SyncGroupShardedVariable(SavedCopies, sharded_variables.ShardedVariable):
+  """A `ShardedVariable` under sync groups, whose saves keep every group's value.
+
+  Each group holds its own shards (sharded over its replicas) and, between
+  rounds, its own values (its optimizer's state): saved and restored as a
+  `SyncGroupVariable`'s are, each group's whole.
+  """
+
+  COPIES_KEY = SyncGroupVariable.COPIES_KEY
+  replicas_per_copy = SyncGroupVariable.replicas_per_copy
+
+  def _local_copies(self):
+    n = self.layout.num_shards
+    shards = local_reads(self)
+    wholes = {}
+    for first in range(0, len(shards), n):
+      with tf.device(self.values[first].device):
+        wholes[first] = self.layout.assemble(shards[first:first + n])
+    return [wholes[r - r % n] for r in range(len(shards))]
+
+  def _assign_local_copies(self, value_of):
+    return super()._assign_local_copies(
+        lambda i: self.layout.shard(value_of(i), self.shard_index(i)))
+
+
+def sharded_variable_class(strategy):
+  """The `ShardedVariable` class for `strategy`'s sharded variables."""
+  if strategy.extended.num_sync_groups > 1:
+    return SyncGroupShardedVariable
+  return sharded_variables.ShardedVariable
 
 
 _CLASS_MAPPING = {

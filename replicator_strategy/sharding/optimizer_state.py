@@ -49,6 +49,7 @@ from replicator_strategy.collectives import compression as compression_lib
 from replicator_strategy.collectives import per_replica
 from replicator_strategy.collectives import reduce_op as reduce_op_lib
 from replicator_strategy.sharding import layout as layout_lib
+from replicator_strategy.sharding import variables as sharded_variables
 
 
 def step(exchange, weights, learning_rate, update):
@@ -142,14 +143,14 @@ class AllReplicas(Exchange):
     """
     communicator = self._communicator
     parts = [_dense(g) for g in gradient]
-    first = communicator.first_replica_id
     if self._summed:
-      if communicator.shares_memory or len(parts) == 1:
-        with tf.device(communicator.devices[0]):
-          flat = tf.reshape(parts[0], [-1])
-        parts = [flat] * len(communicator.devices)
+      if len(parts) == 1:  # The global gradient: every group's.
+        parts *= len(communicator.devices)
+      if communicator.shares_memory:  # One copy of each group's sum.
+        parts = _per_group(communicator, lambda r: tf.reshape(parts[r], [-1]))
       return per_replica.on_devices(
-          communicator.devices, lambda r: layout.shard(parts[r], first + r))
+          communicator.devices,
+          lambda r: layout.shard(parts[r], _shard(communicator, r)))
     padded = per_replica.on_devices(
         communicator.devices, lambda r: compression_lib.to_wire(
             layout.padded_flat(parts[r]), self._wire))
@@ -166,17 +167,17 @@ class AllReplicas(Exchange):
     copy (every copy holds the same value); others read their own copy.
     """
     communicator = self._communicator
-    first = communicator.first_replica_id
     if communicator.shares_memory:
-      with tf.device(weight.values[0].device):
-        whole = tf.reshape(weight.values[0].read_value(), [-1])
+      wholes = _per_group(communicator, lambda r: tf.reshape(
+          weight.values[r].read_value(), [-1]))
     new_shards = []
     for r, component in enumerate(weight.values):
       with tf.device(component.device), tfi.UpdateContext(r), tf.name_scope(
           f"update_shard_{r}"):
-        value = whole if communicator.shares_memory else component.read_value()
+        value = (wholes[r] if communicator.shares_memory else
+                 component.read_value())
         new_shards.append(update_fn(r, gradient_shards[r],
-                                    layout.shard(value, first + r)))
+                                    layout.shard(value, _shard(communicator, r))))
     return new_shards
 
   def all_gather(self, layout, weight, new_shards):
@@ -188,9 +189,9 @@ class AllReplicas(Exchange):
     communicator = self._communicator
     devices = [c.device for c in weight.values]
     if communicator.shares_memory:
-      with tf.device(devices[0]):
-        whole = layout.assemble(new_shards)
-      assembled = [whole] * len(devices)
+      n = communicator.num_replicas
+      assembled = _per_group(
+          communicator, lambda r: layout.assemble(new_shards[r:r + n]))
     else:
       gathered = per_replica.parts(communicator.all_gather(
           per_replica.wrap(new_shards), axis=0))
@@ -214,7 +215,7 @@ class OneReplica(Exchange):
     communicator = strategy.extended.communicator
     self._context = tf.distribute.get_replica_context()
     self._local = self._context.local_index
-    self._shard = communicator.first_replica_id + self._local
+    self._shard = _shard(communicator, self._local)
     self._wire = compression_lib.wire_dtype(strategy.gradient_compression)
     self._summed = summed
     self.num_replicas = communicator.num_replicas
@@ -240,6 +241,26 @@ class OneReplica(Exchange):
     """This replica's copy of `weight` set from every replica's new shard."""
     whole = layout.assemble([self._context.all_gather(new_shards[0], axis=0)])
     return tfi.component(weight, self._local).assign(whole, read_value=False)
+
+
+def _shard(communicator, r):
+  """The shard of the state local replica `r` updates: its place in its sync
+  group (every group holds all of the state), or without groups its global
+  replica id."""
+  return sharded_variables.shard_index(communicator.first_replica_id, r,
+                                       communicator.num_replicas)
+
+
+def _per_group(communicator, make):
+  """For each local replica, `make(first)` of its sync group's first local
+  replica, made once per group on that replica's device (replicas in a
+  group hold the same values; without groups, one for all)."""
+  n = communicator.num_replicas
+  made = {}
+  for first in range(0, len(communicator.devices), n):
+    with tf.device(communicator.devices[first]):
+      made[first] = make(first)
+  return [made[r - r % n] for r in range(len(communicator.devices))]
 
 
 def _dense(gradient):

@@ -662,9 +662,6 @@ class BadInputTest(unittest.TestCase):
                         overlap_averaging=True)
 
   def test_what_does_not_combine_yet(self):
-    self.assert_refused(r"does not combine with shard_optimizer_state=True",
-                        NotImplementedError, sync_groups=2,
-                        shard_optimizer_state=True)
     self.assert_refused(
         r"variable_partitioner=", NotImplementedError,
         sync_groups=2,

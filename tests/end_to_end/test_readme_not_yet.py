@@ -46,12 +46,11 @@ OPTIONS = {
 }
 # The pairs of options the constructor refuses, as README's items name them.
 REFUSED_PAIRS = {("model parallelism", "`variable_partitioner`"),
-                 ("sync groups", "`shard_optimizer_state`"),
                  ("sync groups", "`variable_partitioner`"),
                  ("sync groups", "model parallelism")}
 # Where the constructor raises NotImplementedError: TPUs, model parallelism
-# with variable_partitioner, and sync groups with sharding or model
-# parallelism.
+# with variable_partitioner, and sync groups with variable_partitioner or
+# model parallelism.
 NOT_IMPLEMENTED_SITES = 3
 
 
