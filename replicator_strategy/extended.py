@@ -164,7 +164,8 @@ class ReplicatorExtended(tfi.StrategyExtendedV1):
     if axis is not None:
       return split_variables.create(
           strategy, next_creator, axis,
-          on_read=variables.SplitReplicaSum if replica_sum else None, **kwargs)
+          on_read=variables.SplitReplicaSum if replica_sum else None,
+          on_write=variables.split_variable_class(strategy), **kwargs)
     return variables.create(strategy, self.logical_devices.variable_devices(),
                             next_creator, replica_sum=replica_sum, **kwargs)
 

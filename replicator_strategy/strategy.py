@@ -90,8 +90,9 @@ class ReplicatorStrategy(tf.distribute.Strategy):
       `tf.distribute.experimental.partitioners.FixedShardsPartitioner`,
       `MinSizePartitioner` or `MaxSizePartitioner`. A variable it cuts into
       k > 1 shards gets one shard on each of the first min(k, N) replicas
-      (the rest hold none); its optimizer state is sharded alike. Default
-      None: no variable is sharded.
+      (the rest hold none; with sync groups, N is a group's replicas and
+      each group holds its own); its optimizer state is sharded alike.
+      Default None: no variable is sharded.
     gradient_compression: None (default), "bfloat16" or "float16" (any
       case): the Keras optimizer's gradient all-reduce sends float32
       gradients as 16-bit floats and sums them so, half the bytes; the
@@ -116,7 +117,10 @@ class ReplicatorStrategy(tf.distribute.Strategy):
       contiguous in global replica order and each within one worker, every
       exchange a step asks for (all-reduce, gather, broadcast, merge, the
       Keras gradient sum) spanning its group only. `num_replicas_in_sync`
-      is then one group's replicas, `num_sync_groups` the groups. Default 1:
+      is then one group's replicas, `num_sync_groups` the groups. Composes
+      with `shard_optimizer_state` and `variable_partitioner` (each group
+      shards over its own replicas) and with `devices_per_replica` or
+      `layout_map` (a replica spans its devices in any group). Default 1:
       every replica in sync.
     average_every: with sync_groups > 1, every how many steps the groups
       average their weights (an averaging round, `average_sync_groups`);
@@ -143,10 +147,6 @@ class ReplicatorStrategy(tf.distribute.Strategy):
     _check_timeout(timeout_seconds)
     rounds.check_arguments(sync_groups, average_every,
                            outer_optimizer, overlap_averaging)
-    if sync_groups > 1:
-      _refuse_with_sync_groups(
-          variable_partitioner=variable_partitioner, layout_map=layout_map,
-          devices_per_replica=devices_per_replica)
     compression_lib.wire_dtype(gradient_compression)  # Checks the name.
     if not isinstance(shard_optimizer_state, bool):
       raise ValueError(
@@ -362,20 +362,6 @@ def _check_timeout(timeout_seconds):
         f"(0, {MAX_TIMEOUT_SECONDS}]. Received: timeout_seconds="
         f"{timeout_seconds!r}. For a timeout that never fires in practice, "
         f"pass timeout_seconds={MAX_TIMEOUT_SECONDS} (about 31 years).")
-
-
-def _refuse_with_sync_groups(**arguments):
-  """Refuses what sync groups do not combine with yet."""
-  defaults = {"variable_partitioner": None,
-              "layout_map": None, "devices_per_replica": 1}
-  given = [f"{name}={value!r}" for name, value in arguments.items()
-           if value != defaults[name]]
-  if given:
-    raise NotImplementedError(
-        f"sync_groups > 1 does not combine with {', '.join(given)} yet: "
-        f"sharded state and model parallelism would have to shard within "
-        f"each group. Pass sync_groups=1, or leave "
-        f"{', '.join(g.split('=')[0] for g in given)} out.")
 
 
 def _mesh_devices(model_layouts, devices, devices_per_replica):

@@ -188,7 +188,23 @@ class ReplicaSum(SavedCopies, SyncOnReadVariable):
   COPIES_KEY = "REPLICA_VALUES"
 
 
-class SplitReplicaSum(SavedCopies, split_variables.SplitVariable):
+class _SplitCopies(SavedCopies, split_variables.SplitVariable):
+  """A split weight's shape whose saves keep copies: each replica's copy is
+  its parts, whole."""
+
+  def _local_copies(self):
+    return [self._whole(r) for r in range(len(self.values) // self.num_parts)]
+
+  def _assign_local_copies(self, value_of):
+    updates = []
+    for r in range(len(self.values) // self.num_parts):
+      for part, piece in zip(self.parts(r), self._split(value_of(r))):
+        with tf.device(part.device):
+          updates.append(part.assign(piece, read_value=False))
+    return tf.group(updates)
+
+
+class SplitReplicaSum(_SplitCopies):
   """A `ReplicaSum` of a split weight's shape (its gradient accumulator).
 
   Each replica's copy is split as the weight is, part i on the replica's
@@ -206,17 +222,6 @@ class SplitReplicaSum(SavedCopies, split_variables.SplitVariable):
 
   def _note_whole_read(self):
     pass  # The optimizer's, not a layer's: it adds the whole gradient.
-
-  def _local_copies(self):
-    return [self._whole(r) for r in range(len(self.values) // self.num_parts)]
-
-  def _assign_local_copies(self, value_of):
-    updates = []
-    for r in range(len(self.values) // self.num_parts):
-      for part, piece in zip(self.parts(r), self._split(value_of(r))):
-        with tf.device(part.device):
-          updates.append(part.assign(piece, read_value=False))
-    return tf.group(updates)
 
   def assign(self, value, use_locking=False, name=None, read_value=True):
     with tfi.distribute_lib.enter_or_assert_strategy(self.distribute_strategy):
@@ -274,11 +279,57 @@ class SyncGroupShardedVariable(SavedCopies, sharded_variables.ShardedVariable):
         lambda i: self.layout.shard(value_of(i), self.shard_index(i)))
 
 
+class SyncGroupSplitVariable(_SplitCopies):
+  """A `SplitVariable` under sync groups, whose saves keep every group's
+  value (each group's first replica's parts, whole), as a
+  `SyncGroupVariable`'s are."""
+
+  COPIES_KEY = SyncGroupVariable.COPIES_KEY
+  replicas_per_copy = SyncGroupVariable.replicas_per_copy
+
+
 def sharded_variable_class(strategy):
   """The `ShardedVariable` class for `strategy`'s sharded variables."""
   if strategy.extended.num_sync_groups > 1:
     return SyncGroupShardedVariable
   return sharded_variables.ShardedVariable
+
+
+def split_variable_class(strategy):
+  """The `SplitVariable` class for `strategy`'s split weights."""
+  if strategy.extended.num_sync_groups > 1:
+    return SyncGroupSplitVariable
+  return split_variables.SplitVariable
+
+
+def round_pieces(variable):
+  """How the averaging rounds between sync groups exchange the distributed
+  `variable`: in pieces, each a list of (component, the local replicas it
+  stands for), one value per replica (or per group) on its own device. A
+  split weight's piece i is part i of every replica, a sharded one's piece
+  s is shard s of every group: each is averaged on its own devices, never
+  whole. Any other variable is one piece, its components."""
+  values = variable.values
+  if isinstance(variable, split_variables.SplitVariable):
+    k = variable.num_parts
+    return [[(variable.parts(r)[i], [r]) for r in range(len(values) // k)]
+            for i in range(k)]
+  if isinstance(variable, sharded_variables.ShardedVariable):
+    n = variable.layout.num_shards
+    return [[(values[g + s], list(range(g, g + n)))
+             for g in range(0, len(values), n)] for s in range(n)]
+  return [[(component, [r]) for r, component in enumerate(values)]]
+
+
+def whole_from_pieces(variable, values):
+  """The whole of `variable` from one value of each of its `round_pieces`,
+  on the first's device."""
+  if len(values) == 1:
+    return values[0]
+  with tf.device(values[0].device):
+    if isinstance(variable, split_variables.SplitVariable):
+      return tf.concat(values, variable.axis)
+    return variable.layout.assemble(values)
 
 
 _CLASS_MAPPING = {

@@ -20,6 +20,7 @@ import tensorflow as tf
 
 from assertions import assert_per_replica
 import models
+import replicator_strategy as rs
 import topology
 from test_sync_groups import ATOL, GLOBAL_BATCH, RTOL, data
 
@@ -30,17 +31,32 @@ def momentum():
   return keras.optimizers.SGD(0.1, momentum=0.9)
 
 
+def nesterov():
+  """DiLoCo's outer optimizer."""
+  return keras.optimizers.SGD(0.7, momentum=0.9, nesterov=True)
+
+
+def mlp():
+  """`models.small_mlp` from its initial weights, its layers named for a
+  layout map."""
+  model = keras.Sequential([
+      keras.Input((8,)), keras.layers.Dense(16, "tanh", name="up"),
+      keras.layers.Dense(3, name="down")])
+  model.set_weights(models.initial_weights())
+  return model
+
+
 def compiled_model(strategy, optimizer=None):
   with strategy.scope():
-    model = models.small_mlp()
-    model.set_weights(models.initial_weights())
+    model = mlp()
     model.compile((optimizer or (lambda: keras.optimizers.SGD(0.1)))(), "mse")
   return model
 
 
-def fit(strategy, optimizer=None, callbacks=()):
+def fit(strategy, optimizer=None, callbacks=(), rows=None):
+  """`rows` of the data (default all): 55 ends each epoch with 7 rows."""
   model = compiled_model(strategy, optimizer)
-  x, y = data()
+  x, y = (a[:rows] for a in data())
   history = model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=EPOCHS,
                       shuffle=False, verbose=0, callbacks=list(callbacks))
   return model, history.history["loss"]
@@ -50,8 +66,7 @@ def custom_loop(strategy, steps=4):
   """`steps` steps of SGD in a custom loop, `sync_groups_step` after each;
   each group's loss is the mean over its share of the global batch."""
   with strategy.scope():
-    model = models.small_mlp()
-    model.set_weights(models.initial_weights())
+    model = mlp()
     optimizer = keras.optimizers.SGD(0.1)
   x, y = data()
   dataset = strategy.experimental_distribute_dataset(
@@ -102,6 +117,10 @@ class ComposedTest:
     without groups."""
     raise NotImplementedError
 
+  def plain_strategy(self, **grouping):
+    """The same replicas and `grouping`, without the combination's axis."""
+    raise NotImplementedError
+
   def group_parts(self, strategy, variable):
     """Each group's components (or parts) of `variable`, as arrays."""
     parts = local_values(strategy, variable)
@@ -129,6 +148,26 @@ class ComposedTest:
     for got, expected in zip(model.get_weights(), want.get_weights()):
       np.testing.assert_allclose(got, expected, rtol=RTOL, atol=ATOL)
 
+  def test_diloco_overlapped_trains_as_without_the_axis(self):
+    # Momentum inside each group, DiLoCo's outer step, overlapped rounds.
+    grouping = lambda: dict(sync_groups=2, average_every=2,
+                            outer_optimizer=nesterov(),
+                            overlap_averaging=True)
+    strategy = self.strategy(**grouping())
+    model, losses = fit(strategy, momentum)
+    want, want_losses = fit(self.plain_strategy(**grouping()), momentum)
+    np.testing.assert_allclose(losses, want_losses, rtol=RTOL)
+    for got, expected in zip(model.get_weights(), want.get_weights()):
+      np.testing.assert_allclose(got, expected, rtol=RTOL, atol=ATOL)
+    state = strategy.sync_groups_state
+    # The rounds' copies of each weight lie as it does.
+    for weight, anchor, snapshot in zip(model.trainable_weights, state.anchors,
+                                        state.snapshots):
+      for copy in (anchor, snapshot):
+        self.assertIs(type(copy), type(weight.value))
+        self.assertEqual([c.device for c in copy.values],
+                         [c.device for c in weight.value.values])
+
   def test_groups_differ_between_rounds_and_agree_after_fit(self):
     strategy = self.strategy(sync_groups=2, average_every=4)
     seen = {}
@@ -155,8 +194,28 @@ class ComposedTest:
     self.assert_groups_agree(strategy, model.optimizer.momentums[0],
                              agree=False)
 
-  def test_a_checkpoint_between_rounds_restores_every_group(self):
+  def test_predict_between_rounds_answers_with_the_first_group(self):
     strategy = self.strategy(sync_groups=2, average_every=1000)
+    model = compiled_model(strategy, momentum)
+    with strategy.scope():
+      model.optimizer.build(model.trainable_variables)
+    tf.function(lambda: strategy.run(group_step, (model,)))()
+    kernel = local_values(strategy, model.layers[0].kernel)
+    self.assert_groups_agree(strategy, model.layers[0].kernel, agree=False)
+    one = mlp()
+    one.set_weights(model.get_weights())
+    x = data()[0][:GLOBAL_BATCH]
+    np.testing.assert_allclose(model.predict(x, verbose=0),
+                               one.predict(x, verbose=0), rtol=RTOL,
+                               atol=ATOL)
+    for got, want in zip(local_values(strategy, model.layers[0].kernel),
+                         kernel):  # Each group keeps its own.
+      np.testing.assert_array_equal(got, want)
+
+  def test_a_checkpoint_between_rounds_restores_every_group(self):
+    strategy = self.strategy(sync_groups=2, average_every=1000,
+                             outer_optimizer=nesterov(),
+                             overlap_averaging=True)
     model = compiled_model(strategy, momentum)
     checkpoint = tf.train.Checkpoint(model=model, optimizer=model.optimizer,
                                      sync_groups=strategy.sync_groups_state)
@@ -166,13 +225,18 @@ class ComposedTest:
     # fit ended with a round; between rounds each group has its own.
     step = tf.function(lambda: strategy.run(group_step, (model,)))
     step()
-    variables = [model.layers[0].kernel, model.optimizer.momentums[0]]
+    state = strategy.sync_groups_state
+    variables = [model.layers[0].kernel, model.optimizer.momentums[0],
+                 *state.anchors, *state.snapshots]
     saved = [local_values(strategy, v) for v in variables]
     self.assert_groups_agree(strategy, variables[0], agree=False)
     self.assert_groups_agree(strategy, variables[1], agree=False)
     with tempfile.TemporaryDirectory() as directory:
       path = checkpoint.write(os.path.join(directory, "ckpt"))
       step()
+      for v in variables[2:]:
+        for component in v.values:
+          component.assign(tf.zeros_like(component))
       checkpoint.read(path).assert_consumed()
     for v, values in zip(variables, saved):
       for got, want in zip(local_values(strategy, v), values):
@@ -184,6 +248,9 @@ class StateShardingTest(ComposedTest, unittest.TestCase):
 
   def strategy(self, **grouping):
     return topology.strategy_over(4, shard_optimizer_state=True, **grouping)
+
+  def plain_strategy(self, **grouping):
+    return topology.strategy_over(4, **grouping)
 
   def test_each_group_shards_its_slots_over_its_replicas(self):
     strategy = self.strategy(sync_groups=2, average_every=4)
@@ -198,6 +265,72 @@ class StateShardingTest(ComposedTest, unittest.TestCase):
                        [np.arange(64.0), np.arange(64.0, 128.0)] * 2)
     np.testing.assert_array_equal(velocity.numpy(),
                                   np.arange(128.0).reshape(8, 16))
+
+
+class TensorParallelTest(ComposedTest, unittest.TestCase):
+  """A (batch, model) mesh: 2 groups of 1 replica over 2 devices, the MLP's
+  first layer column-parallel and its second row-parallel."""
+
+  def strategy(self, **grouping):
+    mesh = keras.distribution.DeviceMesh(
+        (2, 2), ("batch", "model"), keras.distribution.list_devices()[:4])
+    layout_map = keras.distribution.LayoutMap(mesh)
+    layout_map[".*up/kernel"] = (None, "model")
+    layout_map[".*up/bias"] = ("model",)
+    layout_map[".*down/kernel"] = ("model", None)
+    return rs.ReplicatorStrategy(layout_map=layout_map, **grouping)
+
+  def plain_strategy(self, **grouping):
+    return topology.strategy_over(2, **grouping)
+
+  def test_by_hand_a_variable_on_a_second_device_averages_there(self):
+    strategy = rs.ReplicatorStrategy(
+        devices=[f"/cpu:{i}" for i in range(4)], devices_per_replica=2,
+        sync_groups=2)
+    with strategy.scope(), strategy.logical_device_for_variables(1):
+      v = tf.Variable(0.0)
+
+    def set_to_group():
+      v.assign(tf.cast(tf.distribute.get_replica_context().sync_group,
+                       tf.float32))
+
+    strategy.run(set_to_group)
+    assert_per_replica(self, strategy, v, [0.0, 1.0])
+    strategy.average_sync_groups([v])
+    assert_per_replica(self, strategy, v, [0.5, 0.5])
+    self.assertEqual([c.device[-5:] for c in v.values], ["CPU:1", "CPU:3"])
+
+
+class ZeroThreeTest(ComposedTest, unittest.TestCase):
+  """variable_partitioner: each group's weights cut in 2 shards over its 2
+  replicas."""
+
+  def strategy(self, **grouping):
+    return topology.strategy_over(
+        4, variable_partitioner=tf.distribute.experimental.partitioners
+        .FixedShardsPartitioner(2), **grouping)
+
+  def plain_strategy(self, **grouping):
+    return topology.strategy_over(4, **grouping)
+
+  def test_each_group_shards_its_weights_over_its_replicas(self):
+    strategy = self.strategy(sync_groups=2, average_every=4)
+    model = compiled_model(strategy)
+    kernel = model.layers[0].kernel
+    self.assertEqual([c.shape.as_list() for c in kernel.value.values],
+                     [[4, 16]] * 4)
+    whole = models.initial_weights()[0]
+    assert_per_replica(self, strategy, kernel.value, [whole[:4], whole[4:]] * 2)
+
+  def test_an_uneven_last_batch_averages_each_shard_by_the_groups_rows(self):
+    # 7 rows: 2 + 2 for group 0, 2 + 1 for group 1; each group's shard
+    # counts its group's rows.
+    model, losses = fit(self.strategy(sync_groups=2, average_every=1),
+                        rows=55)
+    want, want_losses = fit(self.strategy(), rows=55)
+    np.testing.assert_allclose(losses, want_losses, rtol=RTOL)
+    for got, expected in zip(model.get_weights(), want.get_weights()):
+      np.testing.assert_allclose(got, expected, rtol=RTOL, atol=ATOL)
 
 
 if __name__ == "__main__":
