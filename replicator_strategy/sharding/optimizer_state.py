@@ -5,7 +5,9 @@ With `ReplicatorStrategy(shard_optimizer_state=True)`, every optimizer slot
 `variables`; it refuses reads inside a replica) with a `layout.FlatLayout`:
 the slot flattened, padded to a multiple of N and cut into N equal contiguous
 shards, shard g on the device of global replica g (across workers, each
-worker holds its replicas' shards). A 784x512 kernel's momentum is spread
+worker holds its replicas' shards; with sync groups, N is a group's replicas
+and each group holds every shard of its own state, shard g on its replica
+g). A 784x512 kernel's momentum is spread
 over all replicas rather than landing whole on one, so optimizer memory and
 optimizer math per device both drop to about 1/N. A step then runs, per model weight:
 
@@ -135,7 +137,7 @@ class AllReplicas(Exchange):
             for parts, total in zip(self.gradients, sums)]
 
   def reduce_scatter(self, layout, gradient):
-    """This worker's shards of the summed `gradient`, shard `first + r` on device r.
+    """This worker's shards of the summed `gradient`, shard `_shard(r)` on device r.
 
     `gradient` is its local parts, as in `gradients`; summed, they are cut,
     from one copy where the replicas share memory (every copy holds the same
@@ -160,11 +162,11 @@ class AllReplicas(Exchange):
 
   def update_shards(self, layout, weight, gradient_shards, update_fn):
     """New shards of `weight`: `update_fn(r, gradient_shards[r], shard)` in
-    `UpdateContext(r)`, for this worker's r-th shard (global shard
-    `first_replica_id + r`).
+    `UpdateContext(r)`, for this worker's r-th shard (shard `_shard(r)`).
 
-    Replicas that share memory cut their shards from one read of the first
-    copy (every copy holds the same value); others read their own copy.
+    Replicas that share memory cut their shards from one read of their
+    group's first copy (the group's copies hold the same value); others read
+    their own copy.
     """
     communicator = self._communicator
     if communicator.shares_memory:
@@ -183,8 +185,9 @@ class AllReplicas(Exchange):
   def all_gather(self, layout, weight, new_shards):
     """Every component of `weight` set from every replica's new shard.
 
-    Replicas that share memory assemble the weight once, on the first device,
-    and every copy is assigned from it; others all-gather the shards.
+    Replicas that share memory assemble the weight once per sync group, on
+    its first device, and its copies are assigned from it; others all-gather
+    the shards.
     """
     communicator = self._communicator
     devices = [c.device for c in weight.values]
