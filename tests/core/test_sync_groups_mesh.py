@@ -22,7 +22,11 @@ from assertions import assert_per_replica
 import models
 import replicator_strategy as rs
 import topology
+from test_sharded_variables import embedding_data
+from test_sharded_variables import embedding_initial_weights
+from test_sharded_variables import embedding_model
 from test_sync_groups import ATOL, GLOBAL_BATCH, RTOL, data
+from replicator_strategy.sharding import variables as sharded_variables
 
 EPOCHS = 2  # 12 steps of 16 rows.
 
@@ -321,6 +325,29 @@ class ZeroThreeTest(ComposedTest, unittest.TestCase):
                      [[4, 16]] * 4)
     whole = models.initial_weights()[0]
     assert_per_replica(self, strategy, kernel.value, [whole[:4], whole[4:]] * 2)
+
+  def test_an_embedding_table_looks_up_rows_within_each_group(self):
+    def fit_table(strategy):
+      with strategy.scope():
+        model = embedding_model()
+        model.set_weights(embedding_initial_weights())
+        model.compile(keras.optimizers.SGD(0.1), "mse")
+      ids, y = embedding_data()
+      history = model.fit(ids, y, batch_size=GLOBAL_BATCH, shuffle=False,
+                          verbose=0)
+      return model, history.history["loss"]
+
+    model, losses = fit_table(self.strategy(sync_groups=2, average_every=1))
+    self.assertIsInstance(model.layers[0].embeddings.value,
+                          sharded_variables.ShardedVariable)
+    # Synchronous, the table cut in 4: cut in 2 over 4 replicas, the two
+    # holding no rows would get no gradient.
+    want, want_losses = fit_table(topology.strategy_over(
+        4, variable_partitioner=tf.distribute.experimental.partitioners
+        .FixedShardsPartitioner(4)))
+    np.testing.assert_allclose(losses, want_losses, rtol=RTOL)
+    for got, expected in zip(model.get_weights(), want.get_weights()):
+      np.testing.assert_allclose(got, expected, rtol=RTOL, atol=ATOL)
 
   def test_an_uneven_last_batch_averages_each_shard_by_the_groups_rows(self):
     # 7 rows: 2 + 2 for group 0, 2 + 1 for group 1; each group's shard
