@@ -5,9 +5,11 @@ between groups, so with plain SGD averaging every step (H = 1) `fit` and a
 custom loop equal synchronous training of the same combination without
 groups (the mean of θ - η·gᵢ is θ - η·mean(gᵢ)); at H > 1 the groups differ
 between rounds and agree after `fit`; a checkpoint between rounds restores
-every group's weights and optimizer state. On 4 logical CPUs: 2 groups of 2
-replicas (sharded state, ZeRO-3), 2 groups of 1 replica over 2 devices
-(tensor parallel).
+every group's weights and optimizer state; DiLoCo's outer step with
+overlapped rounds trains as the same groups without the combination's axis.
+On 4 logical CPUs: 2 groups of 2 replicas (sharded state, ZeRO-3), 2 groups
+of 1 replica over 2 devices (tensor parallel). Whole fits that only add
+cases are marked slow.
 """
 
 import os
@@ -16,6 +18,7 @@ import unittest
 
 import keras
 import numpy as np
+import pytest
 import tensorflow as tf
 
 from assertions import assert_per_replica
@@ -152,6 +155,7 @@ class ComposedTest:
     for got, expected in zip(model.get_weights(), want.get_weights()):
       np.testing.assert_allclose(got, expected, rtol=RTOL, atol=ATOL)
 
+  @pytest.mark.slow  # Whole fits that add cases.
   def test_diloco_overlapped_trains_as_without_the_axis(self):
     # Momentum inside each group, DiLoCo's outer step, overlapped rounds.
     grouping = lambda: dict(sync_groups=2, average_every=2,
@@ -172,6 +176,7 @@ class ComposedTest:
         self.assertEqual([c.device for c in copy.values],
                          [c.device for c in weight.value.values])
 
+  @pytest.mark.slow  # Whole fits that add cases.
   def test_groups_differ_between_rounds_and_agree_after_fit(self):
     strategy = self.strategy(sync_groups=2, average_every=4)
     seen = {}
