@@ -26,6 +26,7 @@ from replicator_strategy.collectives import reduce_op as reduce_op_lib
 from replicator_strategy import replica_context
 from replicator_strategy import replica_runner
 from replicator_strategy.sharding import creation as sharding
+from replicator_strategy.sharding import variables as sharded_variables
 from replicator_strategy import variables
 
 _utils = tfi.distribute_utils
@@ -156,7 +157,8 @@ class ReplicatorExtended(tfi.StrategyExtendedV1):
     replica_sum = kwargs.pop(variables.REPLICA_SUM, False)
     request = kwargs.pop(sharding.SLOT_REQUEST, None)
     sharded = sharding.create(strategy, next_creator, request,
-                              variables.sharded_variable_class(strategy),
+                              variables.piecewise_class(
+                                  strategy, sharded_variables.ShardedVariable),
                               **kwargs)
     if sharded is not None:
       return sharded
@@ -165,7 +167,8 @@ class ReplicatorExtended(tfi.StrategyExtendedV1):
       return split_variables.create(
           strategy, next_creator, axis,
           on_read=variables.SplitReplicaSum if replica_sum else None,
-          on_write=variables.split_variable_class(strategy), **kwargs)
+          on_write=variables.piecewise_class(
+              strategy, split_variables.SplitVariable), **kwargs)
     return variables.create(strategy, self.logical_devices.variable_devices(),
                             next_creator, replica_sum=replica_sum, **kwargs)
 

@@ -288,18 +288,19 @@ class SyncGroupSplitVariable(_SplitCopies):
   replicas_per_copy = SyncGroupVariable.replicas_per_copy
 
 
-def sharded_variable_class(strategy):
-  """The `ShardedVariable` class for `strategy`'s sharded variables."""
-  if strategy.extended.num_sync_groups > 1:
-    return SyncGroupShardedVariable
-  return sharded_variables.ShardedVariable
+_SYNC_GROUP_CLASSES = {
+    sharded_variables.ShardedVariable: SyncGroupShardedVariable,
+    split_variables.SplitVariable: SyncGroupSplitVariable,
+}
 
 
-def split_variable_class(strategy):
-  """The `SplitVariable` class for `strategy`'s split weights."""
+def piecewise_class(strategy, cls):
+  """The class `strategy` makes its `cls` variables (`ShardedVariable` or
+  `SplitVariable`) of: under sync groups, its subclass that saves every
+  group's value."""
   if strategy.extended.num_sync_groups > 1:
-    return SyncGroupSplitVariable
-  return split_variables.SplitVariable
+    return _SYNC_GROUP_CLASSES[cls]
+  return cls
 
 
 def round_pieces(variable):
@@ -324,12 +325,12 @@ def round_pieces(variable):
 def whole_from_pieces(variable, values):
   """The whole of `variable` from one value of each of its `round_pieces`,
   on the first's device."""
-  if len(values) == 1:
-    return values[0]
   with tf.device(values[0].device):
     if isinstance(variable, split_variables.SplitVariable):
       return tf.concat(values, variable.axis)
-    return variable.layout.assemble(values)
+    if isinstance(variable, sharded_variables.ShardedVariable):
+      return variable.layout.assemble(values)
+    return values[0]
 
 
 _CLASS_MAPPING = {
