@@ -27,6 +27,7 @@ from replicator_strategy import input_distribution
 from replicator_strategy import replica_context
 from replicator_strategy import replica_runner
 from replicator_strategy.sharding import creation as sharding
+from replicator_strategy.sharding import variables as sharded_variables
 from replicator_strategy import variables
 
 _utils = tfi.distribute_utils
@@ -160,14 +161,19 @@ class ReplicatorExtended(tfi.StrategyExtendedV1):
     strategy = tfi.container_strategy(self)
     replica_sum = kwargs.pop(variables.REPLICA_SUM, False)
     request = kwargs.pop(sharding.SLOT_REQUEST, None)
-    sharded = sharding.create(strategy, next_creator, request, **kwargs)
+    sharded = sharding.create(strategy, next_creator, request,
+                              variables.piecewise_class(
+                                  strategy, sharded_variables.ShardedVariable),
+                              **kwargs)
     if sharded is not None:
       return sharded
     axis = self._split_axis(kwargs)
     if axis is not None:
       return split_variables.create(
           strategy, next_creator, axis,
-          on_read=variables.SplitReplicaSum if replica_sum else None, **kwargs)
+          on_read=variables.SplitReplicaSum if replica_sum else None,
+          on_write=variables.piecewise_class(
+              strategy, split_variables.SplitVariable), **kwargs)
     return variables.create(strategy, self.logical_devices.variable_devices(),
                             next_creator, replica_sum=replica_sum, **kwargs)
 

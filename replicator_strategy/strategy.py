@@ -80,16 +80,18 @@ class ReplicatorStrategy(tf.distribute.Strategy):
       flow. A finite number of seconds, at most 1e9 (about 31 years).
     shard_optimizer_state: hold each Keras optimizer slot once, a 1/N slice
       on each replica (across workers too), and update each slice on its
-      replica (ZeRO stages 1 and 2, see docs/sharding.md). Default False:
-      every replica holds every slot.
+      replica (ZeRO stages 1 and 2, see docs/sharding.md); with sync
+      groups, each group's slots, 1/n on each of its n replicas. Default
+      False: every replica holds every slot.
     variable_partitioner: shard trainable variables along axis 0 over the
       replicas (ZeRO stage 3, big embedding tables; see docs/sharding.md):
       a callable `(shape, dtype) -> list of shards per axis`, such as TF's
       `tf.distribute.experimental.partitioners.FixedShardsPartitioner`,
       `MinSizePartitioner` or `MaxSizePartitioner`. A variable it cuts into
       k > 1 shards gets one shard on each of the first min(k, N) replicas
-      (the rest hold none); its optimizer state is sharded alike. Default
-      None: no variable is sharded.
+      (the rest hold none; with sync groups, N is a group's replicas and
+      each group holds its own); its optimizer state is sharded alike.
+      Default None: no variable is sharded.
     gradient_compression: None (default), "bfloat16" or "float16" (any
       case): the Keras optimizer's gradient all-reduce sends float32
       gradients as 16-bit floats and sums them so, half the bytes; the
@@ -114,7 +116,10 @@ class ReplicatorStrategy(tf.distribute.Strategy):
       contiguous in global replica order and each within one worker, every
       exchange a step asks for (all-reduce, gather, broadcast, merge, the
       Keras gradient sum) spanning its group only. `num_replicas_in_sync`
-      is then one group's replicas, `num_sync_groups` the groups. Default 1:
+      is then one group's replicas, `num_sync_groups` the groups. Composes
+      with `shard_optimizer_state` and `variable_partitioner` (each group
+      shards over its own replicas) and with `devices_per_replica` or
+      `layout_map` (a replica spans its devices in any group). Default 1:
       every replica in sync.
     average_every: with sync_groups > 1, every how many steps the groups
       average their weights (an averaging round, `average_sync_groups`);
@@ -160,9 +165,6 @@ class ReplicatorStrategy(tf.distribute.Strategy):
     the_mesh, sync = mesh_lib.build(
         mesh, axis_roles, batch_dim_name, devices, devices_per_replica,
         model_layouts, sync, cluster.num_workers if cluster else 1)
-    if sync.groups > 1:
-      _refuse_with_sync_groups(sharding, model_layouts,
-                               the_mesh.size("model"))
     if the_mesh.size("model") > 1 and sharding.weights is not None:
       raise NotImplementedError(
           "A replica over several devices (devices_per_replica > 1 or "
@@ -361,16 +363,3 @@ def _check_timeout(timeout_seconds):
         f"pass timeout_seconds={MAX_TIMEOUT_SECONDS} (about 31 years).")
 
 
-def _refuse_with_sync_groups(sharding, model_layouts, devices_per_replica):
-  """Refuses what sync groups do not combine with yet."""
-  given = [f"{name}={value!r}" for name, value, default in (
-      ("shard_optimizer_state", sharding.optimizer_state, False),
-      ("variable_partitioner", sharding.weights, None),
-      ("layout_map", model_layouts and "LayoutMap(...)", None),
-      ("devices_per_replica", devices_per_replica, 1)) if value != default]
-  if given:
-    raise NotImplementedError(
-        f"sync_groups > 1 does not combine with {', '.join(given)} yet: "
-        f"sharded state and model parallelism would have to shard within "
-        f"each group. Pass sync_groups=1, or leave "
-        f"{', '.join(g.split('=')[0] for g in given)} out.")

@@ -21,6 +21,7 @@ import tensorflow as tf
 from replicator_strategy import _tf_internal as tfi
 from replicator_strategy import replica_context
 from replicator_strategy.model_parallel import split_variables
+from replicator_strategy.sharding import variables as sharded_variables
 
 
 class MirroredVariable(tfi.values.MirroredVariable):
@@ -187,7 +188,23 @@ class ReplicaSum(SavedCopies, SyncOnReadVariable):
   COPIES_KEY = "REPLICA_VALUES"
 
 
-class SplitReplicaSum(SavedCopies, split_variables.SplitVariable):
+class _SplitCopies(SavedCopies, split_variables.SplitVariable):
+  """A split weight's shape whose saves keep copies: each replica's copy is
+  its parts, whole."""
+
+  def _local_copies(self):
+    return [self._whole(r) for r in range(len(self.values) // self.num_parts)]
+
+  def _assign_local_copies(self, value_of):
+    updates = []
+    for r in range(len(self.values) // self.num_parts):
+      for part, piece in zip(self.parts(r), self._split(value_of(r))):
+        with tf.device(part.device):
+          updates.append(part.assign(piece, read_value=False))
+    return tf.group(updates)
+
+
+class SplitReplicaSum(_SplitCopies):
   """A `ReplicaSum` of a split weight's shape (its gradient accumulator).
 
   Each replica's copy is split as the weight is, part i on the replica's
@@ -205,17 +222,6 @@ class SplitReplicaSum(SavedCopies, split_variables.SplitVariable):
 
   def _note_whole_read(self):
     pass  # The optimizer's, not a layer's: it adds the whole gradient.
-
-  def _local_copies(self):
-    return [self._whole(r) for r in range(len(self.values) // self.num_parts)]
-
-  def _assign_local_copies(self, value_of):
-    updates = []
-    for r in range(len(self.values) // self.num_parts):
-      for part, piece in zip(self.parts(r), self._split(value_of(r))):
-        with tf.device(part.device):
-          updates.append(part.assign(piece, read_value=False))
-    return tf.group(updates)
 
   def assign(self, value, use_locking=False, name=None, read_value=True):
     with tfi.distribute_lib.enter_or_assert_strategy(self.distribute_strategy):
@@ -246,6 +252,85 @@ class SyncGroupVariable(SavedCopies, MirroredVariable):
   @property
   def replicas_per_copy(self):
     return self.distribute_strategy.num_replicas_in_sync
+
+
+class SyncGroupShardedVariable(SavedCopies, sharded_variables.ShardedVariable):
+  """A `ShardedVariable` under sync groups, whose saves keep every group's value.
+
+  Each group holds its own shards (sharded over its replicas) and, between
+  rounds, its own values (its optimizer's state): saved and restored as a
+  `SyncGroupVariable`'s are, each group's whole.
+  """
+
+  COPIES_KEY = SyncGroupVariable.COPIES_KEY
+  replicas_per_copy = SyncGroupVariable.replicas_per_copy
+
+  def _local_copies(self):
+    n = self.layout.num_shards
+    shards = local_reads(self)
+    wholes = {}
+    for first in range(0, len(shards), n):
+      with tf.device(self.values[first].device):
+        wholes[first] = self.layout.assemble(shards[first:first + n])
+    return [wholes[r - r % n] for r in range(len(shards))]
+
+  def _assign_local_copies(self, value_of):
+    return super()._assign_local_copies(
+        lambda i: self.layout.shard(value_of(i), self.shard_index(i)))
+
+
+class SyncGroupSplitVariable(_SplitCopies):
+  """A `SplitVariable` under sync groups, whose saves keep every group's
+  value (each group's first replica's parts, whole), as a
+  `SyncGroupVariable`'s are."""
+
+  COPIES_KEY = SyncGroupVariable.COPIES_KEY
+  replicas_per_copy = SyncGroupVariable.replicas_per_copy
+
+
+_SYNC_GROUP_CLASSES = {
+    sharded_variables.ShardedVariable: SyncGroupShardedVariable,
+    split_variables.SplitVariable: SyncGroupSplitVariable,
+}
+
+
+def piecewise_class(strategy, cls):
+  """The class `strategy` makes its `cls` variables (`ShardedVariable` or
+  `SplitVariable`) of: under sync groups, its subclass that saves every
+  group's value."""
+  if strategy.extended.num_sync_groups > 1:
+    return _SYNC_GROUP_CLASSES[cls]
+  return cls
+
+
+def round_pieces(variable):
+  """How the averaging rounds between sync groups exchange the distributed
+  `variable`: in pieces, each a list of (component, the local replicas it
+  stands for), one value per replica (or per group) on its own device. A
+  split weight's piece i is part i of every replica, a sharded one's piece
+  s is shard s of every group: each is averaged on its own devices, never
+  whole. Any other variable is one piece, its components."""
+  values = variable.values
+  if isinstance(variable, split_variables.SplitVariable):
+    k = variable.num_parts
+    return [[(variable.parts(r)[i], [r]) for r in range(len(values) // k)]
+            for i in range(k)]
+  if isinstance(variable, sharded_variables.ShardedVariable):
+    n = variable.layout.num_shards
+    return [[(values[g + s], list(range(g, g + n)))
+             for g in range(0, len(values), n)] for s in range(n)]
+  return [[(component, [r]) for r, component in enumerate(values)]]
+
+
+def whole_from_pieces(variable, values):
+  """The whole of `variable` from one value of each of its `round_pieces`,
+  on the first's device."""
+  with tf.device(values[0].device):
+    if isinstance(variable, split_variables.SplitVariable):
+      return tf.concat(values, variable.axis)
+    if isinstance(variable, sharded_variables.ShardedVariable):
+      return variable.layout.assemble(values)
+    return values[0]
 
 
 _CLASS_MAPPING = {

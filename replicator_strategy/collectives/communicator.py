@@ -44,12 +44,22 @@ def for_topology(devices, all_reduce, cluster, timeout_seconds, sync_groups=1):
     everyone = Communicator(devices, all_reduce, timeout_seconds)
   if sync_groups == 1:
     return everyone
+
+  def round_ops(round_devices):
+    if cluster:
+      return all_reduce_lib.across_workers(round_devices, cluster.num_workers,
+                                           timeout_seconds)
+    if round_devices == everyone_devices:
+      return everyone.cross_device_ops
+    return all_reduce_lib.choose(round_devices, all_reduce,
+                                 timeout_seconds=timeout_seconds)[0]
+
+  everyone_devices = tuple(tfi.device_util.resolve(d) for d in everyone.devices)
   return topology.GroupedCommunicator(
       everyone, sync_groups,
       lambda group_devices: Communicator(group_devices, all_reduce,
                                          timeout_seconds),
-      round_ops=all_reduce_lib.across_workers(
-          devices, cluster.num_workers, timeout_seconds) if cluster else None)
+      make_round_ops=round_ops)
 
 
 class Communicator(protocol.Collectives):

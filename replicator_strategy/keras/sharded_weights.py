@@ -98,7 +98,7 @@ def _update_weight(optimizer, grad, weight, learning_rate, whole):
 
   def step(component, grad, learning_rate):
     if whole:
-      shard = weight.first_shard + tfi.distribute_lib.get_update_replica_id()
+      shard = weight.shard_index(tfi.distribute_lib.get_update_replica_id())
       grad = weight.layout.shard(tf.convert_to_tensor(grad), shard)
     return optimizer.update_step(grad, component, learning_rate)
 
@@ -133,7 +133,7 @@ def gather_for_clipping(all_reduce_sum_gradients):
       elif grad is None:
         summed.append((None, var))
       else:  # Summed over the replicas already: gather the shards.
-        shard = weight.first_shard + ctx.local_index
+        shard = weight.shard_index(ctx.local_index)
         gathered = ctx.all_gather(
             weight.layout.pad(tf.convert_to_tensor(grad), shard), axis=0)
         summed.append((weight.layout.assemble_padded(gathered), var))

@@ -281,11 +281,12 @@ def _updating_part(part):
     _updating.part = previous
 
 
-def create(strategy, next_creator, axis, on_read=None, **kwargs):
+def create(strategy, next_creator, axis, on_read=None,
+           on_write=SplitVariable, **kwargs):
   """A `SplitVariable`: parts of the whole initial value, on every replica.
 
   An on-read variable (replicas hold their own values) is an `on_read`, a
-  `SplitVariable` subclass of the same arguments.
+  `SplitVariable` subclass of the same arguments; any other an `on_write`.
   """
   if (kwargs.get("synchronization") == tf.VariableSynchronization.ON_READ and
       on_read is None):
@@ -331,6 +332,6 @@ def create(strategy, next_creator, axis, on_read=None, **kwargs):
 
   return tfi.distribute_utils.create_mirrored_variable(
       strategy, create_parts,
-      {tf.VariableSynchronization.ON_WRITE: of_class(SplitVariable),
+      {tf.VariableSynchronization.ON_WRITE: of_class(on_write),
        tf.VariableSynchronization.ON_READ: on_read and of_class(on_read)},
       tfi.distribute_utils.VARIABLE_POLICY_MAPPING, **kwargs)

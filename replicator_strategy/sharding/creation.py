@@ -70,12 +70,15 @@ def requesting(**request):
     yield
 
 
-def create(strategy, next_creator, request=None, **kwargs):
+def create(strategy, next_creator, request=None,
+           variable_class=variables.ShardedVariable, **kwargs):
   """A `ShardedVariable` where the variable `kwargs` describe is sharded, else None.
 
-  `request`: the variable's `SlotRequest`, if its creator passed one.
+  `request`: the variable's `SlotRequest`, if its creator passed one;
+  `variable_class`: `ShardedVariable` or the subclass to make.
   """
   request = request or SlotRequest()
+  kwargs["variable_class"] = variable_class
   num_replicas = strategy.extended.communicator.num_replicas
   weight = kwargs.get("colocate_with")
   if isinstance(weight, variables.ShardedVariable):

@@ -5,7 +5,9 @@ With `ReplicatorStrategy(shard_optimizer_state=True)`, every optimizer slot
 `variables`; it refuses reads inside a replica) with a `layout.FlatLayout`:
 the slot flattened, padded to a multiple of N and cut into N equal contiguous
 shards, shard g on the device of global replica g (across workers, each
-worker holds its replicas' shards). A 784x512 kernel's momentum is spread
+worker holds its replicas' shards; with sync groups, N is a group's replicas
+and each group holds every shard of its own state, shard g on its replica
+g). A 784x512 kernel's momentum is spread
 over all replicas rather than landing whole on one, so optimizer memory and
 optimizer math per device both drop to about 1/N. A step then runs, per model weight:
 
@@ -49,6 +51,7 @@ from replicator_strategy.collectives import compression as compression_lib
 from replicator_strategy.collectives import per_replica
 from replicator_strategy.collectives import reduce_op as reduce_op_lib
 from replicator_strategy.sharding import layout as layout_lib
+from replicator_strategy.sharding import variables as sharded_variables
 
 
 def step(exchange, weights, learning_rate, update):
@@ -134,7 +137,7 @@ class AllReplicas(Exchange):
             for parts, total in zip(self.gradients, sums)]
 
   def reduce_scatter(self, layout, gradient):
-    """This worker's shards of the summed `gradient`, shard `first + r` on device r.
+    """This worker's shards of the summed `gradient`, shard `_shard(r)` on device r.
 
     `gradient` is its local parts, as in `gradients`; summed, they are cut,
     from one copy where the replicas share memory (every copy holds the same
@@ -142,14 +145,14 @@ class AllReplicas(Exchange):
     """
     communicator = self._communicator
     parts = [_dense(g) for g in gradient]
-    first = communicator.first_replica_id
     if self._summed:
-      if communicator.shares_memory or len(parts) == 1:
-        with tf.device(communicator.devices[0]):
-          flat = tf.reshape(parts[0], [-1])
-        parts = [flat] * len(communicator.devices)
+      if len(parts) == 1:  # The global gradient: every group's.
+        parts *= len(communicator.devices)
+      if communicator.shares_memory:  # One copy of each group's sum.
+        parts = _per_group(communicator, lambda r: tf.reshape(parts[r], [-1]))
       return per_replica.on_devices(
-          communicator.devices, lambda r: layout.shard(parts[r], first + r))
+          communicator.devices,
+          lambda r: layout.shard(parts[r], _shard(communicator, r)))
     padded = per_replica.on_devices(
         communicator.devices, lambda r: compression_lib.to_wire(
             layout.padded_flat(parts[r]), self._wire))
@@ -159,38 +162,39 @@ class AllReplicas(Exchange):
 
   def update_shards(self, layout, weight, gradient_shards, update_fn):
     """New shards of `weight`: `update_fn(r, gradient_shards[r], shard)` in
-    `UpdateContext(r)`, for this worker's r-th shard (global shard
-    `first_replica_id + r`).
+    `UpdateContext(r)`, for this worker's r-th shard (shard `_shard(r)`).
 
-    Replicas that share memory cut their shards from one read of the first
-    copy (every copy holds the same value); others read their own copy.
+    Replicas that share memory cut their shards from one read of their
+    group's first copy (the group's copies hold the same value); others read
+    their own copy.
     """
     communicator = self._communicator
-    first = communicator.first_replica_id
     if communicator.shares_memory:
-      with tf.device(weight.values[0].device):
-        whole = tf.reshape(weight.values[0].read_value(), [-1])
+      wholes = _per_group(communicator, lambda r: tf.reshape(
+          weight.values[r].read_value(), [-1]))
     new_shards = []
     for r, component in enumerate(weight.values):
       with tf.device(component.device), tfi.UpdateContext(r), tf.name_scope(
           f"update_shard_{r}"):
-        value = whole if communicator.shares_memory else component.read_value()
+        value = (wholes[r] if communicator.shares_memory else
+                 component.read_value())
         new_shards.append(update_fn(r, gradient_shards[r],
-                                    layout.shard(value, first + r)))
+                                    layout.shard(value, _shard(communicator, r))))
     return new_shards
 
   def all_gather(self, layout, weight, new_shards):
     """Every component of `weight` set from every replica's new shard.
 
-    Replicas that share memory assemble the weight once, on the first device,
-    and every copy is assigned from it; others all-gather the shards.
+    Replicas that share memory assemble the weight once per sync group, on
+    its first device, and its copies are assigned from it; others all-gather
+    the shards.
     """
     communicator = self._communicator
     devices = [c.device for c in weight.values]
     if communicator.shares_memory:
-      with tf.device(devices[0]):
-        whole = layout.assemble(new_shards)
-      assembled = [whole] * len(devices)
+      n = communicator.num_replicas
+      assembled = _per_group(
+          communicator, lambda r: layout.assemble(new_shards[r:r + n]))
     else:
       gathered = per_replica.parts(communicator.all_gather(
           per_replica.wrap(new_shards), axis=0))
@@ -214,7 +218,7 @@ class OneReplica(Exchange):
     communicator = strategy.extended.communicator
     self._context = tf.distribute.get_replica_context()
     self._local = self._context.local_index
-    self._shard = communicator.first_replica_id + self._local
+    self._shard = _shard(communicator, self._local)
     self._wire = compression_lib.wire_dtype(strategy.gradient_compression)
     self._summed = summed
     self.num_replicas = communicator.num_replicas
@@ -240,6 +244,26 @@ class OneReplica(Exchange):
     """This replica's copy of `weight` set from every replica's new shard."""
     whole = layout.assemble([self._context.all_gather(new_shards[0], axis=0)])
     return tfi.component(weight, self._local).assign(whole, read_value=False)
+
+
+def _shard(communicator, r):
+  """The shard of the state local replica `r` updates: its place in its sync
+  group (every group holds all of the state), or without groups its global
+  replica id."""
+  return sharded_variables.shard_index(communicator.first_replica_id, r,
+                                       communicator.num_replicas)
+
+
+def _per_group(communicator, make):
+  """For each local replica, `make(first)` of its sync group's first local
+  replica, made once per group on that replica's device (replicas in a
+  group hold the same values; without groups, one for all)."""
+  n = communicator.num_replicas
+  made = {}
+  for first in range(0, len(communicator.devices), n):
+    with tf.device(communicator.devices[first]):
+      made[first] = make(first)
+  return [made[r - r % n] for r in range(len(communicator.devices))]
 
 
 def _dense(gradient):

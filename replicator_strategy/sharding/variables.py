@@ -108,11 +108,20 @@ class PiecewiseVariable(tfi.values.DistributedVariable):
     return None  # No single graph element holds the whole value.
 
 
+def shard_index(first_shard, local_index, num_shards):
+  """The shard local replica `local_index` holds: its global replica id,
+  counted within its sync group (each group holds every shard, over its own
+  replicas), where `first_shard` is this worker's first replica's id."""
+  return (first_shard + local_index) % num_shards
+
+
 class ShardedVariable(PiecewiseVariable):
-  """A variable whose component r is shard `first_shard + r`, on device r.
+  """A variable whose component r is shard `shard_index(r)`, on device r.
 
   `layout` is a `layout.Layout`; `replica_reads` is "whole", "shard" or None
-  (see the module docstring for how it reads in each context).
+  (see the module docstring for how it reads in each context). Under sync
+  groups each group holds its own shards, read and assigned whole in
+  cross-replica context as the first group's.
   """
 
   def __init__(self, strategy, values, aggregation, layout, first_shard,
@@ -127,12 +136,16 @@ class ShardedVariable(PiecewiseVariable):
   def shard_devices(self):
     return tuple(component.device for component in self.values)
 
+  def shard_index(self, local_index):
+    """The shard that component `local_index` holds."""
+    return shard_index(self.first_shard, local_index, self.layout.num_shards)
+
   def _get_cross_replica(self):
     shards = [c.read_value() for c in self.values]
-    if len(shards) == self.layout.num_shards:
-      return self.layout.assemble(shards)
+    if len(shards) >= self.layout.num_shards:  # A group's (the first's) here.
+      return self.layout.assemble(shards[:self.layout.num_shards])
     # The other shards are on other workers.
-    padded = [self.layout.pad(s, self.first_shard + r)
+    padded = [self.layout.pad(s, self.shard_index(r))
               for r, s in enumerate(shards)]
     gathered = self.distribute_strategy.extended.communicator.all_gather(
         per_replica.wrap(padded), axis=0)
@@ -157,7 +170,7 @@ class ShardedVariable(PiecewiseVariable):
       return self.values[local]
     return ctx.outside_loops(lambda: gather_whole(
         ctx, self.layout, self.values[local].read_value(),
-        self.first_shard + local))
+        self.shard_index(local)))
 
   def _update_cross_replica(self, update_fn, value, **kwargs):
     value = tf.convert_to_tensor(value, dtype=self.dtype)
@@ -165,7 +178,7 @@ class ShardedVariable(PiecewiseVariable):
     for index, component in enumerate(self.values):
       with tf.device(component.device):
         updates.append(update_fn(
-            component, self.layout.shard(value, self.first_shard + index),
+            component, self.layout.shard(value, self.shard_index(index)),
             **kwargs))
     return tf.group(updates)
 
@@ -183,7 +196,7 @@ class ShardedVariable(PiecewiseVariable):
     # Inside a replica: this replica's shard, given whole (as every replica
     # computes it) or as the shard itself (a gradient of this shard).
     local = tf.distribute.get_replica_context().local_index
-    shard = self.first_shard + local
+    shard = self.shard_index(local)
     value = tf.convert_to_tensor(value, dtype=self.dtype)
     if value.shape.as_list() == list(self.layout.shape):
       value = self.layout.shard(value, shard)
@@ -233,7 +246,7 @@ def lookup(variable, ids):
   """
   ctx = tf.distribute.get_replica_context()
   local = ctx.local_index
-  shard = variable.first_shard + local
+  shard = variable.shard_index(local)
   layout = variable.layout
   flat = tf.reshape(ids, [-1])
   count = tf.shape(flat)[0]
@@ -299,11 +312,13 @@ def _checked_ids(every_id, num_rows):
     return tf.where(every_id < 0, every_id + num_rows, every_id)
 
 
-def create(strategy, next_creator, layout_for, replica_reads, **kwargs):
+def create(strategy, next_creator, layout_for, replica_reads,
+           variable_class=ShardedVariable, **kwargs):
   """A `ShardedVariable`, this worker's shards on its replicas' devices.
 
   `layout_for(whole_initial_value)` gives the layout; every worker starts
   from the chief's initial value. Returns None where the layout is None.
+  `variable_class`: `ShardedVariable` or a subclass (sync groups' saves).
   """
   kwargs.pop("colocate_with", None)  # Its shards go to every device.
   kwargs.pop("shape", None)
@@ -324,7 +339,8 @@ def create(strategy, next_creator, layout_for, replica_reads, **kwargs):
     shards = []
     for index, device in enumerate(devices):
       with tf.device(device):
-        kwargs["initial_value"] = layout.shard(whole, first_shard + index)
+        kwargs["initial_value"] = layout.shard(
+            whole, shard_index(first_shard, index, layout.num_shards))
         if index:
           kwargs["name"] = "{}/shard_{:d}/".format(
               shards[0].name.split(":")[0], index)
@@ -334,8 +350,8 @@ def create(strategy, next_creator, layout_for, replica_reads, **kwargs):
     return shards
 
   def sharded_variable(strategy, values, aggregation):
-    return ShardedVariable(strategy, values, aggregation, layout, first_shard,
-                           replica_reads)
+    return variable_class(strategy, values, aggregation, layout, first_shard,
+                          replica_reads)
 
   return tfi.distribute_utils.create_mirrored_variable(
       strategy, create_shards,

@@ -150,9 +150,8 @@ class Averaging:
       return
     with self._strategy.scope():
       for v in new:
-        self._anchors[id(v)] = tf.Variable(
-            _tf_variable(v).read_value(), trainable=False,
-            name="sync_groups_anchor")
+        self._anchors[id(v)] = _copy_beside(_tf_variable(v),
+                                            "sync_groups_anchor")
         self.state.anchors.append(self._anchors[id(v)])
       if not self.outer_optimizer.built:
         self.outer_optimizer.build(list(trainable))
@@ -185,15 +184,12 @@ class Averaging:
     # A sum in which only the first replica of all counts: it may lie on
     # another worker.
     first = self._strategy.extended.first_replica_id
-    values = [per_replica.wrap([
-        part if first + i == 0 else tf.zeros_like(part)
-        for i, part in enumerate(variables_lib.local_reads(v))])
-        for v in variables]
-    sums = self._strategy.extended.communicator.round_ops.batch_reduce(
-        tf.distribute.ReduceOp.SUM, [(p, p) for p in values])
+    sums = self._reduce_pieces(tf.distribute.ReduceOp.SUM, variables,
+                               lambda value, replicas: value if
+                               first + replicas[0] == 0 else
+                               tf.zeros_like(value))
     for v, value in zip(variables, sums):
-      for component, part in zip(v.values, per_replica.parts(value)):
-        component.assign(part)
+      _assign_pieces(v, value)
 
   def rounds_due(self, last_step, step):
     """Whether a multiple of `average_every` lies in (last_step, step]."""
@@ -252,28 +248,28 @@ class Averaging:
     variables = [_tf_variable(v) for v in trainable + non_trainable]
     means = self._means(variables, self.state.rows)
     for v, mean in zip(variables[len(trainable):], means[len(trainable):]):
-      v.assign(mean)
+      _assign_pieces(v, mean)
     self._step_to(trainable, means[:len(trainable)])
     if restart_rows:
       _restart(self.state.rows)
 
   def _step_to(self, trainable, means):
-    """Sets `trainable` to `means` (each a tensor or a `Mirrored`), or, with
-    an outer optimizer, to its step from them; keeps them as `old`."""
+    """Sets `trainable` to `means` (each a list of its pieces', each a tensor
+    or a `Mirrored`), or, with an outer optimizer, to its step from them;
+    keeps them as `old`."""
     variables = [_tf_variable(v) for v in trainable]
     if self.outer_optimizer is None:
       for v, mean in zip(variables, means):
-        v.assign(mean)
+        _assign_pieces(v, mean)
       return
     deltas = []
     for v, weight, mean in zip(trainable, variables, means):
       anchor = self._anchors[id(v)]
-      # Every replica agrees on both: the first one's is everyone's.
-      deltas.append(anchor.read_value() - per_replica.parts(mean)[0])
-      weight.assign(anchor.read_value())
+      deltas.append(_delta(anchor, mean))
+      _copy_components(anchor, weight)
     self.outer_optimizer.apply_gradients(zip(deltas, trainable))
     for v, weight in zip(trainable, variables):
-      self._anchors[id(v)].assign(weight.read_value())
+      _copy_components(weight, self._anchors[id(v)])
 
   def _overlapped_round(self, trainable, non_trainable):
     self._check_anchors(trainable)
@@ -314,8 +310,7 @@ class Averaging:
     if key not in self._overlapped:
       variables = [_tf_variable(v) for v in trainable]
       with self._strategy.scope():
-        snapshots = [tf.Variable(v.read_value(), trainable=False,
-                                 name="sync_groups_snapshot")
+        snapshots = [_copy_beside(v, "sync_groups_snapshot")
                      for v in variables]
       self.state.snapshots.extend(snapshots)
 
@@ -330,7 +325,7 @@ class Averaging:
 
       def exchange():
         # Every replica agrees on each mean: the first part is everyone's.
-        return [per_replica.parts(m)[0] for m in
+        return [[per_replica.parts(piece)[0] for piece in mean] for mean in
                 self._means(snapshots, self.state.snapshot_rows)]
 
       def apply(means):
@@ -348,21 +343,44 @@ class Averaging:
     return self._overlapped[key]
 
   def _means(self, variables, rows):
-    """Each variable's mean over every replica of every group, a `Mirrored`,
-    each replica weighted by its part of `rows` (None, or none counted:
-    equally)."""
+    """Each variable's mean over every replica of every group, piece by
+    piece (`variables.round_pieces`, a `Mirrored` each), each replica
+    weighted by its part of `rows` (None, or none counted: equally)."""
     if not variables:
       return []
-    ops = self._strategy.extended.communicator.round_ops
-    values = [variables_lib.local_reads(v) for v in variables]
+    scale = lambda value, replicas: value
     if rows is not None:
-      scales = self._row_scales(ops, rows)
-      # A replica of no rows counts for nothing, whatever its weights hold.
-      values = [[tf.math.multiply_no_nan(p, tf.cast(s, p.dtype))
-                 for p, s in zip(parts, scales)] for parts in values]
-    values = [per_replica.wrap(parts) for parts in values]
-    return ops.batch_reduce(tf.distribute.ReduceOp.MEAN,
-                            [(p, p) for p in values])
+      scales = self._row_scales(self._strategy.extended.communicator.round_ops,
+                                rows)
+
+      def scale(value, replicas):
+        # A replica of no rows counts for nothing, whatever its weights hold.
+        weight = tf.add_n([scales[r] for r in replicas]) / len(replicas)
+        return tf.math.multiply_no_nan(value, tf.cast(weight, value.dtype))
+
+    return self._reduce_pieces(tf.distribute.ReduceOp.MEAN, variables, scale)
+
+  def _reduce_pieces(self, reduce_op, variables, value_of):
+    """Each variable's pieces (`variables.round_pieces`), each component's
+    value `value_of(its value, the local replicas it stands for)`, reduced
+    over every replica of every group on the pieces' devices: per variable,
+    a `Mirrored` per piece."""
+    communicator = self._strategy.extended.communicator
+    pieces = [variables_lib.round_pieces(v) for v in variables]
+    batches = {}  # The pieces' all-reduce -> [(variable, piece, value)].
+    for i, variable_pieces in enumerate(pieces):
+      for j, piece in enumerate(variable_pieces):
+        devices = [component.device for component, _ in piece]
+        value = per_replica.make(devices, lambda k, piece=piece: value_of(
+            piece[k][0].read_value(), piece[k][1]))
+        batches.setdefault(communicator.round_ops_on(devices), []).append(
+            (i, j, value))
+    reduced = [[None] * len(p) for p in pieces]
+    for ops, batch in batches.items():
+      results = ops.batch_reduce(reduce_op, [(v, v) for _, _, v in batch])
+      for (i, j, _), result in zip(batch, results):
+        reduced[i][j] = result
+    return reduced
 
   def _row_scales(self, ops, rows):
     """Each local replica's rows times the replicas, over every replica's
@@ -373,6 +391,38 @@ class Averaging:
     replicas = float(self._strategy.extended.num_replicas_in_all_groups)
     return [tf.where(total > 0, count * replicas / total, 1.0)
             for count, total in zip(per_replica.parts(counts), totals)]
+
+
+def _copy_beside(variable, name):
+  """A new variable of `variable`'s value, on its devices and split or
+  sharded as it is (in the strategy's scope)."""
+  with tf.distribute.get_strategy().extended.colocate_vars_with(variable):
+    return tf.Variable(variable.read_value, trainable=False, name=name)
+
+
+def _copy_components(source, target):
+  """Each component of `target` set to `source`'s on its device (made by
+  `_copy_beside`)."""
+  for kept, component in zip(source.values, target.values):
+    component.assign(kept.read_value())
+
+
+def _assign_pieces(variable, means):
+  """Each of `variable`'s pieces (`variables.round_pieces`) set to its mean,
+  among `means`: a `Mirrored` (each component its device's) or a tensor
+  (every component)."""
+  for piece, mean in zip(variables_lib.round_pieces(variable), means):
+    values = per_replica.parts(mean)
+    for k, (component, _) in enumerate(piece):
+      component.assign(values[k] if len(values) == len(piece) else values[0])
+
+
+def _delta(anchor, means):
+  """`old - mean` of the whole weight, from its anchor and its pieces'
+  means (every replica agrees on both: the first one's is everyone's)."""
+  return variables_lib.whole_from_pieces(anchor, [
+      piece[0][0].read_value() - per_replica.parts(mean)[0]
+      for piece, mean in zip(variables_lib.round_pieces(anchor), means)])
 
 
 def _restart(rows):

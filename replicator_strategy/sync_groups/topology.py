@@ -80,7 +80,8 @@ class GroupedCommunicator(protocol.Collectives):
   Attributes:
     everyone: the communicator among every replica of every group.
     round_ops: the all-reduce among every replica that the averaging rounds
-      use (`everyone`'s own in one process).
+      use (`everyone`'s own in one process); `round_ops_on` gives theirs
+      among the devices of a split weight's parts or a sharded one's shards.
     groups: one `Communicator` per sync group of this worker, over its slice
       of the devices, in replica order.
     num_replicas: replicas in one group (`num_replicas_in_sync`).
@@ -90,13 +91,15 @@ class GroupedCommunicator(protocol.Collectives):
   first value of a variable) is `everyone`'s.
   """
 
-  def __init__(self, everyone, num_groups, make_group, round_ops=None):
+  def __init__(self, everyone, num_groups, make_group, make_round_ops=None):
     """`make_group(devices)`: the `Communicator` of one group's devices;
-    `round_ops`: see the class (None: `everyone.cross_device_ops`)."""
+    `make_round_ops(devices)`: the rounds' all-reduce among values on this
+    worker's `devices` and every other worker's (None: `everyone`'s own)."""
     check_divides(num_groups, everyone.num_replicas, len(everyone.devices))
     self.everyone = everyone
-    self.round_ops = (round_ops if round_ops is not None else
-                      everyone.cross_device_ops)
+    self._make_round_ops = make_round_ops
+    self._round_ops = {}
+    self.round_ops = self.round_ops_on(everyone.devices)
     self.num_sync_groups = num_groups
     self.num_replicas = everyone.num_replicas // num_groups
     n = self.num_replicas
@@ -111,6 +114,16 @@ class GroupedCommunicator(protocol.Collectives):
   def __getattr__(self, name):
     # Only reached for what this class does not define: the worker's.
     return getattr(self.everyone, name)
+
+  def round_ops_on(self, devices):
+    """The rounds' all-reduce among values on this worker's `devices`, one
+    per local replica (or group), and every other worker's: made once."""
+    devices = tuple(tfi.device_util.resolve(d) for d in devices)
+    if devices not in self._round_ops:
+      self._round_ops[devices] = (
+          self._make_round_ops(devices) if self._make_round_ops else
+          self.everyone.cross_device_ops)
+    return self._round_ops[devices]
 
   def describe(self):
     return (f"{self.everyone.describe()}, in {self.num_sync_groups} sync "

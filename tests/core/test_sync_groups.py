@@ -23,7 +23,6 @@ import tensorflow as tf
 from assertions import assert_per_replica
 import models
 import topology
-import replicator_strategy as rs
 from replicator_strategy.collectives import communicator as communicator_lib
 from replicator_strategy.keras import sync_group_rounds
 
@@ -660,19 +659,6 @@ class BadInputTest(unittest.TestCase):
     self.assert_refused(r"`overlap_averaging` overlaps .*sync_groups=1 has no "
                         r"rounds\. Received: overlap_averaging=True",
                         overlap_averaging=True)
-
-  def test_what_does_not_combine_yet(self):
-    self.assert_refused(r"does not combine with shard_optimizer_state=True",
-                        NotImplementedError, sync_groups=2,
-                        shard_optimizer_state=True)
-    self.assert_refused(
-        r"variable_partitioner=", NotImplementedError,
-        sync_groups=2,
-        variable_partitioner=tf.distribute.experimental.partitioners
-        .FixedShardsPartitioner(2))
-    with self.assertRaisesRegex(NotImplementedError, "devices_per_replica=2"):
-      rs.ReplicatorStrategy(devices=["/cpu:0", "/cpu:1", "/cpu:2", "/cpu:3"],
-                            devices_per_replica=2, sync_groups=2)
 
 
 if __name__ == "__main__":
