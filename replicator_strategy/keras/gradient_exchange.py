@@ -8,6 +8,11 @@
   on the batch (an `Embedding` of positions), and Keras's Adam squares each
   slice. Here such slices are summed, as one device has them.
 
+- The gradient of a weight split over each replica's devices (a
+  `layout_map`'s) is summed part by part, each part among the replicas on
+  its own device; the update takes the parts, so no device holds it whole
+  (`model_parallel.gradient_parts`).
+
 And one thing Keras has no word for: with
 `ReplicatorStrategy(gradient_compression=...)` the optimizer's gradient
 all-reduce sends 16-bit floats (`replicator_strategy.collectives.compression`).
@@ -23,6 +28,7 @@ from replicator_strategy.keras import replicas
 from replicator_strategy.keras import sharded_weights
 from replicator_strategy.keras import step_context
 from replicator_strategy.collectives import compression as compression_lib
+from replicator_strategy.model_parallel import gradient_parts
 
 
 def _clips(optimizer):
@@ -94,6 +100,60 @@ def compressed_on_the_wire(all_reduce_sum_gradients):
     return [(None if g is None else next(summed), v) for g, v in pairs]
 
   return wrapper
+
+
+def split_in_parts(all_reduce_sum_gradients):
+  """The optimizer's gradient sum, a split weight's part by part.
+
+  A split weight's gradient (its `gradient_parts.Parts`) is summed over the
+  replicas in parts, each on its own device, compressed as the others are;
+  its whole, of the summed parts, is what the update splits and, in a
+  traced step, leaves unread. A sparse part whose rows are constants (an
+  Embedding of positions) sums its values, as `slices_as_on_one_device`
+  does for a whole. The other gradients go on to Keras's sum.
+  """
+
+  @functools.wraps(all_reduce_sum_gradients)
+  def wrapper(self, grads_and_vars):
+    pairs = list(grads_and_vars)
+    if step_context.gradients_summed(self) or not replicas.in_our_replicas():
+      return all_reduce_sum_gradients(self, pairs)
+    parts = [None if g is None else gradient_parts.parts_of(g)
+             for g, _ in pairs]
+    if not any(parts):
+      return all_reduce_sum_gradients(self, pairs)
+    rest = [pair for pair, p in zip(pairs, parts) if p is None]
+    rest = iter(all_reduce_sum_gradients(self, rest) if rest else ())
+    strategy = tf.distribute.get_strategy()
+    summed = iter(gradient_parts.all_reduce_sum(
+        tf.distribute.get_replica_context(),
+        [p.with_pieces([_alike_values(g) for g in p.pieces])
+         for p in parts if p is not None],
+        compression_lib.wire_dtype(strategy.gradient_compression)))
+    return [next(rest) if p is None else
+            (_with_summed_values(p, next(summed)).assembled(), v)
+            for (_, v), p in zip(pairs, parts)]
+
+  return wrapper
+
+
+def _alike_values(piece):
+  """A sparse `piece`'s values where its rows are the same on every replica
+  (constants), to be summed; else `piece`."""
+  if isinstance(piece, tf.IndexedSlices) and computed_from_constants(
+      piece.indices):
+    return piece.values
+  return piece
+
+
+def _with_summed_values(parts, summed):
+  """`summed` (the sum of `parts` with `_alike_values`), sparse again where
+  `parts` was: each summed value at its part's rows."""
+  return summed.with_pieces([
+      tf.IndexedSlices(s, p.indices, p.dense_shape)
+      if isinstance(p, tf.IndexedSlices) and not isinstance(
+          s, tf.IndexedSlices) else s
+      for p, s in zip(parts.pieces, summed.pieces)])
 
 
 def skip_if_reduced(all_reduce_sum_gradients):
