@@ -80,6 +80,50 @@ def reduce_accumulated_before_clipping(clip_gradients):
   return wrapper
 
 
+def clip_in_parts(clip_gradients):
+  """Clipping by norm or global norm, a split weight's norm summed from its
+  parts' (each part's sum of squares on its device): the clipped gradient
+  stays in parts, and no device reads it whole."""
+
+  @functools.wraps(clip_gradients)
+  def wrapper(self, grads):
+    if not (self.clipnorm or self.global_clipnorm):
+      return clip_gradients(self, grads)
+    flat, regrouped = gradient_parts.pieces_or_whole(grads)
+    if len(flat) == len(grads):
+      return clip_gradients(self, grads)
+    if self.global_clipnorm:
+      # Keras's own: its global norm sums each entry's sum of squares.
+      return regrouped(ki.clip_by_global_norm(flat, self.global_clipnorm))
+    return [_clip_parts_by_norm(g, self.clipnorm) if
+            gradient_parts.parts_of(g) is not None and
+            not isinstance(g, tf.IndexedSlices) else clip_gradients(self, [g])[0]
+            for g in grads]
+
+  return wrapper
+
+
+def _clip_parts_by_norm(grad, clip_norm):
+  """`tf.clip_by_norm(grad, clip_norm)` of a gradient in `Parts`, part by part."""
+  parts = gradient_parts.parts_of(grad)
+  squares = []
+  for piece, device in zip(parts.pieces, parts.devices):
+    with tf.device(device):
+      squares.append(tf.reduce_sum(piece * piece))
+  with tf.device(parts.devices[0]):
+    l2sum = tf.add_n(squares)
+    # tf.clip_by_norm's: a zero gradient stays zero.
+    l2norm = tf.where(l2sum > 0, tf.sqrt(tf.where(l2sum > 0, l2sum, 1.0)),
+                      l2sum)
+    clip_norm = tf.cast(clip_norm, grad.dtype)
+    divisor = tf.maximum(l2norm, clip_norm)
+  pieces = []
+  for piece, device in zip(parts.pieces, parts.devices):
+    with tf.device(device):
+      pieces.append(piece * clip_norm / divisor)
+  return parts.with_pieces(pieces).assembled()
+
+
 def compressed_on_the_wire(all_reduce_sum_gradients):
   """The optimizer's gradient sum, sent as the strategy's 16-bit floats.
 
@@ -116,7 +160,8 @@ def split_in_parts(all_reduce_sum_gradients):
   @functools.wraps(all_reduce_sum_gradients)
   def wrapper(self, grads_and_vars):
     pairs = list(grads_and_vars)
-    if step_context.gradients_summed(self) or not replicas.in_our_replicas():
+    if (step_context.gradients_summed(self) or not replicas.in_our_replicas()
+        or not gradient_parts.may_have_parts()):
       return all_reduce_sum_gradients(self, pairs)
     parts = [None if g is None else gradient_parts.parts_of(g)
              for g, _ in pairs]
@@ -124,36 +169,25 @@ def split_in_parts(all_reduce_sum_gradients):
       return all_reduce_sum_gradients(self, pairs)
     rest = [pair for pair, p in zip(pairs, parts) if p is None]
     rest = iter(all_reduce_sum_gradients(self, rest) if rest else ())
-    strategy = tf.distribute.get_strategy()
-    summed = iter(gradient_parts.all_reduce_sum(
+    split = [p for p in parts if p is not None]
+    alike = [[isinstance(g, tf.IndexedSlices) and
+              computed_from_constants(g.indices) for g in p.pieces]
+             for p in split]
+    summed = gradient_parts.all_reduce_sum(
         tf.distribute.get_replica_context(),
-        [p.with_pieces([_alike_values(g) for g in p.pieces])
-         for p in parts if p is not None],
-        compression_lib.wire_dtype(strategy.gradient_compression)))
-    return [next(rest) if p is None else
-            (_with_summed_values(p, next(summed)).assembled(), v)
+        [p.with_pieces([g.values if a else g for g, a in zip(p.pieces, al)])
+         for p, al in zip(split, alike)],
+        compression_lib.wire_dtype(
+            tf.distribute.get_strategy().gradient_compression))
+    # A part summed by its values: sparse again, at its rows.
+    summed = iter([s.with_pieces([
+        tf.IndexedSlices(t, g.indices, g.dense_shape) if a else t
+        for g, t, a in zip(p.pieces, s.pieces, al)])
+                   for p, s, al in zip(split, summed, alike)])
+    return [next(rest) if p is None else (next(summed).assembled(), v)
             for (_, v), p in zip(pairs, parts)]
 
   return wrapper
-
-
-def _alike_values(piece):
-  """A sparse `piece`'s values where its rows are the same on every replica
-  (constants), to be summed; else `piece`."""
-  if isinstance(piece, tf.IndexedSlices) and computed_from_constants(
-      piece.indices):
-    return piece.values
-  return piece
-
-
-def _with_summed_values(parts, summed):
-  """`summed` (the sum of `parts` with `_alike_values`), sparse again where
-  `parts` was: each summed value at its part's rows."""
-  return summed.with_pieces([
-      tf.IndexedSlices(s, p.indices, p.dense_shape)
-      if isinstance(p, tf.IndexedSlices) and not isinstance(
-          s, tf.IndexedSlices) else s
-      for p, s in zip(parts.pieces, summed.pieces)])
 
 
 def skip_if_reduced(all_reduce_sum_gradients):

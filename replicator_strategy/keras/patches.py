@@ -110,6 +110,10 @@ PATCHES = (
     Patch(_OPTIMIZER, "_backend_apply_gradients",
           gradient_exchange.reduce_before_clipping,
           _UNDER_US + " and the optimizer clips"),
+    # _clip_gradients, outer to inner: reduce_accumulated_before_clipping,
+    # clip_in_parts (what is clipped is summed first).
+    Patch(_OPTIMIZER, "_clip_gradients", gradient_exchange.clip_in_parts,
+          "the optimizer clips by norm a weight split by a layout map"),
     Patch(_OPTIMIZER, "_clip_gradients",
           gradient_exchange.reduce_accumulated_before_clipping,
           _UNDER_US + ", the optimizer accumulates gradients and clips"),
@@ -127,14 +131,14 @@ PATCHES = (
           _UNDER_US + ": whether any replica's gradients overflowed"),
     # _all_reduce_sum_gradients, outer to inner: gather_for_clipping
     # (sharded_weights, below), split_in_parts, slices_as_on_one_device,
-    # skip_if_reduced, compressed_on_the_wire. compressed_on_the_wire is the sum itself (it
-    # calls Keras's only without compression), so every other wrapper sits
-    # above it: skip_if_reduced, to sum nothing twice when the gradients were
-    # summed before clipping; slices_as_on_one_device, which changes what is
-    # summed (a slice's values); split_in_parts above it, to see a split
-    # weight's gradient as the tape gave it; gather_for_clipping outermost, which takes
-    # sharded weights' gradients (gathered, not summed) out of what any sum
-    # below sees.
+    # skip_if_reduced, compressed_on_the_wire. compressed_on_the_wire is the
+    # sum itself (it calls Keras's only without compression), so every other
+    # wrapper sits above it: skip_if_reduced, to sum nothing twice when the
+    # gradients were summed before clipping; slices_as_on_one_device, which
+    # changes what is summed (a slice's values); split_in_parts above it, to
+    # see a split weight's gradient as the tape gave it; gather_for_clipping
+    # outermost, which takes sharded weights' gradients (gathered, not
+    # summed) out of what any sum below sees.
     Patch(_OPTIMIZER, "_all_reduce_sum_gradients",
           gradient_exchange.compressed_on_the_wire,
           "the strategy is a ReplicatorStrategy(gradient_compression=...)"),

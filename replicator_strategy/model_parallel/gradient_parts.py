@@ -86,6 +86,8 @@ def parts_of(value):
   outer = _captured_from(value)
   if outer is not None:
     return parts_of(outer)
+  if not value.shape.is_fully_defined():
+    return None
   op = value.op
   if op.type not in _ELEMENTWISE or len(op.outputs) != 1:
     return None
@@ -117,6 +119,49 @@ def parts_of(value):
   parts = found.with_pieces(pieces)
   record(value, parts)
   return parts
+
+
+def may_have_parts():
+  """Whether the strategy in scope splits weights over a replica's devices."""
+  logical = getattr(tf.distribute.get_strategy().extended, "logical_devices",
+                    None)
+  return logical is not None and logical.per_replica > 1
+
+
+def pieces_or_whole(values):
+  """`values` (gradients, or None), each with `Parts` replaced by its
+  pieces; and a function that puts such a list (the pieces changed, say
+  scaled) back as `values` are, each split one assembled from its pieces."""
+  parts = [None if v is None or not may_have_parts() else parts_of(v)
+           for v in values]
+  flat = []
+  for v, p in zip(values, parts):
+    flat.extend([v] if p is None else p.pieces)
+
+  def regrouped(new_flat):
+    out, new_flat = [], iter(new_flat)
+    for p in parts:
+      out.append(next(new_flat) if p is None else p.with_pieces(
+          [next(new_flat) for _ in p.pieces]).assembled())
+    return out
+
+  return flat, regrouped
+
+
+def uniform_pieces(value, shapes, devices):
+  """`value` in pieces of `shapes` on `devices` where it is a constant of
+  one value throughout (an accumulator's zeros), else None."""
+  if not isinstance(value, tf.Tensor) or tf.executing_eagerly():
+    return None
+  constant = tf.get_static_value(value)
+  if constant is None or constant.size == 0 or np.any(
+      constant != constant.flat[0]):
+    return None
+  pieces = []
+  for shape, device in zip(shapes, devices):
+    with tf.device(device):
+      pieces.append(tf.fill(shape, tf.constant(constant.flat[0], value.dtype)))
+  return pieces
 
 
 def _captured_from(tensor):

@@ -141,6 +141,16 @@ class SplitVariable(sharded_variables.PiecewiseVariable):
         [p.handle for p in self.parts(local)],
         lambda grads: _concat_gradients(grads, self.parts(local), self.axis))
 
+  def known_pieces(self, value, replica):
+    """`value`'s pieces for replica `replica`'s parts where they are known
+    without reading it whole (`gradient_parts`), else None."""
+    parts = gradient_parts.parts_of(value)
+    if parts is not None:
+      return parts.pieces
+    return gradient_parts.uniform_pieces(
+        value, [p.shape for p in self.parts(replica)],
+        [p.device for p in self.parts(replica)])
+
   def _split(self, value):
     return tf.split(value, self.num_parts, axis=self.axis)
 
@@ -161,9 +171,9 @@ class SplitVariable(sharded_variables.PiecewiseVariable):
       return update_fn(self.parts(replica)[part], value, **kwargs)
     if replica is None:
       replica = tf.distribute.get_replica_context().local_index
-    parts = gradient_parts.parts_of(value)
-    pieces = (parts.pieces if parts is not None else
-              self._split(tf.convert_to_tensor(value, dtype=self.dtype)))
+    pieces = self.known_pieces(value, replica)
+    pieces = pieces if pieces is not None else self._split(
+        tf.convert_to_tensor(value, dtype=self.dtype))
     return tf.group([update_fn(p, piece, **kwargs)
                      for p, piece in zip(self.parts(replica), pieces)])
 
@@ -226,8 +236,7 @@ def update(var, fn, args, kwargs):
 def update_replica(var, replica, fn, args, kwargs):
   """`update` for one replica, given its own `args` and `kwargs`."""
   split_args, split_kwargs = tf.nest.map_structure(
-      lambda a: _split_if_whole(a, var.shape.as_list(), var.num_parts,
-                                var.axis), (args, kwargs))
+      lambda a: _split_if_whole(a, var, replica), (args, kwargs))
   results = []
   for part, component in enumerate(var.parts(replica)):
     part_args, part_kwargs = tf.nest.map_structure(
@@ -251,10 +260,13 @@ def _piece(value, part):
   return value.pieces[part] if isinstance(value, _Pieces) else value
 
 
-def _split_if_whole(value, whole, k, axis):
-  parts = gradient_parts.parts_of(value)
-  if parts is not None:  # Its parts' own: the whole is left unread.
-    return _Pieces(parts.pieces)
+def _split_if_whole(value, var, replica):
+  whole, k, axis = var.shape.as_list(), var.num_parts, var.axis
+  if (isinstance(value, (tf.Tensor, tf.IndexedSlices)) and
+      value.shape.is_compatible_with(whole)):
+    pieces = var.known_pieces(value, replica)
+    if pieces is not None:  # Its parts' own: the whole is left unread.
+      return _Pieces(pieces)
   if isinstance(value, tf.IndexedSlices):  # A gradient of the whole.
     with tf.device(value.values.device):
       return _Pieces(_split_sparse(value, k, axis, whole))

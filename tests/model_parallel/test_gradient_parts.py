@@ -4,8 +4,11 @@ On a (2, 2) mesh the traced training step (Keras's train step, as `fit`
 runs it in each replica, and a custom loop's `apply_gradients`) computes no
 tensor of a split weight's whole shape that its outputs or updates depend
 on: each part's gradient is summed over the replicas on its own device, and
-each part updated from it. The layers: an Embedding, MultiHeadAttention
-(its EinsumDense projections), and a Megatron MLP of Dense layers.
+each part updated from it; so too when the optimizer clips, scales the loss
+or accumulates, or the strategy compresses the sum. The layers: an
+Embedding, MultiHeadAttention (its EinsumDense projections), and a Megatron
+MLP of Dense layers. Clipped or compressed in parts, it trains as one device
+does.
 """
 
 import unittest
@@ -20,14 +23,15 @@ from replicator_strategy import _tf_internal as tfi
 from replicator_strategy.model_parallel import split_variables
 
 # No activation of the traced step has a split weight's shape.
-VOCAB, SEQ, WIDTH, HEADS, KEY_DIM, HIDDEN = 10, 5, 16, 4, 6, 24
+VOCAB, SEQ, WIDTH, HEADS, KEY_DIM, HIDDEN = 10, 5, 16, 4, 6, 28
 
 
 def layout(table):
   mesh = keras.distribution.DeviceMesh(
       (2, 2), ("batch", "model"), keras.distribution.list_devices()[:4])
   layout_map = keras.distribution.LayoutMap(mesh)
-  layout_map[".*table/embeddings"] = table
+  if table is not None:
+    layout_map[".*table/embeddings"] = table
   layout_map[".*attention/(query|key|value)/kernel"] = (None, "model", None)
   layout_map[".*attention/(query|key|value)/bias"] = ("model", None)
   layout_map[".*attention/attention_output/kernel"] = ("model", None, None)
@@ -51,9 +55,11 @@ def block(optimizer):
   return model
 
 
-def split_block(table, optimizer=lambda: keras.optimizers.Adam(0.01)):
-  """(strategy, `block`) on a (2, 2) mesh, the `optimizer()` built."""
-  strategy = rs.ReplicatorStrategy(layout_map=layout(table))
+def split_block(table, optimizer=lambda: keras.optimizers.Adam(0.01),
+                **options):
+  """(strategy, `block`) on a (2, 2) mesh, the `optimizer()` built;
+  `options`: the strategy's."""
+  strategy = rs.ReplicatorStrategy(layout_map=layout(table), **options)
   with strategy.scope():
     model = block(optimizer())
     model.optimizer.build(model.trainable_variables)
@@ -61,18 +67,23 @@ def split_block(table, optimizer=lambda: keras.optimizers.Adam(0.01)):
 
 
 def whole_shapes(model):
-  shapes = {tuple(v.shape) for v in model.weights
-            if isinstance(v.value, split_variables.SplitVariable)}
-  assert len(shapes) == 7, shapes  # Table, q/k/v, their biases, output, up...
-  return shapes
+  """The shapes of `model`'s split weights: the table's (if split), query,
+  key and value's kernels' and biases', the attention output's, up's
+  kernel's and bias's, down's."""
+  return {tuple(v.shape) for v in model.weights
+          if isinstance(v.value, split_variables.SplitVariable)}
 
 
 def reached_whole(graph, shapes):
   """Ops of `graph` (and of the functions it calls) that the function's
   outputs or updates depend on, whose outputs have one of `shapes`."""
-  found = []
+  return _reached(graph, shapes)[0]
+
+
+def _reached(graph, shapes):
+  """(`reached_whole`'s ops, the indices of `graph.inputs` they depend on)."""
+  found, seen = [], set()
   pending = [t.op for t in graph.outputs] + list(graph.control_outputs)
-  seen = set()
   while pending:
     op = pending.pop()
     if op in seen:
@@ -81,11 +92,23 @@ def reached_whole(graph, shapes):
     found.extend(op.name for t in op.outputs
                  if t.shape.rank is not None and
                  tuple(t.shape.as_list()) in shapes)
-    pending.extend(t.op for t in op.inputs)
     pending.extend(op.control_inputs)
-    for called in tfi.called_function_graphs(op):
-      found.extend(reached_whole(called, shapes))
-  return found
+    called = tfi.called_function_graphs(op)
+    if op.type not in ("If", "StatelessIf", "PartitionedCall",
+                       "StatefulPartitionedCall"):
+      pending.extend(t.op for t in op.inputs)
+      for function_graph in called:
+        found.extend(reached_whole(function_graph, shapes))
+      continue
+    # A call (a tf.cond's branches): only the inputs its functions read.
+    first = 1 if op.type.endswith("If") else 0
+    pending.extend(t.op for t in op.inputs[:first])
+    for function_graph in called:
+      names, used = _reached(function_graph, shapes)
+      found.extend(names)
+      pending.extend(op.inputs[first + i].op for i in used)
+  inputs = [t.op for t in graph.inputs]
+  return found, {i for i, op in enumerate(inputs) if op in seen}
 
 
 def inputs():
@@ -120,6 +143,15 @@ def custom_step_graph(strategy, model):
 
 
 TABLES = [("columns", (None, "model")), ("rows", ("model", None))]
+# Optimizers that change the gradient between the tape and the update.
+CHANGING = [
+    ("clipnorm", lambda: keras.optimizers.Adam(0.01, clipnorm=0.1)),
+    ("global_clipnorm",
+     lambda: keras.optimizers.Adam(0.01, global_clipnorm=0.1)),
+    ("clipvalue", lambda: keras.optimizers.Adam(0.01, clipvalue=0.01)),
+    ("loss_scale", lambda: keras.optimizers.LossScaleOptimizer(
+        keras.optimizers.Adam(0.01))),
+]
 
 
 class NoWholeGradientTest(unittest.TestCase):
@@ -128,9 +160,34 @@ class NoWholeGradientTest(unittest.TestCase):
   def test_the_fit_step_holds_no_whole_split_weight_with_a_table_by(
       self, _, table):
     strategy, model = split_block(table)
+    shapes = whole_shapes(model)
+    self.assertEqual(len(shapes), 7, shapes)
+    self.assertEqual(reached_whole(fit_step_graph(strategy, model), shapes),
+                     [])
+
+  @parameterized.expand(CHANGING)
+  def test_the_fit_step_holds_no_whole_split_weight_with(self, _, optimizer):
+    strategy, model = split_block((None, "model"), optimizer)
     self.assertEqual(
         reached_whole(fit_step_graph(strategy, model), whole_shapes(model)),
         [])
+
+  def test_the_fit_step_holds_no_whole_split_weight_compressed(self):
+    strategy, model = split_block((None, "model"),
+                                  gradient_compression="bfloat16")
+    self.assertEqual(
+        reached_whole(fit_step_graph(strategy, model), whole_shapes(model)),
+        [])
+
+  def test_accumulating_holds_no_whole_split_weight_but_a_sparse_one(self):
+    # Keras adds a sparse gradient to its accumulator dense, whole: the
+    # table here is not split.
+    strategy, model = split_block(None, lambda: keras.optimizers.Adam(
+        0.01, gradient_accumulation_steps=2))
+    shapes = whole_shapes(model)
+    self.assertEqual(len(shapes), 6, shapes)
+    self.assertEqual(reached_whole(fit_step_graph(strategy, model), shapes),
+                     [])
 
   def test_a_custom_loop_step_holds_no_whole_split_weight(self):
     strategy, model = split_block((None, "model"),
@@ -138,3 +195,33 @@ class NoWholeGradientTest(unittest.TestCase):
     self.assertEqual(
         reached_whole(custom_step_graph(strategy, model), whole_shapes(model)),
         [])
+
+
+def trained(model):
+  ids = np.random.default_rng(2).integers(0, VOCAB, size=(16, SEQ + 1))
+  history = model.fit(ids[:, :-1], ids[:, 1:], batch_size=8, epochs=2,
+                      shuffle=False, verbose=0)
+  return history.history["loss"], model.get_weights()
+
+
+class InPartsTrainsAsOneDeviceTest(unittest.TestCase):
+  """Clipped, or summed as 16-bit floats, in parts: as one device trains."""
+
+  def check(self, optimizer, rtol, **options):
+    want_loss, want = trained(block(optimizer()))
+    _, model = split_block((None, "model"), optimizer, **options)
+    have_loss, have = trained(model)
+    np.testing.assert_allclose(have_loss, want_loss, rtol=rtol)
+    for w, h in zip(want, have, strict=True):
+      np.testing.assert_allclose(h, w, rtol=rtol, atol=rtol / 10)
+
+  # SGD: its updates follow the gradients' rounding, which Adam's
+  # normalization would amplify.
+  @parameterized.expand([("clipnorm", {"clipnorm": 0.1}),
+                         ("global_clipnorm", {"global_clipnorm": 0.1})])
+  def test_clipping_in_parts_by(self, _, clipping):
+    self.check(lambda: keras.optimizers.SGD(0.1, **clipping), 1e-5)
+
+  def test_gradient_compression_in_parts(self):
+    self.check(lambda: keras.optimizers.SGD(0.1), 1e-2,
+               gradient_compression="bfloat16")
