@@ -95,27 +95,30 @@ def clip_in_parts(clip_gradients):
     if self.global_clipnorm:
       # Keras's own: its global norm sums each entry's sum of squares.
       return regrouped(ki.clip_by_global_norm(flat, self.global_clipnorm))
-    return [_clip_parts_by_norm(g, self.clipnorm) if
-            gradient_parts.parts_of(g) is not None and
-            not isinstance(g, tf.IndexedSlices) else clip_gradients(self, [g])[0]
-            for g in grads]
+    clipped = []
+    for g in grads:
+      parts = None if g is None else gradient_parts.parts_of(g)
+      if parts is None or isinstance(g, tf.IndexedSlices):
+        clipped.extend(clip_gradients(self, [g]))  # Sparse stays sparse.
+      else:
+        clipped.append(_clip_parts_by_norm(parts, self.clipnorm))
+    return clipped
 
   return wrapper
 
 
-def _clip_parts_by_norm(grad, clip_norm):
-  """`tf.clip_by_norm(grad, clip_norm)` of a gradient in `Parts`, part by part."""
-  parts = gradient_parts.parts_of(grad)
+def _clip_parts_by_norm(parts, clip_norm):
+  """`tf.clip_by_norm` of a gradient in `parts`, part by part."""
   squares = []
   for piece, device in zip(parts.pieces, parts.devices):
     with tf.device(device):
       squares.append(tf.reduce_sum(piece * piece))
   with tf.device(parts.devices[0]):
     l2sum = tf.add_n(squares)
-    # tf.clip_by_norm's: a zero gradient stays zero.
+    # As tf.clip_by_norm: a zero gradient stays zero.
     l2norm = tf.where(l2sum > 0, tf.sqrt(tf.where(l2sum > 0, l2sum, 1.0)),
                       l2sum)
-    clip_norm = tf.cast(clip_norm, grad.dtype)
+    clip_norm = tf.cast(clip_norm, l2sum.dtype)
     divisor = tf.maximum(l2norm, clip_norm)
   pieces = []
   for piece, device in zip(parts.pieces, parts.devices):

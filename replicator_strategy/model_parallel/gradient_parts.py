@@ -209,28 +209,25 @@ def all_reduce_sum(replica_context, parts_list, wire=None):
         communicator.among_devices(column) for column in
         zip(*extended.logical_devices.groups)]
   exchanges = _exchanges[extended]
-  k = len(exchanges)
-  columns = [[] for _ in range(k)]
+  n = len(parts_list)
+  columns = [[] for _ in exchanges]
   for parts in parts_list:
     for j, piece in enumerate(parts.pieces):
-      if not ctx.can_merge and isinstance(piece, tf.IndexedSlices):
-        with tf.device(parts.devices[j]):
-          piece = tf.convert_to_tensor(piece)
       with tf.device(parts.devices[j]):
+        if not ctx.can_merge and isinstance(piece, tf.IndexedSlices):
+          piece = tf.convert_to_tensor(piece)
         columns[j].append(compression.to_wire(piece, wire))
   if ctx.can_merge:
 
     def merge_fn(strategy, *values):
       del strategy
-      n = len(parts_list)
       return [total for j, (ops, _) in enumerate(exchanges)
               for total in ops.batch_reduce(
                   tf.distribute.ReduceOp.SUM,
                   [(v, v) for v in values[j * n:(j + 1) * n]])]
 
-    n = len(parts_list)
     flat = ctx.merge_call(merge_fn, args=tuple(v for c in columns for v in c))
-    summed = [flat[j * n:(j + 1) * n] for j in range(k)]
+    summed = [flat[j * n:(j + 1) * n] for j in range(len(exchanges))]
   else:
     summed = []
     for (_, collectives), column in zip(exchanges, columns):
