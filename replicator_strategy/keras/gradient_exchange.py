@@ -19,6 +19,7 @@ all-reduce sends 16-bit floats (`replicator_strategy.collectives.compression`).
 """
 
 import functools
+import weakref
 
 import keras
 import tensorflow as tf
@@ -28,6 +29,7 @@ from replicator_strategy.keras import replicas
 from replicator_strategy.keras import sharded_weights
 from replicator_strategy.keras import step_context
 from replicator_strategy.collectives import compression as compression_lib
+from replicator_strategy.collectives import reduce_op as reduce_op_lib
 from replicator_strategy.model_parallel import gradient_parts
 
 
@@ -176,7 +178,7 @@ def split_in_parts(all_reduce_sum_gradients):
     alike = [[isinstance(g, tf.IndexedSlices) and
               computed_from_constants(g.indices) for g in p.pieces]
              for p in split]
-    summed = gradient_parts.all_reduce_sum(
+    summed = _sum_parts(
         tf.distribute.get_replica_context(),
         [p.with_pieces([g.values if a else g for g, a in zip(p.pieces, al)])
          for p, al in zip(split, alike)],
@@ -191,6 +193,67 @@ def split_in_parts(all_reduce_sum_gradients):
             for (_, v), p in zip(pairs, parts)]
 
   return wrapper
+
+
+# Per strategy: the all-reduce of each logical device index j.
+_exchanges = weakref.WeakKeyDictionary()
+
+
+def _sum_parts(replica_context, parts_list, wire=None):
+  """Each of `parts_list` (`Parts`, one per gradient) summed over the
+  replicas in sync, part by part: part j among every replica's part j, on
+  its own device (logical device j). Returns their `Parts`.
+
+  `wire`: the 16-bit dtype dense float parts travel as
+  (`collectives.compression`), or None. In a replica's control flow (a
+  `tf.cond` branch) sparse parts are summed dense, as `all_reduce` does.
+  """
+  ctx = replica_context
+  extended = ctx.strategy.extended
+  if extended.num_replicas_in_all_groups == 1:
+    return list(parts_list)
+  if extended not in _exchanges:
+    communicator = extended.communicator
+    _exchanges[extended] = [
+        communicator.among_devices(column) for column in
+        zip(*extended.logical_devices.groups)]
+  exchanges = _exchanges[extended]
+  n = len(parts_list)
+  columns = [[] for _ in exchanges]
+  for parts in parts_list:
+    for j, piece in enumerate(parts.pieces):
+      with tf.device(parts.devices[j]):
+        if not ctx.can_merge and isinstance(piece, tf.IndexedSlices):
+          piece = tf.convert_to_tensor(piece)
+        columns[j].append(compression_lib.to_wire(piece, wire))
+  if ctx.can_merge:
+
+    def merge_fn(strategy, *values):
+      del strategy
+      return [total for j, (ops, _) in enumerate(exchanges)
+              for total in ops.batch_reduce(
+                  tf.distribute.ReduceOp.SUM,
+                  [(v, v) for v in values[j * n:(j + 1) * n]])]
+
+    flat = ctx.merge_call(merge_fn, args=tuple(v for c in columns for v in c))
+    summed = [flat[j * n:(j + 1) * n] for j in range(len(exchanges))]
+  else:
+    summed = []
+    for (_, collectives), column in zip(exchanges, columns):
+      keys = ctx.collective_keys(len(column), collectives)
+      summed.append(collectives.all_reduce(
+          ctx.local_index, reduce_op_lib.ReduceOp.SUM, column, keys))
+  out = []
+  for i, parts in enumerate(parts_list):
+    pieces = []
+    for j, piece in enumerate(parts.pieces):
+      total = summed[j][i]
+      if not isinstance(total, tf.IndexedSlices):
+        with tf.device(parts.devices[j]):
+          total = compression_lib.from_wire(total, piece.dtype)
+      pieces.append(total)
+    out.append(parts.with_pieces(pieces))
+  return out
 
 
 def skip_if_reduced(all_reduce_sum_gradients):

@@ -9,8 +9,8 @@ computed from them elementwise, by scalars or by other such values (a loss
 scale's division, an accumulator's sum, clipping by a norm), has parts too:
 `parts_of` computes each part's on its device, from the parts. The
 optimizer's all-reduce sums each part over the replicas on its own device
-(`all_reduce_sum`: part j among every replica's logical device j), and the
-update takes each part's sum (`split_variables.update`). So in a traced step
+(`keras.gradient_exchange`: part j among every replica's logical device j),
+and the update takes each part's sum (`split_variables.update`). So in a traced step
 the whole feeds nothing, and TensorFlow prunes it: no device holds a split
 weight's whole gradient.
 
@@ -23,13 +23,8 @@ weight's whole gradient.
 [0.25, 0.5]
 """
 
-import weakref
-
 import numpy as np
 import tensorflow as tf
-
-from replicator_strategy.collectives import compression
-from replicator_strategy.collectives import reduce_op
 
 _ATTRIBUTE = "_replicator_strategy_parts"
 
@@ -184,64 +179,3 @@ def _concat_sparse(pieces, axis):
       tf.concat([g.values for g in pieces], 0),
       tf.concat([tf.cast(g.indices, tf.int64) + o
                  for g, o in zip(pieces, offsets)], 0), tf.constant(shape))
-
-
-# Per strategy: the all-reduce of each logical device index j.
-_exchanges = weakref.WeakKeyDictionary()
-
-
-def all_reduce_sum(replica_context, parts_list, wire=None):
-  """Each of `parts_list` (`Parts`, one per gradient) summed over the
-  replicas in sync, part by part: part j among every replica's part j, on
-  its own device (logical device j). Returns their `Parts`.
-
-  `wire`: the 16-bit dtype dense float parts travel as
-  (`collectives.compression`), or None. In a replica's control flow (a
-  `tf.cond` branch) sparse parts are summed dense, as `all_reduce` does.
-  """
-  ctx = replica_context
-  extended = ctx.strategy.extended
-  if extended.num_replicas_in_all_groups == 1:
-    return list(parts_list)
-  if extended not in _exchanges:
-    communicator = extended.communicator
-    _exchanges[extended] = [
-        communicator.among_devices(column) for column in
-        zip(*extended.logical_devices.groups)]
-  exchanges = _exchanges[extended]
-  n = len(parts_list)
-  columns = [[] for _ in exchanges]
-  for parts in parts_list:
-    for j, piece in enumerate(parts.pieces):
-      with tf.device(parts.devices[j]):
-        if not ctx.can_merge and isinstance(piece, tf.IndexedSlices):
-          piece = tf.convert_to_tensor(piece)
-        columns[j].append(compression.to_wire(piece, wire))
-  if ctx.can_merge:
-
-    def merge_fn(strategy, *values):
-      del strategy
-      return [total for j, (ops, _) in enumerate(exchanges)
-              for total in ops.batch_reduce(
-                  tf.distribute.ReduceOp.SUM,
-                  [(v, v) for v in values[j * n:(j + 1) * n]])]
-
-    flat = ctx.merge_call(merge_fn, args=tuple(v for c in columns for v in c))
-    summed = [flat[j * n:(j + 1) * n] for j in range(len(exchanges))]
-  else:
-    summed = []
-    for (_, collectives), column in zip(exchanges, columns):
-      keys = ctx.collective_keys(len(column), collectives)
-      summed.append(collectives.all_reduce(
-          ctx.local_index, reduce_op.ReduceOp.SUM, column, keys))
-  out = []
-  for i, parts in enumerate(parts_list):
-    pieces = []
-    for j, piece in enumerate(parts.pieces):
-      total = summed[j][i]
-      if not isinstance(total, tf.IndexedSlices):
-        with tf.device(parts.devices[j]):
-          total = compression.from_wire(total, piece.dtype)
-      pieces.append(total)
-    out.append(parts.with_pieces(pieces))
-  return out
