@@ -22,7 +22,7 @@ import replicator_strategy as rs
 from replicator_strategy import _tf_internal as tfi
 from replicator_strategy.model_parallel import split_variables
 
-# No activation of the traced step has a split weight's shape.
+# No activation, part or unsplit weight has a split weight's whole shape.
 VOCAB, SEQ, WIDTH, HEADS, KEY_DIM, HIDDEN = 10, 5, 16, 4, 6, 28
 
 
@@ -156,45 +156,35 @@ CHANGING = [
 
 class NoWholeGradientTest(unittest.TestCase):
 
+  def check(self, strategy, model, step_graph=fit_step_graph, split=7):
+    """No tensor of the traced step's has the whole shape of any of the
+    `split` distinct shapes of `model`'s split weights."""
+    shapes = whole_shapes(model)
+    self.assertEqual(len(shapes), split, shapes)
+    self.assertEqual(reached_whole(step_graph(strategy, model), shapes), [])
+
   @parameterized.expand(TABLES)
   def test_the_fit_step_holds_no_whole_split_weight_with_a_table_by(
       self, _, table):
-    strategy, model = split_block(table)
-    shapes = whole_shapes(model)
-    self.assertEqual(len(shapes), 7, shapes)
-    self.assertEqual(reached_whole(fit_step_graph(strategy, model), shapes),
-                     [])
+    self.check(*split_block(table))
 
   @parameterized.expand(CHANGING)
   def test_the_fit_step_holds_no_whole_split_weight_with(self, _, optimizer):
-    strategy, model = split_block((None, "model"), optimizer)
-    self.assertEqual(
-        reached_whole(fit_step_graph(strategy, model), whole_shapes(model)),
-        [])
+    self.check(*split_block((None, "model"), optimizer))
 
   def test_the_fit_step_holds_no_whole_split_weight_compressed(self):
-    strategy, model = split_block((None, "model"),
-                                  gradient_compression="bfloat16")
-    self.assertEqual(
-        reached_whole(fit_step_graph(strategy, model), whole_shapes(model)),
-        [])
+    self.check(*split_block((None, "model"), gradient_compression="bfloat16"))
 
   def test_accumulating_holds_no_whole_split_weight_but_a_sparse_one(self):
     # Keras adds a sparse gradient to its accumulator dense, whole: the
     # table here is not split.
-    strategy, model = split_block(None, lambda: keras.optimizers.Adam(
-        0.01, gradient_accumulation_steps=2))
-    shapes = whole_shapes(model)
-    self.assertEqual(len(shapes), 6, shapes)
-    self.assertEqual(reached_whole(fit_step_graph(strategy, model), shapes),
-                     [])
+    self.check(*split_block(None, lambda: keras.optimizers.Adam(
+        0.01, gradient_accumulation_steps=2)), split=6)
 
   def test_a_custom_loop_step_holds_no_whole_split_weight(self):
-    strategy, model = split_block((None, "model"),
-                                  lambda: keras.optimizers.SGD(0.1))
-    self.assertEqual(
-        reached_whole(custom_step_graph(strategy, model), whole_shapes(model)),
-        [])
+    self.check(*split_block((None, "model"),
+                            lambda: keras.optimizers.SGD(0.1)),
+               step_graph=custom_step_graph)
 
 
 def trained(model):
