@@ -245,6 +245,26 @@ def clone_function_without_xla(function, python_function):
   return clone
 
 
+def called_function_graphs(op):
+  """The traced graphs of the functions a graph `op` calls (a `tf.function`
+  call, a `tf.cond`'s branches, a `tf.while_loop`'s condition and body)."""
+  names = []
+  for value in op.node_def.attr.values():
+    if value.HasField("func"):
+      names.append(value.func.name)
+    names.extend(f.name for f in value.list.func)
+  graphs = []
+  for name in names:
+    graph = op.graph
+    while graph is not None:
+      function = graph._get_function(name)  # pylint: disable=protected-access
+      if function is not None:
+        graphs.append(function.graph)
+        break
+      graph = getattr(graph, "outer_graph", None)
+  return graphs
+
+
 def xla_launches_by_device(fn):
   """`fn()`'s result and a Counter: device -> XLA clusters launched on it.
 

@@ -87,6 +87,7 @@ class Communicator(protocol.Collectives):
 
   def __init__(self, devices, all_reduce, timeout_seconds, num_workers=1):
     self.devices = tuple(devices)
+    self._all_reduce, self._timeout_seconds = all_reduce, timeout_seconds
     self.host_device = tfi.device_util.get_host_for_device(self.devices[0])
     self.cross_device_ops, self.all_reduce_choice = all_reduce_lib.choose(
         self.devices, all_reduce, num_workers=num_workers,
@@ -131,6 +132,17 @@ class Communicator(protocol.Collectives):
                                                           destinations):
       return self._host_reduce_ops
     return self.cross_device_ops
+
+  def among_devices(self, devices):
+    """`(cross_device_ops, replica_collectives)`: the all-reduce among the
+    same replicas of values on `devices`, one per local replica (each
+    replica's logical device j), in collective groups of their own."""
+    cross_device_ops, _ = all_reduce_lib.choose(
+        devices, self._all_reduce, num_workers=self.num_workers,
+        timeout_seconds=self._timeout_seconds)
+    return cross_device_ops, replica_collectives.ReplicaCollectives(
+        devices, self.num_replicas, self._timeout_seconds,
+        what=f"collectives among {self.num_replicas} replicas on {devices}")
 
   @property
   def gather_ops(self):

@@ -51,6 +51,7 @@ from keras.src.layers.convolutional.base_separable_conv import BaseSeparableConv
 from keras.src.layers.pooling.base_pooling import BasePooling
 from keras.src.layers.regularization.spatial_dropout import BaseSpatialDropout
 from keras.src.losses import loss  # Where Keras scales losses.
+from keras.src.optimizers.base_optimizer import clip_by_global_norm  # Its global_clipnorm.
 from keras.src.saving import saving_lib  # The H5 store of weights files.
 from keras.src.trainers import data_adapters  # Which data fit takes.
 from keras.src.trainers.data_adapters import data_adapter_utils  # class_weight as sample weights.

@@ -8,12 +8,18 @@
   on the batch (an `Embedding` of positions), and Keras's Adam squares each
   slice. Here such slices are summed, as one device has them.
 
+- The gradient of a weight split over each replica's devices (a
+  `layout_map`'s) is summed part by part, each part among the replicas on
+  its own device; the update takes the parts, so no device holds it whole
+  (`model_parallel.gradient_parts`).
+
 And one thing Keras has no word for: with
 `ReplicatorStrategy(gradient_compression=...)` the optimizer's gradient
 all-reduce sends 16-bit floats (`replicator_strategy.collectives.compression`).
 """
 
 import functools
+import weakref
 
 import keras
 import tensorflow as tf
@@ -24,6 +30,8 @@ from replicator_strategy.keras import sharded_weights
 from replicator_strategy.keras import step_context
 from replicator_strategy.collectives import compression as compression_lib
 from replicator_strategy import options as options_lib
+from replicator_strategy.collectives import reduce_op as reduce_op_lib
+from replicator_strategy.model_parallel import gradient_parts
 
 
 def _clips(optimizer):
@@ -75,6 +83,53 @@ def reduce_accumulated_before_clipping(clip_gradients):
   return wrapper
 
 
+def clip_in_parts(clip_gradients):
+  """Clipping by norm or global norm, a split weight's norm summed from its
+  parts' (each part's sum of squares on its device): the clipped gradient
+  stays in parts, and no device reads it whole."""
+
+  @functools.wraps(clip_gradients)
+  def wrapper(self, grads):
+    if not (self.clipnorm or self.global_clipnorm):
+      return clip_gradients(self, grads)
+    flat, regrouped = gradient_parts.pieces_or_whole(grads)
+    if len(flat) == len(grads):
+      return clip_gradients(self, grads)
+    if self.global_clipnorm:
+      # Keras's own: its global norm sums each entry's sum of squares.
+      return regrouped(ki.clip_by_global_norm(flat, self.global_clipnorm))
+    clipped = []
+    for g in grads:
+      parts = None if g is None else gradient_parts.parts_of(g)
+      if parts is None or isinstance(g, tf.IndexedSlices):
+        clipped.extend(clip_gradients(self, [g]))  # Sparse stays sparse.
+      else:
+        clipped.append(_clip_parts_by_norm(parts, self.clipnorm))
+    return clipped
+
+  return wrapper
+
+
+def _clip_parts_by_norm(parts, clip_norm):
+  """`tf.clip_by_norm` of a gradient in `parts`, part by part."""
+  squares = []
+  for piece, device in zip(parts.pieces, parts.devices):
+    with tf.device(device):
+      squares.append(tf.reduce_sum(piece * piece))
+  with tf.device(parts.devices[0]):
+    l2sum = tf.add_n(squares)
+    # As tf.clip_by_norm: a zero gradient stays zero.
+    l2norm = tf.where(l2sum > 0, tf.sqrt(tf.where(l2sum > 0, l2sum, 1.0)),
+                      l2sum)
+    clip_norm = tf.cast(clip_norm, l2sum.dtype)
+    divisor = tf.maximum(l2norm, clip_norm)
+  pieces = []
+  for piece, device in zip(parts.pieces, parts.devices):
+    with tf.device(device):
+      pieces.append(piece * clip_norm / divisor)
+  return parts.with_pieces(pieces).assembled()
+
+
 def compressed_on_the_wire(all_reduce_sum_gradients):
   """The optimizer's gradient sum, sent as the strategy's 16-bit floats.
 
@@ -94,6 +149,110 @@ def compressed_on_the_wire(all_reduce_sum_gradients):
     return [(None if g is None else next(summed), v) for g, v in pairs]
 
   return wrapper
+
+
+def split_in_parts(all_reduce_sum_gradients):
+  """The optimizer's gradient sum, a split weight's part by part.
+
+  A split weight's gradient (its `gradient_parts.Parts`) is summed over the
+  replicas in parts, each on its own device, compressed as the others are;
+  its whole, of the summed parts, is what the update splits and, in a
+  traced step, leaves unread. A sparse part whose rows are constants (an
+  Embedding of positions) sums its values, as `slices_as_on_one_device`
+  does for a whole. The other gradients go on to Keras's sum.
+  """
+
+  @functools.wraps(all_reduce_sum_gradients)
+  def wrapper(self, grads_and_vars):
+    pairs = list(grads_and_vars)
+    if (step_context.gradients_summed(self) or not replicas.in_our_replicas()
+        or not gradient_parts.may_have_parts()):
+      return all_reduce_sum_gradients(self, pairs)
+    parts = [None if g is None else gradient_parts.parts_of(g)
+             for g, _ in pairs]
+    if not any(parts):
+      return all_reduce_sum_gradients(self, pairs)
+    rest = [pair for pair, p in zip(pairs, parts) if p is None]
+    rest = iter(all_reduce_sum_gradients(self, rest) if rest else ())
+    split = [p for p in parts if p is not None]
+    alike = [[isinstance(g, tf.IndexedSlices) and
+              computed_from_constants(g.indices) for g in p.pieces]
+             for p in split]
+    summed = _sum_parts(
+        tf.distribute.get_replica_context(),
+        [p.with_pieces([g.values if a else g for g, a in zip(p.pieces, al)])
+         for p, al in zip(split, alike)],
+        compression_lib.wire_dtype(options_lib.of().gradient_compression))
+    # A part summed by its values: sparse again, at its rows.
+    summed = iter([s.with_pieces([
+        tf.IndexedSlices(t, g.indices, g.dense_shape) if a else t
+        for g, t, a in zip(p.pieces, s.pieces, al)])
+                   for p, s, al in zip(split, summed, alike)])
+    return [next(rest) if p is None else (next(summed).assembled(), v)
+            for (_, v), p in zip(pairs, parts)]
+
+  return wrapper
+
+
+# Per strategy: the all-reduce of each logical device index j.
+_exchanges = weakref.WeakKeyDictionary()
+
+
+def _sum_parts(replica_context, parts_list, wire=None):
+  """Each of `parts_list` (`Parts`, one per gradient) summed over the
+  replicas in sync, part by part: part j among every replica's part j, on
+  its own device (logical device j). Returns their `Parts`.
+
+  `wire`: the 16-bit dtype dense float parts travel as
+  (`collectives.compression`), or None. In a replica's control flow (a
+  `tf.cond` branch) sparse parts are summed dense, as `all_reduce` does.
+  """
+  ctx = replica_context
+  extended = ctx.strategy.extended
+  if extended.num_replicas_in_all_groups == 1:
+    return list(parts_list)
+  if extended not in _exchanges:
+    communicator = extended.communicator
+    _exchanges[extended] = [
+        communicator.among_devices(column) for column in
+        zip(*extended.logical_devices.groups)]
+  exchanges = _exchanges[extended]
+  n = len(parts_list)
+  columns = [[] for _ in exchanges]
+  for parts in parts_list:
+    for j, piece in enumerate(parts.pieces):
+      with tf.device(parts.devices[j]):
+        if not ctx.can_merge and isinstance(piece, tf.IndexedSlices):
+          piece = tf.convert_to_tensor(piece)
+        columns[j].append(compression_lib.to_wire(piece, wire))
+  if ctx.can_merge:
+
+    def merge_fn(strategy, *values):
+      del strategy
+      return [total for j, (ops, _) in enumerate(exchanges)
+              for total in ops.batch_reduce(
+                  tf.distribute.ReduceOp.SUM,
+                  [(v, v) for v in values[j * n:(j + 1) * n]])]
+
+    flat = ctx.merge_call(merge_fn, args=tuple(v for c in columns for v in c))
+    summed = [flat[j * n:(j + 1) * n] for j in range(len(exchanges))]
+  else:
+    summed = []
+    for (_, collectives), column in zip(exchanges, columns):
+      keys = ctx.collective_keys(len(column), collectives)
+      summed.append(collectives.all_reduce(
+          ctx.local_index, reduce_op_lib.ReduceOp.SUM, column, keys))
+  out = []
+  for i, parts in enumerate(parts_list):
+    pieces = []
+    for j, piece in enumerate(parts.pieces):
+      total = summed[j][i]
+      if not isinstance(total, tf.IndexedSlices):
+        with tf.device(parts.devices[j]):
+          total = compression_lib.from_wire(total, piece.dtype)
+      pieces.append(total)
+    out.append(parts.with_pieces(pieces))
+  return out
 
 
 def skip_if_reduced(all_reduce_sum_gradients):

@@ -15,6 +15,7 @@ import functools
 import tensorflow as tf
 
 from replicator_strategy.keras import replicas
+from replicator_strategy.model_parallel import gradient_parts
 
 
 def finite_on_every_replica(check_finite):
@@ -22,7 +23,8 @@ def finite_on_every_replica(check_finite):
 
   @functools.wraps(check_finite)
   def wrapper(self, grads):
-    finite = check_finite(self, grads)
+    # A split weight's gradient, checked part by part on its devices.
+    finite = check_finite(self, gradient_parts.pieces_or_whole(grads)[0])
     if not replicas.in_our_replicas():
       return finite
     ctx = tf.distribute.get_replica_context()

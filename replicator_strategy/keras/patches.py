@@ -110,6 +110,10 @@ PATCHES = (
     Patch(_OPTIMIZER, "_backend_apply_gradients",
           gradient_exchange.reduce_before_clipping,
           _UNDER_US + " and the optimizer clips"),
+    # _clip_gradients, outer to inner: reduce_accumulated_before_clipping,
+    # clip_in_parts (what is clipped is summed first).
+    Patch(_OPTIMIZER, "_clip_gradients", gradient_exchange.clip_in_parts,
+          "the optimizer clips by norm a weight split by a layout map"),
     Patch(_OPTIMIZER, "_clip_gradients",
           gradient_exchange.reduce_accumulated_before_clipping,
           _UNDER_US + ", the optimizer accumulates gradients and clips"),
@@ -126,14 +130,15 @@ PATCHES = (
           loss_scale.finite_on_every_replica,
           _UNDER_US + ": whether any replica's gradients overflowed"),
     # _all_reduce_sum_gradients, outer to inner: gather_for_clipping
-    # (sharded_weights, below), slices_as_on_one_device, skip_if_reduced,
-    # compressed_on_the_wire. compressed_on_the_wire is the sum itself (it
-    # calls Keras's only without compression), so every other wrapper sits
-    # above it: skip_if_reduced, to sum nothing twice when the gradients were
-    # summed before clipping; slices_as_on_one_device, which changes what is
-    # summed (a slice's values); gather_for_clipping outermost, which takes
-    # sharded weights' gradients (gathered, not summed) out of what any sum
-    # below sees.
+    # (sharded_weights, below), split_in_parts, slices_as_on_one_device,
+    # skip_if_reduced, compressed_on_the_wire. compressed_on_the_wire is the
+    # sum itself (it calls Keras's only without compression), so every other
+    # wrapper sits above it: skip_if_reduced, to sum nothing twice when the
+    # gradients were summed before clipping; slices_as_on_one_device, which
+    # changes what is summed (a slice's values); split_in_parts above it, to
+    # see a split weight's gradient as the tape gave it; gather_for_clipping
+    # outermost, which takes sharded weights' gradients (gathered, not
+    # summed) out of what any sum below sees.
     Patch(_OPTIMIZER, "_all_reduce_sum_gradients",
           gradient_exchange.compressed_on_the_wire,
           "the strategy is a ReplicatorStrategy(gradient_compression=...)"),
@@ -144,6 +149,9 @@ PATCHES = (
           gradient_exchange.slices_as_on_one_device,
           _UNDER_US + " and a sparse gradient's rows are constants (an "
           "Embedding of positions)"),
+    Patch(_OPTIMIZER, "_all_reduce_sum_gradients",
+          gradient_exchange.split_in_parts,
+          _UNDER_US + " and a weight is split by a layout map"),
     Patch(_OPTIMIZER, "add_variable_from_reference",
           sharded_optimizer.shard_slots, _SHARDING),
     Patch(_OPTIMIZER, "_backend_update_step",

@@ -18,7 +18,9 @@ which are split the same way. How it reads depends on where:
   instead, each part on its own device.
 
 A gradient taken inside a replica flows to the replica's parts; the tape
-hands the optimizer their concatenation, the gradient of the whole.
+hands the optimizer their concatenation, the gradient of the whole, which
+carries the parts (`gradient_parts`): the optimizer sums and applies each
+part on its device, and a traced step leaves the whole unread.
 
 >>> import keras
 >>> import replicator_strategy as rs
@@ -39,10 +41,10 @@ import functools
 import threading
 
 from absl import logging
-import numpy as np
 import tensorflow as tf
 
 from replicator_strategy import _tf_internal as tfi
+from replicator_strategy.model_parallel import gradient_parts
 from replicator_strategy.model_parallel import layouts
 from replicator_strategy.sharding import variables as sharded_variables
 
@@ -80,9 +82,10 @@ class SplitVariable(sharded_variables.PiecewiseVariable):
     return reads
 
   def _whole(self, local_replica):
-    reads = self.read_parts(local_replica)
-    with tf.device(self.parts(local_replica)[0].device):
-      return tf.concat(reads, self.axis)
+    """Replica `local_replica`'s whole, recorded with its parts' reads."""
+    return gradient_parts.Parts(
+        self.read_parts(local_replica), self.axis,
+        [p.device for p in self.parts(local_replica)]).assembled()
 
   def _get_cross_replica(self):
     return self._whole(0)
@@ -138,6 +141,16 @@ class SplitVariable(sharded_variables.PiecewiseVariable):
         [p.handle for p in self.parts(local)],
         lambda grads: _concat_gradients(grads, self.parts(local), self.axis))
 
+  def known_pieces(self, value, replica):
+    """`value`'s pieces for replica `replica`'s parts where they are known
+    without reading it whole (`gradient_parts`), else None."""
+    parts = gradient_parts.parts_of(value)
+    if parts is not None:
+      return parts.pieces
+    return gradient_parts.uniform_pieces(
+        value, [p.shape for p in self.parts(replica)],
+        [p.device for p in self.parts(replica)])
+
   def _split(self, value):
     return tf.split(value, self.num_parts, axis=self.axis)
 
@@ -158,10 +171,11 @@ class SplitVariable(sharded_variables.PiecewiseVariable):
       return update_fn(self.parts(replica)[part], value, **kwargs)
     if replica is None:
       replica = tf.distribute.get_replica_context().local_index
-    value = tf.convert_to_tensor(value, dtype=self.dtype)
-    return tf.group([
-        update_fn(p, piece, **kwargs)
-        for p, piece in zip(self.parts(replica), self._split(value))])
+    pieces = self.known_pieces(value, replica)
+    pieces = pieces if pieces is not None else self._split(
+        tf.convert_to_tensor(value, dtype=self.dtype))
+    return tf.group([update_fn(p, piece, **kwargs)
+                     for p, piece in zip(self.parts(replica), pieces)])
 
   def _serialize_to_tensors(self):
     return {tfi.VARIABLE_VALUE_KEY: self._get_cross_replica()}
@@ -171,31 +185,22 @@ class SplitVariable(sharded_variables.PiecewiseVariable):
 
 
 def _concat_gradients(grads, parts, axis):
-  """The whole's gradient from its parts': sparse (an Embedding's) stays
-  sparse, as one device's optimizer gets it."""
+  """The whole's gradient from its parts', recorded with them (None if they
+  are all None). Sparse ones (an Embedding's) stay sparse, as one device's
+  optimizer gets them."""
   if all(g is None for g in grads):
     return None
-  if all(isinstance(g, tf.IndexedSlices) for g in grads):
-    return _concat_sparse(grads, parts, axis)
-  dense = []
+  pieces = []
   for g, part in zip(grads, parts):
     with tf.device(part.device):  # Known shapes: a dynamic batch loses them.
-      dense.append(tf.zeros_like(part) if g is None else
-                   tf.ensure_shape(tf.convert_to_tensor(g), part.shape))
-  return tf.concat(dense, axis)
-
-
-def _concat_sparse(grads, parts, axis):
-  shape = [int(d) for d in parts[0].shape]
-  shape[axis] *= len(parts)
-  if axis:  # The same rows in every part: their columns side by side.
-    return tf.IndexedSlices(tf.concat([g.values for g in grads], axis),
-                            grads[0].indices, tf.constant(shape))
-  offsets = np.cumsum([0] + [int(p.shape[0]) for p in parts[:-1]])
-  return tf.IndexedSlices(
-      tf.concat([g.values for g in grads], 0),
-      tf.concat([tf.cast(g.indices, tf.int64) + o
-                 for g, o in zip(grads, offsets)], 0), tf.constant(shape))
+      if all(isinstance(g, tf.IndexedSlices) for g in grads):
+        pieces.append(tf.IndexedSlices(g.values, g.indices,
+                                       tf.constant(part.shape.as_list())))
+      else:
+        pieces.append(tf.zeros_like(part) if g is None else
+                      tf.ensure_shape(tf.convert_to_tensor(g), part.shape))
+  return gradient_parts.Parts(pieces, axis,
+                              [p.device for p in parts]).assembled()
 
 
 def _split_sparse(value, k, axis, whole):
@@ -231,8 +236,7 @@ def update(var, fn, args, kwargs):
 def update_replica(var, replica, fn, args, kwargs):
   """`update` for one replica, given its own `args` and `kwargs`."""
   split_args, split_kwargs = tf.nest.map_structure(
-      lambda a: _split_if_whole(a, var.shape.as_list(), var.num_parts,
-                                var.axis), (args, kwargs))
+      lambda a: _split_if_whole(a, var, replica), (args, kwargs))
   results = []
   for part, component in enumerate(var.parts(replica)):
     part_args, part_kwargs = tf.nest.map_structure(
@@ -256,7 +260,13 @@ def _piece(value, part):
   return value.pieces[part] if isinstance(value, _Pieces) else value
 
 
-def _split_if_whole(value, whole, k, axis):
+def _split_if_whole(value, var, replica):
+  whole, k, axis = var.shape.as_list(), var.num_parts, var.axis
+  if (isinstance(value, (tf.Tensor, tf.IndexedSlices)) and
+      value.shape.is_compatible_with(whole)):
+    pieces = var.known_pieces(value, replica)
+    if pieces is not None:  # Its parts' own: the whole is left unread.
+      return _Pieces(pieces)
   if isinstance(value, tf.IndexedSlices):  # A gradient of the whole.
     with tf.device(value.values.device):
       return _Pieces(_split_sparse(value, k, axis, whole))

@@ -71,8 +71,10 @@ LAYERING = {
     (keras.Model, "predict_on_batch"): ["with_one_model", "split_on_batch"],
     (keras.Model, "_make_function"): ["rows_counted", "compiled_per_replica"],
     (keras.optimizers.Optimizer, "_all_reduce_sum_gradients"): [
-        "gather_for_clipping", "slices_as_on_one_device", "skip_if_reduced",
-        "compressed_on_the_wire"],
+        "gather_for_clipping", "split_in_parts", "slices_as_on_one_device",
+        "skip_if_reduced", "compressed_on_the_wire"],
+    (keras.optimizers.Optimizer, "_clip_gradients"): [
+        "reduce_accumulated_before_clipping", "clip_in_parts"],
     (keras.optimizers.Optimizer, "add_variable_from_reference"): [
         "average_reads_whole", "shard_slots", "per_replica_accumulators"],
     (keras.optimizers.Optimizer, "_backend_update_step"): [
