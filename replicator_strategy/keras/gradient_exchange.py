@@ -29,6 +29,7 @@ from replicator_strategy.keras import replicas
 from replicator_strategy.keras import sharded_weights
 from replicator_strategy.keras import step_context
 from replicator_strategy.collectives import compression as compression_lib
+from replicator_strategy.collectives import exchange
 from replicator_strategy import options as options_lib
 from replicator_strategy.collectives import reduce_op as reduce_op_lib
 from replicator_strategy.model_parallel import gradient_parts
@@ -239,7 +240,7 @@ def _sum_parts(replica_context, parts_list, wire=None):
   else:
     summed = []
     for (_, collectives), column in zip(exchanges, columns):
-      keys = ctx.collective_keys(len(column), collectives)
+      keys = exchange.collective_keys(ctx, len(column), collectives)
       summed.append(collectives.all_reduce(
           ctx.local_index, reduce_op_lib.ReduceOp.SUM, column, keys))
   out = []
