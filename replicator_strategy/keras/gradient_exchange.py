@@ -167,7 +167,10 @@ def split_in_parts(all_reduce_sum_gradients):
   def wrapper(self, grads_and_vars):
     pairs = list(grads_and_vars)
     if (step_context.gradients_summed(self) or not replicas.in_our_replicas()
-        or not gradient_parts.may_have_parts()):
+        or not gradient_parts.may_have_parts() or
+        # Each part's sum would have to stay within its sync group: the
+        # whole goes to Keras's sum, which does.
+        options_lib.of().sync.groups > 1):
       return all_reduce_sum_gradients(self, pairs)
     parts = [None if g is None else gradient_parts.parts_of(g)
              for g, _ in pairs]
