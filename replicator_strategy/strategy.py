@@ -186,10 +186,6 @@ class ReplicatorStrategy(tf.distribute.Strategy):
     else:
       devices = devices_lib.resolve_devices(devices)
     groups = logical_devices.group_by_replica(devices, devices_per_replica)
-    if len(groups[0]) > 1 and variable_partitioner:
-      raise NotImplementedError(
-          "A replica over several devices (devices_per_replica > 1 or "
-          "layout_map) does not combine with variable_partitioner yet.")
     super().__init__(extended_lib.ReplicatorExtended(
         self, groups, all_reduce, cluster, timeout_seconds,
         variable_partitioner, model_layouts, sync_groups))

@@ -35,6 +35,7 @@ import tensorflow as tf
 
 from replicator_strategy import _tf_internal as tfi
 from replicator_strategy import replica_context
+from replicator_strategy.model_parallel import sharded_parts
 from replicator_strategy.sharding import creation
 from replicator_strategy.sharding import variables as sharded_variables
 from replicator_strategy.keras import _internal as ki
@@ -57,10 +58,12 @@ def any_sharded(variables):
 
 
 def _sharded_weight(variable):
-  """`variable`'s `ShardedVariable` if it is a sharded weight, else None."""
+  """`variable`'s `ShardedVariable` (or `ShardedSplitVariable`) if it is a
+  sharded weight, else None."""
   if isinstance(variable, keras.Variable):
     variable = variable.value
-  if (isinstance(variable, sharded_variables.ShardedVariable) and
+  if (isinstance(variable, (sharded_variables.ShardedVariable,
+                            sharded_parts.ShardedSplitVariable)) and
       variable.replica_reads == "whole" and variable.trainable):
     return variable
   return None
@@ -95,22 +98,24 @@ def update_shards(backend_update_step):
 
 def _update_weight(optimizer, grad, weight, learning_rate, whole):
   """The optimizer's step on every shard of `weight` this process updates."""
-
-  def step(component, grad, learning_rate):
-    if whole:
-      shard = weight.first_shard + tfi.distribute_lib.get_update_replica_id()
-      grad = weight.layout.shard(tf.convert_to_tensor(grad), shard)
-    return optimizer.update_step(grad, component, learning_rate)
-
   ctx = tf.distribute.get_replica_context()
   if ctx is None:
+
+    def step(component, grad, learning_rate):
+      shard = weight.first_shard + tfi.distribute_lib.get_update_replica_id()
+      return optimizer.update_step(
+          weight.layout.shard(tf.convert_to_tensor(grad), shard), component,
+          learning_rate)
+
     return weight.distribute_strategy.extended.update(
         weight, step, args=(grad, learning_rate), group=True)
-  # Each replica steps its own shard: no exchange needed.
+  # Each replica steps its own shards: no exchange needed.
   local = ctx.local_index
-  component = tfi.component(weight, local)
-  with tf.device(component.device), tfi.UpdateContext(local):
-    return step(component, grad, learning_rate)
+  if whole:
+    grad = weight.own_shards(tf.convert_to_tensor(grad), local)
+  return weight.update_own_shards(
+      local, lambda shard, grad: optimizer.update_step(grad, shard,
+                                                       learning_rate), grad)
 
 
 def gather_for_clipping(all_reduce_sum_gradients):
@@ -133,10 +138,8 @@ def gather_for_clipping(all_reduce_sum_gradients):
       elif grad is None:
         summed.append((None, var))
       else:  # Summed over the replicas already: gather the shards.
-        shard = weight.first_shard + ctx.local_index
-        gathered = ctx.all_gather(
-            weight.layout.pad(tf.convert_to_tensor(grad), shard), axis=0)
-        summed.append((weight.layout.assemble_padded(gathered), var))
+        summed.append((weight.gather_own_shards(
+            ctx, tf.convert_to_tensor(grad)), var))
     return summed
 
   return wrapper
@@ -166,7 +169,9 @@ def lookup_rows(call):
   def wrapper(self, inputs):
     table = _sharded_weight(ki.embeddings_variable(self))
     ctx = tf.distribute.get_replica_context()
-    if (table is None or self.lora_enabled or self.quantization_mode or
+    if (not isinstance(table, sharded_variables.ShardedVariable) or
+        table.layout.axis != 0 or  # Sharded by columns: read whole.
+        self.lora_enabled or self.quantization_mode or
         not isinstance(ctx, replica_context.ReplicaContext)):
       return call(self, inputs)
     if inputs.dtype not in (tf.int32, tf.int64):

@@ -38,6 +38,7 @@ import tensorflow as tf
 from replicator_strategy import _tf_internal as tfi
 from replicator_strategy.collectives import compression as compression_lib
 from replicator_strategy.collectives import per_replica
+from replicator_strategy.sharding import exchange
 
 
 class PiecewiseVariable(tfi.values.DistributedVariable):
@@ -111,12 +112,14 @@ class ShardedVariable(PiecewiseVariable):
   """A variable whose component r is shard `first_shard + r`, on device r.
 
   `layout` is a `layout.Layout`; `replica_reads` is "whole", "shard" or None
-  (see the module docstring for how it reads in each context).
+  (see the module docstring for how it reads in each context);
+  `logical_device`: the replicas' logical device the shards are on.
   """
 
   def __init__(self, strategy, values, aggregation, layout, first_shard,
-               replica_reads):
+               replica_reads, logical_device=0):
     self.layout = layout
+    self.logical_device = logical_device
     self.whole_shape = layout.shape
     self.first_shard = first_shard
     self.replica_reads = replica_reads
@@ -134,7 +137,7 @@ class ShardedVariable(PiecewiseVariable):
     padded = [self.layout.pad(s, self.first_shard + r)
               for r, s in enumerate(shards)]
     gathered = self.distribute_strategy.extended.communicator.all_gather(
-        per_replica.wrap(padded), axis=0)
+        per_replica.wrap(padded), axis=self.layout.axis)
     return self.layout.assemble_padded(per_replica.parts(gathered)[0])
 
   def _get(self):
@@ -156,7 +159,26 @@ class ShardedVariable(PiecewiseVariable):
       return self.values[local]
     return ctx.outside_loops(lambda: gather_whole(
         ctx, self.layout, self.values[local].read_value(),
-        self.first_shard + local))
+        self.first_shard + local, self.logical_device))
+
+  def own_shards(self, whole, local_replica):
+    """Replica `local_replica`'s shard of a whole-shaped tensor (the shape of
+    its gradient)."""
+    return self.layout.shard(whole, self.first_shard + local_replica)
+
+  def gather_own_shards(self, ctx, value):
+    """The whole, in replica context, from every replica's `own_shards`."""
+    shard = self.first_shard + ctx.local_index
+    return self.layout.assemble_padded(exchange.all_gather(
+        ctx, self.layout.pad(value, shard), self.layout.axis,
+        self.logical_device))
+
+  def update_own_shards(self, local_replica, fn, value):
+    """`fn(shard, value)` for replica `local_replica`'s shard, on its device,
+    in its update context."""
+    component = self.values[local_replica]
+    with tf.device(component.device), tfi.UpdateContext(local_replica):
+      return fn(component, value)
 
   def _update_cross_replica(self, update_fn, value, **kwargs):
     value = tf.convert_to_tensor(value, dtype=self.dtype)
@@ -202,8 +224,9 @@ class ShardedVariable(PiecewiseVariable):
     return self.assign(restored_tensors["VARIABLE_VALUE"])
 
 
-def gather_whole(ctx, layout, shard_value, shard):
-  """The whole variable, in replica context, from this replica's shard.
+def gather_whole(ctx, layout, shard_value, shard, logical_device=0):
+  """The whole variable, in replica context, from this replica's shard (on
+  its `logical_device`, where the whole lands too).
 
   Gradient: reduce-scatter, so this replica's shard gets its rows of the
   gradient summed over every replica (half the traffic of an all-reduce),
@@ -211,13 +234,15 @@ def gather_whole(ctx, layout, shard_value, shard):
   `gradient_compression`.
   """
   wire = _wire(ctx)
+  axis = layout.axis
 
   @tfi.custom_gradient
   def gather(padded):
     def grad(dy):
-      return compression_lib.from_wire(ctx.reduce_scatter(
-          "sum", compression_lib.to_wire(dy, wire), axis=0), dy.dtype)
-    return ctx.all_gather(padded, axis=0), grad
+      return compression_lib.from_wire(exchange.reduce_scatter(
+          ctx, compression_lib.to_wire(tf.convert_to_tensor(dy), wire), axis,
+          logical_device), dy.dtype)
+    return exchange.all_gather(ctx, padded, axis, logical_device), grad
 
   return layout.assemble_padded(gather(layout.pad(shard_value, shard)))
 
@@ -298,8 +323,10 @@ def _checked_ids(every_id, num_rows):
     return tf.where(every_id < 0, every_id + num_rows, every_id)
 
 
-def create(strategy, next_creator, layout_for, replica_reads, **kwargs):
-  """A `ShardedVariable`, this worker's shards on its replicas' devices.
+def create(strategy, next_creator, layout_for, replica_reads, logical_device=0,
+           **kwargs):
+  """A `ShardedVariable`, this worker's shards on its replicas' devices (each
+  replica's `logical_device`).
 
   `layout_for(whole_initial_value)` gives the layout; every worker starts
   from the chief's initial value. Returns None where the layout is None.
@@ -307,7 +334,8 @@ def create(strategy, next_creator, layout_for, replica_reads, **kwargs):
   kwargs.pop("colocate_with", None)  # Its shards go to every device.
   kwargs.pop("shape", None)
   communicator = strategy.extended.communicator
-  devices = communicator.devices
+  devices = [group[logical_device]
+             for group in strategy.extended.logical_devices.groups]
   with tf.init_scope(), tf.device(devices[0]):
     initial_value = communicator.initial_value(kwargs["initial_value"],
                                                kwargs.get("dtype"))
@@ -334,7 +362,7 @@ def create(strategy, next_creator, layout_for, replica_reads, **kwargs):
 
   def sharded_variable(strategy, values, aggregation):
     return ShardedVariable(strategy, values, aggregation, layout, first_shard,
-                           replica_reads)
+                           replica_reads, logical_device)
 
   return tfi.distribute_utils.create_mirrored_variable(
       strategy, create_shards,

@@ -45,14 +45,12 @@ OPTIONS = {
     "sync groups": {"sync_groups": 2},
 }
 # The pairs of options the constructor refuses, as README's items name them.
-REFUSED_PAIRS = {("model parallelism", "`variable_partitioner`"),
-                 ("sync groups", "`shard_optimizer_state`"),
+REFUSED_PAIRS = {("sync groups", "`shard_optimizer_state`"),
                  ("sync groups", "`variable_partitioner`"),
                  ("sync groups", "model parallelism")}
-# Where the constructor raises NotImplementedError: TPUs, model parallelism
-# with variable_partitioner, and sync groups with sharding or model
-# parallelism.
-NOT_IMPLEMENTED_SITES = 3
+# Where the constructor raises NotImplementedError: TPUs, and sync groups
+# with sharding or model parallelism.
+NOT_IMPLEMENTED_SITES = 2
 
 
 def refuses_tpus(test):
@@ -114,7 +112,7 @@ class ReadmeNotYetTest(unittest.TestCase):
 
   def test_every_item_is_checked_and_every_check_is_an_item(self):
     items = not_yet_items()
-    self.assertEqual(len(items), 6, items)
+    self.assertEqual(len(items), 5, items)
     names = [*CHECKS, *(f"{a} with {b}" for a, b in REFUSED_PAIRS)]
     for item in items:
       with self.subTest(item):
