@@ -32,6 +32,7 @@ sharded). `lookup` reads only the rows a batch needs from a sharded table.
 [[3, 2], [3, 2], [2, 2], [2, 2]]
 """
 
+from absl import logging
 import numpy as np
 import tensorflow as tf
 
@@ -239,12 +240,35 @@ def gather_whole(ctx, layout, shard_value, shard, logical_device=0):
   @tfi.custom_gradient
   def gather(padded):
     def grad(dy):
+      if isinstance(dy, tf.IndexedSlices):
+        _warn_dense(layout.shape)
       return compression_lib.from_wire(exchange.reduce_scatter(
           ctx, compression_lib.to_wire(tf.convert_to_tensor(dy), wire), axis,
           logical_device), dy.dtype)
     return exchange.all_gather(ctx, padded, axis, logical_device), grad
 
   return layout.assemble_padded(gather(layout.pad(shard_value, shard)))
+
+
+def _warn_dense(shape):
+  """Warns, once per shape, that a sparse gradient of a gathered weight is
+  made dense before its reduce-scatter."""
+  if shape in _warned_dense:
+    return
+  _warned_dense.add(shape)
+  logging.warning(
+      "ReplicatorStrategy: a weight of shape %s, sharded over the replicas "
+      "and read whole, gets a sparse gradient (an Embedding's table split "
+      "over a replica's devices, or read by a LoRA or quantized Embedding): "
+      "it is made dense before its reduce-scatter. Optimizers that square "
+      "the gradient or take its absolute value (Adam, Adagrad, ...) then "
+      "treat rows looked up several times in a batch, and rows not looked "
+      "up, otherwise than Keras on one device. Leave that table unsplit "
+      "(sharded by rows, it looks up only its rows and stays sparse).",
+      list(shape))
+
+
+_warned_dense = set()
 
 
 def lookup(variable, ids):
