@@ -197,5 +197,18 @@ class BenchmarkSmokeTest(unittest.TestCase):
     table = "\n".join(section.table(options, [row]))
     self.assertIn("Model parallel (layout_map, k devices a replica)", table)
 
+  def test_tensor_parallel_with_zero3_holds_a_quarter_per_device(self):
+    options_lib, registry = _import_benchmarks()
+    options = options_lib.Options(quick=True, sections=IN_PROCESS)
+    section = registry["model_parallel"]
+    row, = section.fresh(options, names=("k=2+zero3",))
+    self.assertEqual(row["split_weights"], {"k=2+zero3": 12})
+    # Weights, gradients and Adam slots: each device about a quarter (the
+    # tiny model's norms and biases, sharded on each replica's first
+    # device, are a larger share than a big model's).
+    self.assertLess(row["state_over_quarter"]["k=2+zero3"], 1.25)
+    table = "\n".join(section.table(options, [row]))
+    self.assertIn("w+grad+Adam/dev max", table)
+
 if __name__ == "__main__":
   unittest.main()
