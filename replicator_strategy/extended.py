@@ -158,6 +158,8 @@ class ReplicatorExtended(tfi.StrategyExtendedV1):
     # its own component and the components stay identical. Distributed
     # variables read inside read as that component (a sharded one: its shard).
     local_index = tf.distribute.get_replica_context().local_index
+    if isinstance(var, sharded_parts.ShardedSplitVariable):
+      return var.update_own_shards(local_index, fn, *args, **kwargs)
     if isinstance(var, split_variables.SplitVariable):
       return split_variables.update_replica(var, local_index, fn, args, kwargs)
     if isinstance(var, tfi.values.DistributedVariable):

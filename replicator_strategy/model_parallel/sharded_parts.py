@@ -122,16 +122,34 @@ class ShardedSplitVariable(split_variables.SplitVariable):
             ctx, self.layout.pad(piece, shard), self.layout.axis, j)))
     return self._concat(parts)
 
-  def update_own_shards(self, local_replica, fn, value):
-    """`fn(shard, piece)` for each of replica `local_replica`'s shards, on its
-    device, in its update context; `value` laid out as `own_shards`."""
+  def update_own_shards(self, local_replica, fn, *args, **kwargs):
+    """`fn(shard, *args, **kwargs)` for each of replica `local_replica`'s
+    shards, on its device, in its update context. A tensor argument laid out
+    as `own_shards` gives (or of the whole's shape, is cut to give) each shard
+    its piece; other arguments go to each shard as they are."""
+    whole = self.shape.as_list()
+    own = list(self.layout.shard_shape(self.first_shard + local_replica))
+    own[self.axis] *= self.num_parts
+
+    def pieces(value):
+      if not isinstance(value, (tf.Tensor, tf.Variable)):
+        return None
+      if value.shape.as_list() == whole:
+        value = self.own_shards(value, local_replica)
+      return self._split(value) if value.shape.as_list() == own else None
+
+    flat = tf.nest.flatten((args, kwargs))
+    split = [pieces(value) for value in flat]
     updates = []
-    for j, (component, piece) in enumerate(zip(self.parts(local_replica),
-                                               self._split(value))):
+    for j, component in enumerate(self.parts(local_replica)):
+      part_args, part_kwargs = tf.nest.pack_sequence_as(
+          (args, kwargs), [value if cut is None else cut[j]
+                           for value, cut in zip(flat, split)])
       with tf.device(component.device), tfi.UpdateContext(local_replica), \
           split_variables._updating_part(j):  # pylint: disable=protected-access
-        updates.append(fn(component, piece))
-    return tf.group([u for u in updates if u is not None])
+        updates.append(fn(component, *part_args, **part_kwargs))
+    updates = [u for u in updates if u is not None]
+    return tf.group(updates) if updates else None
 
   def _update_cross_replica(self, update_fn, value, **kwargs):
     value = tf.convert_to_tensor(value, dtype=self.dtype)
@@ -151,11 +169,9 @@ class ShardedSplitVariable(split_variables.SplitVariable):
       return super()._update_replica(update_fn, value, **kwargs)
     if replica is None:
       replica = tf.distribute.get_replica_context().local_index
-    value = tf.convert_to_tensor(value, dtype=self.dtype)
-    if value.shape.as_list() == self.shape.as_list():
-      value = self.own_shards(value, replica)
     return self.update_own_shards(
-        replica, lambda c, piece: update_fn(c, piece, **kwargs), value)
+        replica, update_fn, tf.convert_to_tensor(value, dtype=self.dtype),
+        **kwargs)
 
 
 def create(strategy, next_creator, request, split_axis, batch_axis, **kwargs):
@@ -173,11 +189,11 @@ def create(strategy, next_creator, request, split_axis, batch_axis, **kwargs):
   if isinstance(weight, ShardedSplitVariable):
     if kwargs.get("synchronization") == tf.VariableSynchronization.ON_READ:
       raise NotImplementedError(
-          f"The variable {kwargs.get('name')!r} is on-read (a gradient "
-          f"accumulator) and belongs to {weight.path}, a weight split over "
-          f"each replica's devices and sharded over the replicas, which "
-          f"keeps no on-read state yet. Drop gradient_accumulation_steps, or "
-          f"shard only the weights no layout splits.")
+          f"The variable {kwargs.get('name')!r} is on-read (each replica "
+          f"holds its own value) and colocated with {weight.path}, a weight "
+          f"split over each replica's devices and sharded over the replicas, "
+          f"which keeps no on-read state. Create it outside "
+          f"`colocate_vars_with` of that weight.")
     return _create(strategy, next_creator, weight.axis, weight.layout,
                    "whole" if request.reads_whole else "shard", **kwargs)
   if (split_axis is None or weight is not None or

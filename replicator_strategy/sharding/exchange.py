@@ -9,6 +9,7 @@ every replica's device j (`ReplicatorExtended.communicator_on`), with the
 same two paths (a `merge_call` where the replicas meet, run-time
 collectives inside control flow).
 
+>>> import tensorflow as tf
 >>> import replicator_strategy as rs
 >>> strategy = rs.ReplicatorStrategy(devices_per_replica=2)  # 4 CPUs here
 >>> def step():
@@ -21,6 +22,8 @@ collectives inside control flow).
 ...     strategy.run(step))]
 [([0.0, 1.0], 'CPU:1'), ([0.0, 1.0], 'CPU:3')]
 """
+
+import tensorflow as tf
 
 from replicator_strategy.collectives import reduce_op as reduce_op_lib
 from replicator_strategy.collectives import replica_collectives
@@ -36,7 +39,7 @@ def all_gather(ctx, value, axis, logical_device=0):
   communicator = ctx.strategy.extended.communicator_on(logical_device)
   collectives = communicator.replica_collectives
   return _exchange(
-      ctx, collectives,
+      ctx, communicator,
       lambda values: [communicator.all_gather(v, axis) for v in values],
       lambda keys, values: collectives.all_gather(ctx.local_index, values,
                                                   axis, keys),
@@ -52,7 +55,7 @@ def reduce_scatter(ctx, value, axis, logical_device=0):
   communicator = ctx.strategy.extended.communicator_on(logical_device)
   collectives = communicator.replica_collectives
   return _exchange(
-      ctx, collectives,
+      ctx, communicator,
       lambda values: [communicator.reduce_scatter(_SUM, v, axis)
                       for v in values],
       lambda keys, values: collectives.reduce_scatter(
@@ -60,11 +63,13 @@ def reduce_scatter(ctx, value, axis, logical_device=0):
       value, lambda dy: all_gather(ctx, dy, axis, logical_device))
 
 
-def _exchange(ctx, collectives, merge, collective, value, grad,
+def _exchange(ctx, communicator, merge, collective, value, grad,
               keys_per_tensor=1):
   """The replica context's one differentiable exchange, among the devices of
-  `collectives` (the replicas' other logical device)."""
-  return ctx._exchange(  # pylint: disable=protected-access
-      lambda strategy, *values: merge(values), collective, [value],
-      grad=lambda xs, ys, dys: [grad(dys[0])],
-      keys_per_tensor=keys_per_tensor, collectives=collectives)[0]
+  `communicator` (the replicas' other logical device), its result there."""
+  with tf.device(communicator.devices[ctx.local_index]):
+    return ctx._exchange(  # pylint: disable=protected-access
+        lambda strategy, *values: merge(values), collective, [value],
+        grad=lambda xs, ys, dys: [grad(dys[0])],
+        keys_per_tensor=keys_per_tensor,
+        collectives=communicator.replica_collectives)[0]

@@ -174,12 +174,12 @@ class ShardedVariable(PiecewiseVariable):
         ctx, self.layout.pad(value, shard), self.layout.axis,
         self.logical_device))
 
-  def update_own_shards(self, local_replica, fn, value):
-    """`fn(shard, value)` for replica `local_replica`'s shard, on its device,
-    in its update context."""
+  def update_own_shards(self, local_replica, fn, *args, **kwargs):
+    """`fn(shard, *args, **kwargs)` for replica `local_replica`'s shard, on
+    its device, in its update context."""
     component = self.values[local_replica]
     with tf.device(component.device), tfi.UpdateContext(local_replica):
-      return fn(component, value)
+      return fn(component, *args, **kwargs)
 
   def _update_cross_replica(self, update_fn, value, **kwargs):
     value = tf.convert_to_tensor(value, dtype=self.dtype)

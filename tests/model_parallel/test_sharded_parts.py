@@ -117,6 +117,33 @@ class MegatronMlpTest(unittest.TestCase):
                        ] + slots:
         assert_a_quarter_per_device(self, [variable])
 
+  @parameterized.expand([
+      # Keras sums the gradients before clipping: the shards' are gathered.
+      ("clipping", {"global_clipnorm": 0.5}),
+      # The accumulators are sharded as the weights, updated in a tf.cond.
+      ("gradient_accumulation", {"gradient_accumulation_steps": 2}),
+  ])
+  def test_adam_options_train_as_one_device(self, _, adam_options):
+
+    def mlp():
+      model = megatron.mlp()
+      model.compile(keras.optimizers.Adam(0.01, **adam_options), "mse",
+                    steps_per_execution=3)
+      return model
+
+    want = megatron.train(mlp())
+    strategy = rs.ReplicatorStrategy(layout_map=partitioned_layout(),
+                                     variable_partitioner=PARTITIONER)
+    with strategy.scope():
+      model = mlp()
+    got = megatron.train(model)
+    np.testing.assert_allclose(got["loss"], want["loss"], rtol=1e-5)
+    for w, h in zip(want["weights"], got["weights"]):
+      np.testing.assert_allclose(h, w, rtol=1e-5, atol=1e-6)
+    up = {type(v.value).__name__ for v in model.optimizer.variables
+          if "up_kernel" in v.path}
+    self.assertEqual(up, {"ShardedSplitVariable"})
+
   def test_weights_files_move_to_and_from_a_model_with_no_strategy(self):
     strategy = rs.ReplicatorStrategy(layout_map=partitioned_layout(),
                                      variable_partitioner=PARTITIONER)
