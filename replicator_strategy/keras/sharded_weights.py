@@ -17,7 +17,13 @@ fit Keras to that:
   in a replica, as Keras updates it from the weight's value; the optimizer
   must be one whose math is elementwise;
 - `Embedding.call`: a sharded table gives only the rows the batch asks for
-  (`sharding/variables.py`'s `lookup`), never the whole table.
+  (`sharding/variables.py`'s `lookup`), never the whole table; so does a
+  table split by columns over a replica's devices and sharded by rows
+  (`model_parallel/sharded_parts.py`), part by part, its output in parts.
+
+Weights split over a replica's devices and sharded over the replicas
+(`ShardedSplitVariable`) are sharded weights here too: each replica steps its
+shards of every part, on the part's device.
 
 >>> from replicator_strategy import ReplicatorStrategy
 >>> partitioner = tf.distribute.experimental.partitioners.FixedShardsPartitioner(4)
@@ -35,6 +41,7 @@ import tensorflow as tf
 
 from replicator_strategy import _tf_internal as tfi
 from replicator_strategy import replica_context
+from replicator_strategy.model_parallel import megatron
 from replicator_strategy.model_parallel import sharded_parts
 from replicator_strategy.sharding import creation
 from replicator_strategy.sharding import variables as sharded_variables
@@ -169,13 +176,21 @@ def lookup_rows(call):
   def wrapper(self, inputs):
     table = _sharded_weight(ki.embeddings_variable(self))
     ctx = tf.distribute.get_replica_context()
-    if (not isinstance(table, sharded_variables.ShardedVariable) or
-        table.layout.axis != 0 or  # Sharded by columns: read whole.
-        self.lora_enabled or self.quantization_mode or
+    if (table is None or self.lora_enabled or self.quantization_mode or
         not isinstance(ctx, replica_context.ReplicaContext)):
       return call(self, inputs)
     if inputs.dtype not in (tf.int32, tf.int64):
       inputs = tf.cast(inputs, tf.int32)
+    if isinstance(table, sharded_parts.ShardedSplitVariable):
+      if not table.looks_up_rows:  # Gathered whole, part by part.
+        return call(self, inputs)
+      parts = []
+      for part in table.lookup(inputs):
+        with tf.device(part.device):
+          parts.append(tf.cast(part, self.compute_dtype))
+      return megatron.assembled(parts, [p.device for p in parts], -1)
+    if table.layout.axis != 0:  # Sharded by columns: read whole.
+      return call(self, inputs)
     return tf.cast(sharded_variables.lookup(table, inputs), self.compute_dtype)
 
   return wrapper

@@ -17,6 +17,10 @@ part), 1/(N k) of the weight, and so do its optimizer slots. How it reads:
   shards of the parts, side by side along the split axis (`own_shards`);
   `replicator_strategy.keras.sharded_weights` steps each shard with it.
 
+An `Embedding` table split by columns and sharded by rows is not gathered:
+each part looks up the batch's rows in its shards on its own device
+(`lookup`), and its gradient stays sparse, as one device's does.
+
 >>> import keras
 >>> import replicator_strategy as rs
 >>> mesh = keras.distribution.DeviceMesh((2, 2), ("batch", "model"),
@@ -98,11 +102,40 @@ class ShardedSplitVariable(split_variables.SplitVariable):
         ctx is None or ctx.strategy is not self.distribute_strategy):
       return super().handle
     shards = self.parts(ctx.local_index)
-    return tfi.GradientOfParts(
-        [s.handle for s in shards],
-        lambda grads: None if all(g is None for g in grads) else self._concat(
-            [tf.zeros_like(s) if g is None else tf.convert_to_tensor(g)
-             for g, s in zip(grads, shards)]))
+    return tfi.GradientOfParts([s.handle for s in shards],
+                               lambda grads: self._side_by_side(grads, shards))
+
+  def _side_by_side(self, grads, shards):
+    """The shards' gradients laid out as `own_shards`; those of a `lookup`
+    by columns (the same rows of every part) stay sparse."""
+    if all(g is None for g in grads):
+      return None
+    if self.axis and all(isinstance(g, tf.IndexedSlices) for g in grads):
+      shape = tf.concat([grads[0].dense_shape[:self.axis],
+                         [sum(int(s.shape[self.axis]) for s in shards)],
+                         grads[0].dense_shape[self.axis + 1:]], 0)
+      return tf.IndexedSlices(self._concat([g.values for g in grads]),
+                              grads[0].indices, shape)
+    return self._concat([tf.zeros_like(s) if g is None else
+                         tf.convert_to_tensor(g)
+                         for g, s in zip(grads, shards)])
+
+  def lookup(self, ids):
+    """Rows `ids` of a table split by columns and sharded by rows, inside a
+    replica: each part's rows picked from its shards and reduce-scattered
+    on its own device, as `sharding.variables.lookup` does for a table;
+    returns the parts (only the rows move, and the gradients stay sparse)."""
+    ctx = tf.distribute.get_replica_context()
+    local = ctx.local_index
+    every_id, count = sharded_variables.gather_ids(ctx, ids, self.shape[0])
+    return [sharded_variables.lookup_in_shard(
+        ctx, self.layout, component, self.first_shard + local, ids, every_id,
+        count, j) for j, component in enumerate(self.parts(local))]
+
+  @property
+  def looks_up_rows(self):
+    """Whether `lookup` serves this table: split by columns, sharded by rows."""
+    return self.axis == 1 and self.layout.axis == 0 and len(self.shape) == 2
 
   def own_shards(self, whole, local_replica):
     """Replica `local_replica`'s shard of each part of a whole-shaped tensor,
@@ -132,6 +165,11 @@ class ShardedSplitVariable(split_variables.SplitVariable):
     own[self.axis] *= self.num_parts
 
     def pieces(value):
+      if isinstance(value, tf.IndexedSlices) and self.axis:  # A `lookup`'s.
+        shape = tf.unstack(value.dense_shape)
+        shape[self.axis] //= self.num_parts
+        return [tf.IndexedSlices(v, value.indices, tf.stack(shape))
+                for v in self._split(value.values)]
       if not isinstance(value, (tf.Tensor, tf.Variable)):
         return None
       if value.shape.as_list() == whole:

@@ -259,12 +259,14 @@ def _warn_dense(shape):
   logging.warning(
       "ReplicatorStrategy: a weight of shape %s, sharded over the replicas "
       "and read whole, gets a sparse gradient (an Embedding's table split "
-      "over a replica's devices, or read by a LoRA or quantized Embedding): "
-      "it is made dense before its reduce-scatter. Optimizers that square "
-      "the gradient or take its absolute value (Adam, Adagrad, ...) then "
-      "treat rows looked up several times in a batch, and rows not looked "
-      "up, otherwise than Keras on one device. Leave that table unsplit "
-      "(sharded by rows, it looks up only its rows and stays sparse).",
+      "by rows over a replica's devices, or sharded by columns, or read by a "
+      "LoRA or quantized Embedding): it is made dense before its "
+      "reduce-scatter. Optimizers that square the gradient or take its "
+      "absolute value (Adam, Adagrad, ...) then treat rows looked up several "
+      "times in a batch, and rows not looked up, otherwise than Keras on one "
+      "device. Split the table by columns (None, 'model') and shard it by "
+      "rows, or leave it unsplit: it then looks up only its rows and stays "
+      "sparse.",
       list(shape))
 
 
@@ -281,28 +283,44 @@ def lookup(variable, ids):
   """
   ctx = tf.distribute.get_replica_context()
   local = ctx.local_index
-  shard = variable.first_shard + local
-  layout = variable.layout
+  every_id, count = gather_ids(ctx, ids, variable.layout.shape[0])
+  return lookup_in_shard(ctx, variable.layout, variable.values[local],
+                         variable.first_shard + local, ids, every_id, count,
+                         variable.logical_device)
+
+
+def gather_ids(ctx, ids, num_rows):
+  """Every replica's `ids`, checked and counted from 0 as rows of a table of
+  `num_rows`, and how many of them are this replica's."""
   flat = tf.reshape(ids, [-1])
   count = tf.shape(flat)[0]
   most = ctx.all_reduce("max", count)
-  every_id = _checked_ids(
-      ctx.all_gather(tf.pad(flat, [[0, most - count]]), axis=0), layout.shape[0])
+  return _checked_ids(ctx.all_gather(tf.pad(flat, [[0, most - count]]),
+                                     axis=0), num_rows), count
+
+
+def lookup_in_shard(ctx, layout, component, shard, ids, every_id, count,
+                    logical_device=0):
+  """This replica's rows `ids` of a table cut by rows (`layout`), of which
+  `component` holds shard `shard`: each replica picks the rows of `every_id`
+  its shard holds, on its `logical_device`, and the picks are
+  reduce-scattered among those devices."""
   width = layout.shape[1:]
-  if layout.rows[shard]:
-    rows = every_id - tf.cast(layout.offsets[shard], every_id.dtype)
-    held = (rows >= 0) & (rows < layout.rows[shard])
-    picked = tf.gather(variable.values[local], tf.where(held, rows, 0))
-    picked = tf.where(tf.reshape(held, [-1] + [1] * len(width)), picked,
-                      tf.zeros_like(picked))
-  else:
-    picked = tf.zeros(tf.concat([tf.shape(every_id), width], 0),
-                      variable.dtype)
-  mine = _rows_to_their_replicas(ctx, picked)[:count]
+  with tf.device(component.device):
+    if layout.rows[shard]:
+      rows = every_id - tf.cast(layout.offsets[shard], every_id.dtype)
+      held = (rows >= 0) & (rows < layout.rows[shard])
+      picked = tf.gather(component, tf.where(held, rows, 0))
+      picked = tf.where(tf.reshape(held, [-1] + [1] * len(width)), picked,
+                        tf.zeros_like(picked))
+    else:
+      picked = tf.zeros(tf.concat([tf.shape(every_id), width], 0),
+                        component.dtype)
+  mine = _rows_to_their_replicas(ctx, picked, logical_device)[:count]
   return tf.reshape(mine, tf.concat([tf.shape(ids), width], 0))
 
 
-def _rows_to_their_replicas(ctx, picked):
+def _rows_to_their_replicas(ctx, picked, logical_device):
   """The reduce-scatter of every replica's picks: each replica's own rows.
 
   Its gradient (each replica's rows' gradients, all-gathered to the shards
@@ -311,14 +329,14 @@ def _rows_to_their_replicas(ctx, picked):
   """
   wire = _wire(ctx)
   if wire is None:
-    return ctx.reduce_scatter("sum", picked, axis=0)
+    return exchange.reduce_scatter(ctx, picked, 0, logical_device)
 
   @tfi.custom_gradient
   def scatter(picked):
     def grad(dy):
-      return compression_lib.from_wire(ctx.all_gather(
-          compression_lib.to_wire(dy, wire), axis=0), dy.dtype)
-    return ctx.reduce_scatter("sum", picked, axis=0), grad
+      return compression_lib.from_wire(exchange.all_gather(
+          ctx, compression_lib.to_wire(dy, wire), 0, logical_device), dy.dtype)
+    return exchange.reduce_scatter(ctx, picked, 0, logical_device), grad
 
   return scatter(picked)
 
