@@ -8,10 +8,10 @@ with 2 replicas of 2 devices (k=2) and 1 replica of 4 (k=4), the heads, up's
 columns and down's rows split Megatron style over a replica's k devices; and
 every weight cut over the 4 replicas by `variable_partitioner` ("zero3",
 with `shard_optimizer_state=True`); and both at once ("k=2+zero3": 2
-replicas of 2 devices, the logits split by columns too, every weight sharded
-over the 2 replicas, so each device holds a quarter of each split weight).
-Weights, gradients and Adam slots per device are set against a quarter of
-their total. The global batch is the same everywhere.
+replicas of 2 devices, the token table and the logits split by columns too,
+every weight sharded over the 2 replicas, so each device holds a quarter of
+each split weight). Weights, gradients and Adam slots per device are set
+against a quarter of their total. The global batch is the same everywhere.
 """
 
 import keras
@@ -49,9 +49,11 @@ LAYOUT = {
     ".*up/bias": ("model",),
     ".*down/kernel": ("model", None),
 }
-# With ZeRO-3 as well, the logits split by columns: the big weights left
-# whole would sit on each replica's first device.
-TP_ZERO3_LAYOUT = {**LAYOUT, ".*logits/kernel": (None, "model"),
+# With ZeRO-3 as well, the token table and the logits split by columns: the
+# big weights left whole would sit on each replica's first device. (The table,
+# sharded by rows, still looks up only the batch's rows.)
+TP_ZERO3_LAYOUT = {**LAYOUT, ".*tokens/embeddings": (None, "model"),
+                   ".*logits/kernel": (None, "model"),
                    ".*logits/bias": ("model",)}
 
 

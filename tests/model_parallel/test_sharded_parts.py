@@ -169,6 +169,21 @@ class MegatronMlpTest(unittest.TestCase):
         kernel.values[3].numpy(), plain.get_layer("up").kernel.numpy()[4:, 8:])
 
 
+class RefusalTest(unittest.TestCase):
+
+  def test_across_workers_a_split_weight_sharded_is_refused_when_made(self):
+    strategy = rs.ReplicatorStrategy(layout_map=partitioned_layout(),
+                                     variable_partitioner=PARTITIONER)
+    with mock.patch.object(type(strategy.extended), "num_workers",
+                           new_callable=mock.PropertyMock, return_value=2):
+      with self.assertRaisesRegex(
+          NotImplementedError, r"(?s)sharded over the replicas.*within one "
+          r"worker.*Received 2 workers"):
+        with strategy.scope():
+          keras.layers.Dense(megatron.HIDDEN, name="up").build(
+              (None, megatron.FEATURES))
+
+
 def block_layout():
   """The block's token table split by columns, its heads and MLP split
   Megatron style, its logits by columns."""
