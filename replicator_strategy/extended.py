@@ -19,6 +19,7 @@ from replicator_strategy import _tf_internal as tfi
 from replicator_strategy.collectives import watchdog as collective_watchdog
 from replicator_strategy.model_parallel import layouts
 from replicator_strategy.model_parallel import logical_devices
+from replicator_strategy.model_parallel import sharded_parts
 from replicator_strategy.model_parallel import split_variables
 from replicator_strategy.collectives import communicator as communicator_lib
 from replicator_strategy.collectives import packing
@@ -62,6 +63,8 @@ class ReplicatorExtended(tfi.StrategyExtendedV1):
     self.variable_partitioner = options.sharding.partitioner(
         self.communicator.num_replicas)
     self._devices = self.communicator.devices
+    self._timeout_seconds = timeout_seconds
+    self._communicators_on = {0: self.communicator}
     tfi.set_default_device(self, self.communicator.default_device)
     # Partial final batches: a replica may get fewer (or no) examples.
     self.experimental_enable_get_next_as_optional = True
@@ -105,6 +108,26 @@ class ReplicatorExtended(tfi.StrategyExtendedV1):
     """The global replica id of this worker's first replica."""
     return self.communicator.first_replica_id
 
+  def communicator_on(self, logical_device_id):
+    """The communicator among every replica's logical device
+    `logical_device_id` (0: `communicator`), where a split weight's part
+    sharded over the replicas moves (`sharding.exchange`)."""
+    if logical_device_id not in self._communicators_on:
+      if self.num_workers > 1 or self.num_sync_groups > 1:
+        raise NotImplementedError(
+            f"A weight split over each replica's devices and sharded over "
+            f"the replicas (variable_partitioner, or a layout naming the "
+            f"batch axis) moves its parts' shards among the replicas' "
+            f"logical device {logical_device_id}, which works within one "
+            f"worker and one sync group only yet. Received "
+            f"{self.num_workers} workers and {self.num_sync_groups} sync "
+            f"groups. Shard only the weights no layout splits (leave the "
+            f"batch axis out of the layouts, and variable_partitioner out).")
+      self._communicators_on[logical_device_id] = communicator_lib.Communicator(
+          [group[logical_device_id] for group in self.logical_devices.groups],
+          "auto", self._timeout_seconds)
+    return self._communicators_on[logical_device_id]
+
   @property
   def host_device(self):
     return self.communicator.host_device
@@ -141,6 +164,8 @@ class ReplicatorExtended(tfi.StrategyExtendedV1):
     # its own component and the components stay identical. Distributed
     # variables read inside read as that component (a sharded one: its shard).
     local_index = tf.distribute.get_replica_context().local_index
+    if isinstance(var, sharded_parts.ShardedSplitVariable):
+      return var.update_own_shards(local_index, fn, *args, **kwargs)
     if isinstance(var, split_variables.SplitVariable):
       return split_variables.update_replica(var, local_index, fn, args, kwargs)
     if isinstance(var, tfi.values.DistributedVariable):
@@ -161,13 +186,17 @@ class ReplicatorExtended(tfi.StrategyExtendedV1):
     strategy = tfi.container_strategy(self)
     replica_sum = kwargs.pop(variables.REPLICA_SUM, False)
     request = kwargs.pop(sharding.SLOT_REQUEST, None)
-    sharded = sharding.create(strategy, next_creator, request,
-                              variables.piecewise_class(
-                                  strategy, sharded_variables.ShardedVariable),
-                              **kwargs)
-    if sharded is not None:
-      return sharded
-    axis = self._split_axis(kwargs)
+    axis, batch_axis = self._layout_axes(kwargs)
+    placed = sharded_parts.create(strategy, next_creator, request, axis,
+                                  batch_axis, **kwargs)
+    if placed is None:
+      placed = sharding.create(
+          strategy, next_creator, request, batch_axis,
+          variables.piecewise_class(strategy,
+                                    sharded_variables.ShardedVariable),
+          **kwargs)
+    if placed is not None:
+      return placed
     if axis is not None:
       return split_variables.create(
           strategy, next_creator, axis,
@@ -177,18 +206,19 @@ class ReplicatorExtended(tfi.StrategyExtendedV1):
     return variables.create(strategy, self.logical_devices.variable_devices(),
                             next_creator, replica_sum=replica_sum, **kwargs)
 
-  def _split_axis(self, kwargs):
-    """Where the model axis splits the new variable (a slot: as its weight)."""
+  def _layout_axes(self, kwargs):
+    """(where the model axis splits the new variable, where the batch axis
+    shards it), as the layout map says (a slot: split as its weight)."""
     colocate_with = kwargs.get("colocate_with")
     if isinstance(colocate_with, split_variables.SplitVariable):
-      return colocate_with.axis
+      return colocate_with.axis, None
     if (self.model_layouts is None or colocate_with is not None or
         kwargs.get("synchronization") == tf.VariableSynchronization.ON_READ):
-      return None
+      return None, None
     keras_variable = layouts.variable_being_created()
     if keras_variable is None:
-      return None
-    return self.model_layouts.split_axis(*keras_variable)
+      return None, None
+    return self.model_layouts.placement(*keras_variable)
 
   def _validate_colocate_with_variable(self, colocate_with_variable):
     _utils.validate_colocate_distributed_variable(colocate_with_variable, self)

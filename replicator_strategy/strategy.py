@@ -165,10 +165,6 @@ class ReplicatorStrategy(tf.distribute.Strategy):
     the_mesh, sync = mesh_lib.build(
         mesh, axis_roles, batch_dim_name, devices, devices_per_replica,
         model_layouts, sync, cluster.num_workers if cluster else 1)
-    if the_mesh.size("model") > 1 and sharding.weights is not None:
-      raise NotImplementedError(
-          "A replica over several devices (devices_per_replica > 1 or "
-          "layout_map) does not combine with variable_partitioner yet.")
     options = options_lib.StrategyOptions(
         mesh=the_mesh, sharding=sharding, sync=sync,
         gradient_compression=gradient_compression, layouts=model_layouts)

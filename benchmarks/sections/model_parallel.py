@@ -7,13 +7,19 @@ plain data parallel over 4 replicas (k=1); `ReplicatorStrategy(layout_map=...)`
 with 2 replicas of 2 devices (k=2) and 1 replica of 4 (k=4), the heads, up's
 columns and down's rows split Megatron style over a replica's k devices; and
 every weight cut over the 4 replicas by `variable_partitioner` ("zero3",
-with `shard_optimizer_state=True`). The global batch is the same everywhere.
+with `shard_optimizer_state=True`); and both at once ("k=2+zero3": 2
+replicas of 2 devices, the token table and the logits split by columns too,
+every weight sharded over the 2 replicas, so each device holds a quarter of
+each split weight). Weights, gradients and Adam slots per device are set
+against a quarter of their total. The global batch is the same everywhere.
 """
 
 import keras
 import numpy as np
+import tensorflow as tf
 
 import replicator_strategy as rs
+from replicator_strategy.model_parallel import sharded_parts
 from replicator_strategy.model_parallel import split_variables
 from benchmarks import contenders
 from benchmarks import models
@@ -23,12 +29,15 @@ from benchmarks import tables
 from benchmarks import timing
 
 DEVICES = 4
-NAMES = ("k=1", "k=2", "k=4", "zero3")
+NAMES = ("k=1", "k=2", "k=4", "zero3", "k=2+zero3")
+TP_ZERO3 = "k=2+zero3"
 # (key in a child's result, label in the table)
 MEMORY_ROWS = (("weight_mb_per_device_max", "weights/device max"),
                ("weight_mb_total", "weights, all devices"),
                ("optimizer_mb_per_device_max", "Adam/device max"),
                ("optimizer_mb_total", "Adam, all devices"),
+               ("state_mb_per_device_max", "w+grad+Adam/dev max"),
+               ("state_over_quarter", "  / (total / 4)"),
                ("peak_rss_mb", "peak RSS"))
 # Megatron's split of a block: attention by heads, then a column-parallel
 # Dense and a row-parallel one (one combine per pair, forward and backward).
@@ -40,6 +49,12 @@ LAYOUT = {
     ".*up/bias": ("model",),
     ".*down/kernel": ("model", None),
 }
+# With ZeRO-3 as well, the token table and the logits split by columns: the
+# big weights left whole would sit on each replica's first device. (The table,
+# sharded by rows, still looks up only the batch's rows.)
+TP_ZERO3_LAYOUT = {**LAYOUT, ".*tokens/embeddings": (None, "model"),
+                   ".*logits/kernel": (None, "model"),
+                   ".*logits/bias": ("model",)}
 
 
 def transformer(size):
@@ -64,16 +79,41 @@ def strategy(name):
   """The contender `name` over the first 4 devices."""
   if name == "zero3":
     return contenders.zero3(DEVICES)
-  k = int(name.removeprefix("k="))
+  zero3 = name == TP_ZERO3
+  k = int(name.removeprefix("k=").removesuffix("+zero3"))
   if k == 1:
     return contenders.contender("replicator", DEVICES)
   mesh = keras.distribution.DeviceMesh(
       (DEVICES // k, k), ("batch", "model"),
       keras.distribution.list_devices()[:DEVICES])
   layout_map = keras.distribution.LayoutMap(mesh)
-  for key, layout in LAYOUT.items():
+  for key, layout in (TP_ZERO3_LAYOUT if zero3 else LAYOUT).items():
     layout_map[key] = layout
-  return rs.ReplicatorStrategy(layout_map=layout_map)
+  return rs.ReplicatorStrategy(
+      layout_map=layout_map, variable_partitioner=(
+          tf.distribute.experimental.partitioners.FixedShardsPartitioner(
+              DEVICES // k) if zero3 else None))
+
+
+def gradient_bytes_by_device(weights):
+  """Bytes of each weight's gradient, per device, as the strategy holds it:
+  a sharded weight's as its shards, a split one's whole on each replica's
+  first device (Keras's optimizer gets it assembled), a mirrored one's on
+  each replica."""
+  by_device = {}
+  for weight in weights:
+    value = weight.value
+    components = value.values
+    if (isinstance(value, split_variables.SplitVariable) and
+        not isinstance(value, sharded_parts.ShardedSplitVariable)):
+      whole = value.shape.num_elements() * value.dtype.size
+      for first in components[::value.num_parts]:
+        by_device[first.device] = by_device.get(first.device, 0) + whole
+      continue
+    for component in components:  # Copies, or shards (a sharded weight's).
+      by_device[component.device] = by_device.get(component.device, 0) + (
+          component.shape.num_elements() * component.dtype.size)
+  return by_device
 
 
 def model_parallel_child(options, spec):
@@ -99,6 +139,7 @@ def model_parallel_child(options, spec):
   return {"params": model.count_params(), "split_weights": len(split),
           "weight_bytes": models.bytes_by_device(model.weights),
           "optimizer_bytes": models.bytes_by_device(model.optimizer.variables),
+          "gradient_bytes": gradient_bytes_by_device(model.trainable_weights),
           "peak_rss_mb": processes.peak_rss_mb(),
           "ms": timing.median_ms(timer.times[1:]),  # The first step traces.
           "step_ms": [1000 * t for t in timer.times[1:]],
@@ -130,8 +171,25 @@ def model_parallel_rows(options, names=NAMES):
         n: sum(r[key].values()) / 2 ** 20 for n, r in runs.items()}
     row[key.replace("bytes", "devices")] = {
         n: len(r[key]) for n, r in runs.items()}
+  state = {n: _summed(r["weight_bytes"], r["gradient_bytes"],
+                      r["optimizer_bytes"]) for n, r in runs.items()}
+  row["state_mb_per_device_max"] = {n: max(b.values()) / 2 ** 20
+                                    for n, b in state.items()}
+  # A quarter of one copy of the weights, their gradients and two Adam slots.
+  quarter = 4 * params * 4 / DEVICES
+  row["state_over_quarter"] = {n: max(b.values()) / quarter
+                               for n, b in state.items()}
   tables.progress(SECTION.name, row)
   return [row]
+
+
+def _summed(*by_devices):
+  """Bytes per device, summed over several {device: bytes}."""
+  total = {}
+  for by_device in by_devices:
+    for device, size in by_device.items():
+      total[device] = total.get(device, 0) + size
+  return total
 
 
 def model_parallel_table(options, rows):
@@ -151,7 +209,9 @@ def model_parallel_table(options, rows):
               f"{'':22} " + " ".join(f"{n:>9}" for n in names) + " " +
               " ".join(f"{n + '/k=1':>10}" for n in ratios)]
     for key, label in MEMORY_ROWS:
-      lines.append(_line(label, r[key], names, ratios, ".1f"))
+      if key in r:  # Rows written before the w+grad+Adam rows lack them.
+        lines.append(_line(label, r[key], names, ratios,
+                           ".2f" if key == "state_over_quarter" else ".1f"))
     lines.append(_line("fit step (ms, median)", r["ms"], names, ratios, ".2f") +
                  f"  losses agree {r['agree']}")
   return lines
@@ -165,6 +225,7 @@ def _line(label, values, names, ratios, fmt):
 
 SECTION = section.Section(
     name="model_parallel", measures="a transformer's weights split over k "
-    "devices a replica (layout_map) against zero3: memory, fit step",
+    "devices a replica (layout_map) against zero3, and both: memory, fit "
+    "step",
     fresh=model_parallel_rows, child=model_parallel_child,
     table=model_parallel_table)

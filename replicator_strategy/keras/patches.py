@@ -181,6 +181,9 @@ PATCHES = (
     Patch(keras.Layer, "__call__", model_parallel.output_layouts,
           "a ReplicatorStrategy(layout_map=...) replica runs a layer whose "
           "<path>/output key the layout map has"),
+    # Embedding.call, outer to inner: lookup_rows, megatron_embedding (above).
+    # lookup_rows takes a table split by columns and sharded by rows first,
+    # which megatron_embedding would gather whole.
     Patch(keras.layers.Embedding, "call", sharded_weights.lookup_rows,
           _SHARDED + ": the Embedding's table"),
     # _make_function, outer to inner: rows_counted (sync groups, below),

@@ -17,7 +17,13 @@ fit Keras to that:
   in a replica, as Keras updates it from the weight's value; the optimizer
   must be one whose math is elementwise;
 - `Embedding.call`: a sharded table gives only the rows the batch asks for
-  (`sharding/variables.py`'s `lookup`), never the whole table.
+  (`sharding/variables.py`'s `lookup`), never the whole table; so does a
+  table split by columns over a replica's devices and sharded by rows
+  (`model_parallel/sharded_parts.py`), part by part, its output in parts.
+
+Weights split over a replica's devices and sharded over the replicas
+(`ShardedSplitVariable`) are sharded weights here too: each replica steps its
+shards of every part, on the part's device.
 
 >>> from replicator_strategy import ReplicatorStrategy
 >>> partitioner = tf.distribute.experimental.partitioners.FixedShardsPartitioner(4)
@@ -35,6 +41,8 @@ import tensorflow as tf
 
 from replicator_strategy import _tf_internal as tfi
 from replicator_strategy import replica_context
+from replicator_strategy.model_parallel import megatron
+from replicator_strategy.model_parallel import sharded_parts
 from replicator_strategy.sharding import creation
 from replicator_strategy.sharding import variables as sharded_variables
 from replicator_strategy.keras import _internal as ki
@@ -57,10 +65,12 @@ def any_sharded(variables):
 
 
 def _sharded_weight(variable):
-  """`variable`'s `ShardedVariable` if it is a sharded weight, else None."""
+  """`variable`'s `ShardedVariable` (or `ShardedSplitVariable`) if it is a
+  sharded weight, else None."""
   if isinstance(variable, keras.Variable):
     variable = variable.value
-  if (isinstance(variable, sharded_variables.ShardedVariable) and
+  if (isinstance(variable, (sharded_variables.ShardedVariable,
+                            sharded_parts.ShardedSplitVariable)) and
       variable.replica_reads == "whole" and variable.trainable):
     return variable
   return None
@@ -95,22 +105,24 @@ def update_shards(backend_update_step):
 
 def _update_weight(optimizer, grad, weight, learning_rate, whole):
   """The optimizer's step on every shard of `weight` this process updates."""
-
-  def step(component, grad, learning_rate):
-    if whole:
-      shard = weight.shard_index(tfi.distribute_lib.get_update_replica_id())
-      grad = weight.layout.shard(tf.convert_to_tensor(grad), shard)
-    return optimizer.update_step(grad, component, learning_rate)
-
   ctx = tf.distribute.get_replica_context()
   if ctx is None:
+
+    def step(component, grad, learning_rate):
+      shard = weight.shard_index(tfi.distribute_lib.get_update_replica_id())
+      return optimizer.update_step(
+          weight.layout.shard(tf.convert_to_tensor(grad), shard), component,
+          learning_rate)
+
     return weight.distribute_strategy.extended.update(
         weight, step, args=(grad, learning_rate), group=True)
-  # Each replica steps its own shard: no exchange needed.
+  # Each replica steps its own shards: no exchange needed.
   local = ctx.local_index
-  component = tfi.component(weight, local)
-  with tf.device(component.device), tfi.UpdateContext(local):
-    return step(component, grad, learning_rate)
+  if whole:
+    grad = weight.own_shards(tf.convert_to_tensor(grad), local)
+  return weight.update_own_shards(
+      local, lambda shard, grad: optimizer.update_step(grad, shard,
+                                                       learning_rate), grad)
 
 
 def gather_for_clipping(all_reduce_sum_gradients):
@@ -133,10 +145,8 @@ def gather_for_clipping(all_reduce_sum_gradients):
       elif grad is None:
         summed.append((None, var))
       else:  # Summed over the replicas already: gather the shards.
-        shard = weight.shard_index(ctx.local_index)
-        gathered = ctx.all_gather(
-            weight.layout.pad(tf.convert_to_tensor(grad), shard), axis=0)
-        summed.append((weight.layout.assemble_padded(gathered), var))
+        summed.append((weight.gather_own_shards(
+            ctx, tf.convert_to_tensor(grad)), var))
     return summed
 
   return wrapper
@@ -171,6 +181,16 @@ def lookup_rows(call):
       return call(self, inputs)
     if inputs.dtype not in (tf.int32, tf.int64):
       inputs = tf.cast(inputs, tf.int32)
+    if isinstance(table, sharded_parts.ShardedSplitVariable):
+      if not table.looks_up_rows:  # Gathered whole, part by part.
+        return call(self, inputs)
+      parts = []
+      for part in table.lookup(inputs):
+        with tf.device(part.device):
+          parts.append(tf.cast(part, self.compute_dtype))
+      return megatron.assembled(parts, [p.device for p in parts], -1)
+    if table.layout.axis != 0:  # Sharded by columns: read whole.
+      return call(self, inputs)
     return tf.cast(sharded_variables.lookup(table, inputs), self.compute_dtype)
 
   return wrapper

@@ -7,7 +7,10 @@ replica's logical devices. A variable whose Keras path a key matches (as
 Keras matches them: the exact key, else one `re.fullmatch`) and whose layout
 names the model axis in one dimension is a `split_variables.SplitVariable`
 split along that dimension; every other variable is replicated over the
-model axis.
+model axis. A layout that names the batch axis in a dimension shards the
+weight over the replicas along it (ZeRO-3 for that weight: a
+`sharding.variables.ShardedVariable`, or, split too, a
+`sharded_parts.ShardedSplitVariable`).
 
 >>> import keras
 >>> import replicator_strategy as rs
@@ -20,6 +23,9 @@ model axis.
 1
 >>> layouts.split_axis("dense_1/bias", (6,)) is None
 True
+>>> layout_map["up.*kernel"] = ("batch", "model")
+>>> layouts.placement("up/kernel", (4, 6))  # (split, sharded) dimensions
+(1, 0)
 """
 
 import contextlib
@@ -84,11 +90,16 @@ class ModelLayouts:
 
   def split_axis(self, path, shape):
     """The dimension the model axis splits the variable at `path`, or None."""
+    return self.placement(path, shape)[0]
+
+  def placement(self, path, shape):
+    """(the dimension the model axis splits, the one the batch axis shards)
+    of the variable (or output) at `path`, each None where none."""
     if path is None:
-      return None
+      return None, None
     layout = self.layout_map[path]
     if layout is None:
-      return None
+      return None, None
     self.matched_keys.update(
         key for key in self.layout_map if self.layout_map[key] is layout)
     axes = tuple(layout.axes)
@@ -99,26 +110,21 @@ class ModelLayouts:
           f"dimension(s), but the variable has {len(shape)} (shape "
           f"{list(shape)}). Give the layout one entry per dimension, None "
           f"where it is not split.")
-    if self.batch_axis in axes:
-      raise ValueError(
-          f"The layout {axes} for {path!r} splits a weight over the batch axis "
-          f"{self.batch_axis!r}. ReplicatorStrategy holds weights whole on the "
-          f"batch axis; to shard them over the replicas use "
-          f"`shard_optimizer_state=True` or `variable_partitioner`.")
-    unknown = [a for a in axes if a not in (None, self.model_axis)]
+    unknown = [a for a in axes
+               if a not in (None, self.model_axis, self.batch_axis)]
     if unknown:
       raise ValueError(
           f"The layout {axes} for {path!r} names {unknown}, which is not an "
           f"axis of the mesh (batch {self.batch_axis!r}, model "
           f"{self.model_axis!r}).")
-    split = [d for d, a in enumerate(axes) if a == self.model_axis]
-    if not split:
+    return (self._split_dimension(path, axes, shape),
+            _one_dimension(path, axes, self.batch_axis, "shards", "the replicas"))
+
+  def _split_dimension(self, path, axes, shape):
+    axis = _one_dimension(path, axes, self.model_axis, "splits",
+                          "each replica's devices")
+    if axis is None:
       return None
-    if len(split) > 1:
-      raise ValueError(
-          f"The layout {axes} for {path!r} splits {len(split)} dimensions over "
-          f"the model axis {self.model_axis!r}; split one.")
-    axis = split[0]
     k = self.devices_per_replica
     if shape[axis] is None or shape[axis] % k:  # A batch axis is None.
       raise ValueError(
@@ -128,7 +134,6 @@ class ModelLayouts:
           f"sizes divisible by {k} (for attention: heads, and key/value heads), "
           f"or leave that dimension None.")
     return axis
-
 
   def warn_unmatched_keys(self):
     """Warns, once per key, of layout keys no variable has matched so far.
@@ -146,6 +151,17 @@ class ModelLayouts:
           "'sequential/dense/kernel') with re.fullmatch: start the key with "
           "'.*' to match any model name.", key)
     self._warned_keys.update(unmatched)
+
+
+def _one_dimension(path, axes, name, verb, over):
+  """The dimension of the layout `axes` that names the mesh axis `name`, or
+  None; several are refused."""
+  named = [d for d, a in enumerate(axes) if a == name]
+  if len(named) > 1:
+    raise ValueError(
+        f"The layout {axes} for {path!r} {verb} {len(named)} dimensions over "
+        f"{over} (the mesh axis {name!r}); name it in one dimension.")
+  return named[0] if named else None
 
 
 def _device_name(device):

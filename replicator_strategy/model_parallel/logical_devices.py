@@ -72,6 +72,11 @@ class LogicalDevices:
     finally:
       self._variables_on = previous
 
+  @property
+  def variables_on(self):
+    """The logical device new variables go to (`for_variables`)."""
+    return self._variables_on
+
   def variable_devices(self):
     """The devices, one per replica, that a new variable's components go to."""
     return tuple(group[self._variables_on] for group in self.groups)

@@ -10,7 +10,8 @@ The strategy's variable creator hands every new variable's arguments to
 - its `SlotRequest` says `flat` (`shard_optimizer_state`'s slots): flattened
   over every replica (`FlatLayout`), refused inside a replica;
 - `variable_partitioner` cuts it, a trainable weight: by rows (`RowLayout`),
-  read whole inside a replica.
+  read whole inside a replica; or a layout map's batch axis names one of its
+  dimensions: one shard per replica along it.
 
 Keras's optimizers create their state with no word for sharding: the Keras
 wrappers that know ask `requesting(...)`, which passes a `SlotRequest` with
@@ -70,11 +71,13 @@ def requesting(**request):
     yield
 
 
-def create(strategy, next_creator, request=None,
+def create(strategy, next_creator, request=None, batch_axis=None,
            variable_class=variables.ShardedVariable, **kwargs):
   """A `ShardedVariable` where the variable `kwargs` describe is sharded, else None.
 
-  `request`: the variable's `SlotRequest`, if its creator passed one;
+  `request`: the variable's `SlotRequest`, if its creator passed one.
+  `batch_axis`: the dimension a layout map's batch axis names for it, which
+  it is sharded along in place of what `variable_partitioner` says.
   `variable_class`: `ShardedVariable` or the subclass to make.
   """
   request = request or SlotRequest()
@@ -84,23 +87,24 @@ def create(strategy, next_creator, request=None,
   if isinstance(weight, variables.ShardedVariable):
     return variables.create(
         strategy, next_creator, lambda _: weight.layout,
-        "whole" if request.reads_whole else "shard", **kwargs)
+        "whole" if request.reads_whole else "shard", weight.logical_device,
+        **kwargs)
   if request.flat:
     return variables.create(
         strategy, next_creator,
         lambda whole: layout_lib.FlatLayout.of(whole.shape, num_replicas),
         None, **kwargs)
   partitioner = strategy.extended.variable_partitioner
-  if partitioner is None or not _shardable(kwargs):
+  if (partitioner is None and batch_axis is None) or not shardable(kwargs):
     return None
   return variables.create(
       strategy, next_creator,
-      lambda whole: _row_layout(partitioner, whole.shape, whole.dtype,
-                                num_replicas, kwargs.get("name")),
-      "whole", **kwargs)
+      lambda whole: row_layout(partitioner, whole.shape, whole.dtype,
+                               num_replicas, kwargs.get("name"), batch_axis),
+      "whole", strategy.extended.logical_devices.variables_on, **kwargs)
 
 
-def _shardable(kwargs):
+def shardable(kwargs):
   """Whether a new variable is a trainable weight a partitioner may cut."""
   synchronization = kwargs.get("synchronization",
                                tf.VariableSynchronization.AUTO)
@@ -110,20 +114,27 @@ def _shardable(kwargs):
                               tf.VariableSynchronization.ON_WRITE))
 
 
-def _row_layout(partitioner, shape, dtype, num_replicas, name=None):
+def row_layout(partitioner, shape, dtype, num_replicas, name=None,
+               batch_axis=None):
   """The `RowLayout` `partitioner` asks for, or None where it cuts nothing.
 
-  `name` (the variable's) is for errors.
+  `batch_axis` (not None): one shard per replica along that dimension, as a
+  layout map's batch axis asks, whatever `partitioner` says. `name` (the
+  variable's) is for errors.
   """
   shape = tf.TensorShape(shape)
   if shape.rank is None or shape.rank == 0 or not shape.is_fully_defined():
     return None
-  num_shards = _shard_counts(partitioner(shape=shape, dtype=dtype), shape,
-                             name)
-  if num_shards[0] < 2 or num_replicas < 2:
+  if batch_axis is not None:
+    num_shards, axis = num_replicas, batch_axis
+  else:
+    num_shards = _shard_counts(partitioner(shape=shape, dtype=dtype), shape,
+                               name)[0]
+    axis = 0
+  if num_shards < 2 or num_replicas < 2:
     return None
-  return layout_lib.RowLayout.split(shape.as_list(), num_shards[0],
-                                    num_replicas)
+  return layout_lib.RowLayout.split(shape.as_list(), num_shards, num_replicas,
+                                    axis)
 
 
 def _shard_counts(received, shape, name):

@@ -8,8 +8,9 @@ from every shard (`assemble`) or from their padded concatenation
 
 - `FlatLayout` (`shard_optimizer_state`): the tensor flattened and cut into
   equal contiguous shards, the last zero-padded;
-- `RowLayout` (`variable_partitioner`): the tensor cut along axis 0 as TF's
-  partitioners cut, shards past the partitioner's count empty.
+- `RowLayout` (`variable_partitioner`, a layout map's batch axis): the
+  tensor cut along one axis (0 for a partitioner) as TF's partitioners cut,
+  shards past the partitioner's count empty.
 
 >>> x = tf.reshape(tf.range(10.0), (5, 2))
 >>> flat = FlatLayout.of(x.shape, 4)
@@ -34,9 +35,11 @@ class Layout(abc.ABC):
   Attributes:
     shape: the whole tensor's shape, a tuple.
     num_shards: how many shards, one per replica over every worker.
+    axis: the axis of the tensor that `pad`ded shards concatenate along.
   """
   shape: tuple
   num_shards: int
+  axis: int
 
   @abc.abstractmethod
   def shard(self, tensor, index):
@@ -64,6 +67,7 @@ class FlatLayout(Layout):
   """A tensor of `shape` flattened and cut into `num_shards` equal shards."""
   shape: tuple
   num_shards: int
+  axis = 0  # Of the flattened tensor.
 
   @classmethod
   def of(cls, shape, num_shards):
@@ -114,22 +118,27 @@ class FlatLayout(Layout):
 
 @dataclasses.dataclass(frozen=True)
 class RowLayout(Layout):
-  """A tensor of `shape` cut along axis 0: shard g holds `rows[g]` rows.
+  """A tensor of `shape` cut along `axis` (0: its rows): shard g holds
+  `rows[g]` of its slices there.
 
   As TF's partitioners cut (`tf.nn.embedding_lookup`'s "div" strategy): the
-  first shards hold one row more when the rows do not divide evenly; shards
-  past the partitioner's count are empty.
+  first shards hold one slice more when they do not divide evenly; shards
+  past the partitioner's count are empty. `axis` other than 0: a layout
+  map's batch axis naming that dimension.
   """
   shape: tuple
   rows: tuple
+  axis: int = 0
 
   @classmethod
-  def split(cls, shape, num_shards, num_replicas):
-    """`num_shards` (at most `num_replicas`) shards of `shape`, one per replica."""
-    num_shards = min(num_shards, num_replicas, shape[0])
-    base, extra = divmod(shape[0], num_shards)
+  def split(cls, shape, num_shards, num_replicas, axis=0):
+    """`num_shards` (at most `num_replicas`) shards of `shape` along `axis`,
+    one per replica."""
+    num_shards = min(num_shards, num_replicas, shape[axis])
+    base, extra = divmod(shape[axis], num_shards)
     rows = [base + (g < extra) for g in range(num_shards)]
-    return cls(tuple(shape), tuple(rows + [0] * (num_replicas - num_shards)))
+    return cls(tuple(shape), tuple(rows + [0] * (num_replicas - num_shards)),
+               axis)
 
   @property
   def num_shards(self):
@@ -143,27 +152,36 @@ class RowLayout(Layout):
   def max_rows(self):
     return max(self.rows)
 
+  def _slice(self, tensor, start, size):
+    if self.axis == 0:
+      return tensor[start:start + size]
+    return tf.gather(tensor, tf.range(start, start + size), axis=self.axis)
+
   def shard(self, tensor, index):
     """Shard `index` of a whole-shaped `tensor`."""
-    start = self.offsets[index]
-    return tensor[start:start + self.rows[index]]
+    return self._slice(tensor, self.offsets[index], self.rows[index])
 
   def shard_shape(self, index):
-    return (self.rows[index],) + tuple(self.shape[1:])
+    shape = list(self.shape)
+    shape[self.axis] = self.rows[index]
+    return tuple(shape)
 
   def pad(self, shard, index):
-    """Shard `index` padded with zero rows to `max_rows`: what collectives move."""
+    """Shard `index` padded with zeros to `max_rows`: what collectives move."""
     missing = self.max_rows - self.rows[index]
     if not missing:
       return shard
-    return tf.pad(shard, [[0, missing]] + [[0, 0]] * (len(self.shape) - 1))
+    padding = [[0, 0]] * len(self.shape)
+    padding[self.axis] = [0, missing]
+    return tf.pad(shard, padding)
 
   def assemble(self, shards):
     """The whole tensor from every shard, in order."""
-    return tf.concat(list(shards), axis=0) if len(shards) > 1 else shards[0]
+    shards = list(shards)
+    return tf.concat(shards, axis=self.axis) if len(shards) > 1 else shards[0]
 
   def assemble_padded(self, gathered):
     """The whole tensor from every padded shard, concatenated in order."""
     return self.assemble([
-        gathered[g * self.max_rows:g * self.max_rows + rows]
+        self._slice(gathered, g * self.max_rows, rows)
         for g, rows in enumerate(self.rows)])

@@ -32,6 +32,7 @@ sharded). `lookup` reads only the rows a batch needs from a sharded table.
 [[3, 2], [3, 2], [2, 2], [2, 2]]
 """
 
+from absl import logging
 import numpy as np
 import tensorflow as tf
 
@@ -39,6 +40,7 @@ from replicator_strategy import _tf_internal as tfi
 from replicator_strategy.collectives import compression as compression_lib
 from replicator_strategy.collectives import per_replica
 from replicator_strategy import options as options_lib
+from replicator_strategy.sharding import exchange
 
 
 class PiecewiseVariable(tfi.values.DistributedVariable):
@@ -119,14 +121,16 @@ class ShardedVariable(PiecewiseVariable):
   """A variable whose component r is shard `shard_index(r)`, on device r.
 
   `layout` is a `layout.Layout`; `replica_reads` is "whole", "shard" or None
-  (see the module docstring for how it reads in each context). Under sync
-  groups each group holds its own shards, read and assigned whole in
+  (see the module docstring for how it reads in each context);
+  `logical_device`: the replicas' logical device the shards are on. Under
+  sync groups each group holds its own shards, read and assigned whole in
   cross-replica context as the first group's.
   """
 
   def __init__(self, strategy, values, aggregation, layout, first_shard,
-               replica_reads):
+               replica_reads, logical_device=0):
     self.layout = layout
+    self.logical_device = logical_device
     self.whole_shape = layout.shape
     self.first_shard = first_shard
     self.replica_reads = replica_reads
@@ -148,7 +152,7 @@ class ShardedVariable(PiecewiseVariable):
     padded = [self.layout.pad(s, self.shard_index(r))
               for r, s in enumerate(shards)]
     gathered = self.distribute_strategy.extended.communicator.all_gather(
-        per_replica.wrap(padded), axis=0)
+        per_replica.wrap(padded), axis=self.layout.axis)
     return self.layout.assemble_padded(per_replica.parts(gathered)[0])
 
   def _get(self):
@@ -170,7 +174,26 @@ class ShardedVariable(PiecewiseVariable):
       return self.values[local]
     return ctx.outside_loops(lambda: gather_whole(
         ctx, self.layout, self.values[local].read_value(),
-        self.shard_index(local)))
+        self.shard_index(local), self.logical_device))
+
+  def own_shards(self, whole, local_replica):
+    """Replica `local_replica`'s shard of a whole-shaped tensor (the shape of
+    its gradient)."""
+    return self.layout.shard(whole, self.shard_index(local_replica))
+
+  def gather_own_shards(self, ctx, value):
+    """The whole, in replica context, from every replica's `own_shards`."""
+    shard = self.shard_index(ctx.local_index)
+    return self.layout.assemble_padded(exchange.all_gather(
+        ctx, self.layout.pad(value, shard), self.layout.axis,
+        self.logical_device))
+
+  def update_own_shards(self, local_replica, fn, *args, **kwargs):
+    """`fn(shard, *args, **kwargs)` for replica `local_replica`'s shard, on
+    its device, in its update context."""
+    component = self.values[local_replica]
+    with tf.device(component.device), tfi.UpdateContext(local_replica):
+      return fn(component, *args, **kwargs)
 
   def _update_cross_replica(self, update_fn, value, **kwargs):
     value = tf.convert_to_tensor(value, dtype=self.dtype)
@@ -216,8 +239,9 @@ class ShardedVariable(PiecewiseVariable):
     return self.assign(restored_tensors["VARIABLE_VALUE"])
 
 
-def gather_whole(ctx, layout, shard_value, shard):
-  """The whole variable, in replica context, from this replica's shard.
+def gather_whole(ctx, layout, shard_value, shard, logical_device=0):
+  """The whole variable, in replica context, from this replica's shard (on
+  its `logical_device`, where the whole lands too).
 
   Gradient: reduce-scatter, so this replica's shard gets its rows of the
   gradient summed over every replica (half the traffic of an all-reduce),
@@ -225,15 +249,42 @@ def gather_whole(ctx, layout, shard_value, shard):
   `gradient_compression`.
   """
   wire = _wire(ctx)
+  axis = layout.axis
 
   @tfi.custom_gradient
   def gather(padded):
     def grad(dy):
-      return compression_lib.from_wire(ctx.reduce_scatter(
-          "sum", compression_lib.to_wire(dy, wire), axis=0), dy.dtype)
-    return ctx.all_gather(padded, axis=0), grad
+      if isinstance(dy, tf.IndexedSlices):
+        _warn_dense(layout.shape)
+      return compression_lib.from_wire(exchange.reduce_scatter(
+          ctx, compression_lib.to_wire(tf.convert_to_tensor(dy), wire), axis,
+          logical_device), dy.dtype)
+    return exchange.all_gather(ctx, padded, axis, logical_device), grad
 
   return layout.assemble_padded(gather(layout.pad(shard_value, shard)))
+
+
+def _warn_dense(shape):
+  """Warns, once per shape, that a sparse gradient of a gathered weight is
+  made dense before its reduce-scatter."""
+  if shape in _warned_dense:
+    return
+  _warned_dense.add(shape)
+  logging.warning(
+      "ReplicatorStrategy: a weight of shape %s, sharded over the replicas "
+      "and read whole, gets a sparse gradient (an Embedding's table split "
+      "by rows over a replica's devices, or sharded by columns, or read by a "
+      "LoRA or quantized Embedding): it is made dense before its "
+      "reduce-scatter. Optimizers that square the gradient or take its "
+      "absolute value (Adam, Adagrad, ...) then treat rows looked up several "
+      "times in a batch, and rows not looked up, otherwise than Keras on one "
+      "device. Split the table by columns (None, 'model') and shard it by "
+      "rows, or leave it unsplit: it then looks up only its rows and stays "
+      "sparse.",
+      list(shape))
+
+
+_warned_dense = set()
 
 
 def lookup(variable, ids):
@@ -246,28 +297,44 @@ def lookup(variable, ids):
   """
   ctx = tf.distribute.get_replica_context()
   local = ctx.local_index
-  shard = variable.shard_index(local)
-  layout = variable.layout
+  every_id, count = gather_ids(ctx, ids, variable.layout.shape[0])
+  return lookup_in_shard(ctx, variable.layout, variable.values[local],
+                         variable.shard_index(local), ids, every_id, count,
+                         variable.logical_device)
+
+
+def gather_ids(ctx, ids, num_rows):
+  """Every replica's `ids`, checked and counted from 0 as rows of a table of
+  `num_rows`, and how many of them are this replica's."""
   flat = tf.reshape(ids, [-1])
   count = tf.shape(flat)[0]
   most = ctx.all_reduce("max", count)
-  every_id = _checked_ids(
-      ctx.all_gather(tf.pad(flat, [[0, most - count]]), axis=0), layout.shape[0])
+  return _checked_ids(ctx.all_gather(tf.pad(flat, [[0, most - count]]),
+                                     axis=0), num_rows), count
+
+
+def lookup_in_shard(ctx, layout, component, shard, ids, every_id, count,
+                    logical_device=0):
+  """This replica's rows `ids` of a table cut by rows (`layout`), of which
+  `component` holds shard `shard`: each replica picks the rows of `every_id`
+  its shard holds, on its `logical_device`, and the picks are
+  reduce-scattered among those devices."""
   width = layout.shape[1:]
-  if layout.rows[shard]:
-    rows = every_id - tf.cast(layout.offsets[shard], every_id.dtype)
-    held = (rows >= 0) & (rows < layout.rows[shard])
-    picked = tf.gather(variable.values[local], tf.where(held, rows, 0))
-    picked = tf.where(tf.reshape(held, [-1] + [1] * len(width)), picked,
-                      tf.zeros_like(picked))
-  else:
-    picked = tf.zeros(tf.concat([tf.shape(every_id), width], 0),
-                      variable.dtype)
-  mine = _rows_to_their_replicas(ctx, picked)[:count]
+  with tf.device(component.device):
+    if layout.rows[shard]:
+      rows = every_id - tf.cast(layout.offsets[shard], every_id.dtype)
+      held = (rows >= 0) & (rows < layout.rows[shard])
+      picked = tf.gather(component, tf.where(held, rows, 0))
+      picked = tf.where(tf.reshape(held, [-1] + [1] * len(width)), picked,
+                        tf.zeros_like(picked))
+    else:
+      picked = tf.zeros(tf.concat([tf.shape(every_id), width], 0),
+                        component.dtype)
+  mine = _rows_to_their_replicas(ctx, picked, logical_device)[:count]
   return tf.reshape(mine, tf.concat([tf.shape(ids), width], 0))
 
 
-def _rows_to_their_replicas(ctx, picked):
+def _rows_to_their_replicas(ctx, picked, logical_device):
   """The reduce-scatter of every replica's picks: each replica's own rows.
 
   Its gradient (each replica's rows' gradients, all-gathered to the shards
@@ -276,14 +343,14 @@ def _rows_to_their_replicas(ctx, picked):
   """
   wire = _wire(ctx)
   if wire is None:
-    return ctx.reduce_scatter("sum", picked, axis=0)
+    return exchange.reduce_scatter(ctx, picked, 0, logical_device)
 
   @tfi.custom_gradient
   def scatter(picked):
     def grad(dy):
-      return compression_lib.from_wire(ctx.all_gather(
-          compression_lib.to_wire(dy, wire), axis=0), dy.dtype)
-    return ctx.reduce_scatter("sum", picked, axis=0), grad
+      return compression_lib.from_wire(exchange.all_gather(
+          ctx, compression_lib.to_wire(dy, wire), 0, logical_device), dy.dtype)
+    return exchange.reduce_scatter(ctx, picked, 0, logical_device), grad
 
   return scatter(picked)
 
@@ -312,9 +379,10 @@ def _checked_ids(every_id, num_rows):
     return tf.where(every_id < 0, every_id + num_rows, every_id)
 
 
-def create(strategy, next_creator, layout_for, replica_reads,
+def create(strategy, next_creator, layout_for, replica_reads, logical_device=0,
            variable_class=ShardedVariable, **kwargs):
-  """A `ShardedVariable`, this worker's shards on its replicas' devices.
+  """A `ShardedVariable`, this worker's shards on its replicas' devices (each
+  replica's `logical_device`).
 
   `layout_for(whole_initial_value)` gives the layout; every worker starts
   from the chief's initial value. Returns None where the layout is None.
@@ -323,7 +391,8 @@ def create(strategy, next_creator, layout_for, replica_reads,
   kwargs.pop("colocate_with", None)  # Its shards go to every device.
   kwargs.pop("shape", None)
   communicator = strategy.extended.communicator
-  devices = communicator.devices
+  devices = [group[logical_device]
+             for group in strategy.extended.logical_devices.groups]
   with tf.init_scope(), tf.device(devices[0]):
     initial_value = communicator.initial_value(kwargs["initial_value"],
                                                kwargs.get("dtype"))
@@ -351,7 +420,7 @@ def create(strategy, next_creator, layout_for, replica_reads,
 
   def sharded_variable(strategy, values, aggregation):
     return variable_class(strategy, values, aggregation, layout, first_shard,
-                          replica_reads)
+                          replica_reads, logical_device)
 
   return tfi.distribute_utils.create_mirrored_variable(
       strategy, create_shards,

@@ -2,8 +2,8 @@
 
 Timings are not checked (a unit test is no place for them); the full run and
 its table live in docs/performance.md. The quick run leaves out the
-`model_parallel` section (its four contenders trace a transformer each, about
-35 s of CPU); one of them runs here in this process instead.
+`model_parallel` section (its five contenders trace a transformer each, about
+45 s of CPU); two of them run here in this process instead.
 """
 
 import json
@@ -196,6 +196,19 @@ class BenchmarkSmokeTest(unittest.TestCase):
     self.assertAlmostEqual(row["weight_mb_total"]["k=2"], 2 * one_copy)
     table = "\n".join(section.table(options, [row]))
     self.assertIn("Model parallel (layout_map, k devices a replica)", table)
+
+  def test_tensor_parallel_with_zero3_holds_a_quarter_per_device(self):
+    options_lib, registry = _import_benchmarks()
+    options = options_lib.Options(quick=True, sections=IN_PROCESS)
+    section = registry["model_parallel"]
+    row, = section.fresh(options, names=("k=2+zero3",))
+    self.assertEqual(row["split_weights"], {"k=2+zero3": 13})
+    # Weights, gradients and Adam slots: each device about a quarter (the
+    # norms and biases, sharded on each replica's first device, a little
+    # more there).
+    self.assertLess(row["state_over_quarter"]["k=2+zero3"], 1.1)
+    table = "\n".join(section.table(options, [row]))
+    self.assertIn("w+grad+Adam/dev max", table)
 
 if __name__ == "__main__":
   unittest.main()

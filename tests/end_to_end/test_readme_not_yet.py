@@ -46,10 +46,9 @@ OPTIONS = {
     "sync groups": {"sync_groups": 2},
 }
 # The pairs of options the constructor refuses, as README's items name them.
-REFUSED_PAIRS = {("model parallelism", "`variable_partitioner`")}
-# Where the constructor raises NotImplementedError: TPUs and model
-# parallelism with variable_partitioner.
-NOT_IMPLEMENTED_SITES = 2
+REFUSED_PAIRS = set()  # Every pair composes.
+# Where the constructor raises NotImplementedError: TPUs.
+NOT_IMPLEMENTED_SITES = 1
 
 
 def refuses_tpus(test):

@@ -694,10 +694,10 @@ class BadLayoutTest(unittest.TestCase):
         ValueError, r"(?s)layout \('model',\).*up/kernel.*1 dimension.*has 2"):
       self.build(".*up/kernel", ("model",))
 
-  def test_splitting_a_weight_over_the_batch_axis_is_refused(self):
-    with self.assertRaisesRegex(ValueError,
-                                r"batch axis 'batch'.*shard_optimizer_state"):
-      self.build(".*up/kernel", ("batch", None))
+  def test_two_dimensions_over_one_axis_are_refused(self):
+    with self.assertRaisesRegex(
+        ValueError, r"(?s)up/kernel.*shards 2 dimensions over the replicas"):
+      self.build(".*up/kernel", ("batch", "batch"))
 
   def test_a_mesh_of_other_devices_is_refused(self):
     layout_map = keras.distribution.LayoutMap(keras.distribution.DeviceMesh(

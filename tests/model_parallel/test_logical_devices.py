@@ -38,6 +38,40 @@ def one_device_step():
   return float(loss), w0.numpy(), w1.numpy()
 
 
+def adam_steps(strategy, placed=None):
+  """w0 and w1 after three Adam steps of the two-layer model (w1 on logical
+  device 1); `placed` gets the two variables."""
+  start0, start1 = initial()
+  scope = strategy.scope() if strategy else contextlib.nullcontext()
+  with scope:
+    w0 = tf.Variable(start0)
+    place = (strategy.logical_device_for_variables(1) if strategy
+             else contextlib.nullcontext())
+    with place:
+      w1 = tf.Variable(start1)
+    optimizer = keras.optimizers.Adam(0.1)
+    optimizer.build([w0, w1])
+
+  def step(x):
+    with tf.GradientTape() as tape:
+      loss = tf.reduce_sum(tf.matmul(tf.tanh(tf.matmul(x, w0)), w1) ** 2)
+      scaled = loss / ROWS
+    grads = tape.gradient(scaled, [w0, w1])
+    optimizer.apply_gradients(zip(grads, [w0, w1]))
+
+  if strategy is None:
+    run, batch = tf.function(step), data()
+  else:
+    run = tf.function(lambda b: strategy.run(step, (b,)))
+    batch = next(iter(strategy.experimental_distribute_dataset(
+        tf.data.Dataset.from_tensor_slices(data()).batch(ROWS))))
+  for _ in range(3):
+    run(batch)
+  if placed is not None:
+    placed.extend([w0, w1])
+  return w0.numpy(), w1.numpy()
+
+
 class LogicalDevicesTest(unittest.TestCase):
 
   def test_a_custom_loop_over_two_devices_per_replica_trains_as_one_device(self):
@@ -83,41 +117,28 @@ class LogicalDevicesTest(unittest.TestCase):
     self.assertEqual(placed, ["CPU:1", "CPU:3"])
 
   def test_adam_with_sharded_optimizer_state_trains_as_one_device(self):
-
-    def three_steps(strategy):
-      start0, start1 = initial()
-      scope = strategy.scope() if strategy else contextlib.nullcontext()
-      with scope:
-        w0 = tf.Variable(start0)
-        place = (strategy.logical_device_for_variables(1) if strategy
-                 else contextlib.nullcontext())
-        with place:
-          w1 = tf.Variable(start1)
-        optimizer = keras.optimizers.Adam(0.1)
-        optimizer.build([w0, w1])
-
-      def step(x):
-        with tf.GradientTape() as tape:
-          loss = tf.reduce_sum(tf.matmul(tf.tanh(tf.matmul(x, w0)), w1) ** 2)
-          scaled = loss / ROWS
-        grads = tape.gradient(scaled, [w0, w1])
-        optimizer.apply_gradients(zip(grads, [w0, w1]))
-
-      if strategy is None:
-        run, batch = tf.function(step), data()
-      else:
-        run = tf.function(lambda b: strategy.run(step, (b,)))
-        batch = next(iter(strategy.experimental_distribute_dataset(
-            tf.data.Dataset.from_tensor_slices(data()).batch(ROWS))))
-      for _ in range(3):
-        run(batch)
-      return w0.numpy(), w1.numpy()
-
-    want = three_steps(None)
-    have = three_steps(topology.strategy_over(
+    want = adam_steps(None)
+    have = adam_steps(topology.strategy_over(
         4, devices_per_replica=2, shard_optimizer_state=True))
     for w, h in zip(want, have):
       np.testing.assert_allclose(h, w, rtol=1e-5, atol=1e-6)
+
+  def test_sharded_variables_train_as_one_device_on_their_logical_device(self):
+    # Each weight's shards go to its logical device of every replica, where
+    # it is gathered inside a replica and its gradient reduce-scattered.
+    strategy = topology.strategy_over(
+        4, devices_per_replica=2, variable_partitioner=(
+            tf.distribute.experimental.partitioners.FixedShardsPartitioner(2)))
+    placed = []
+    have = adam_steps(strategy, placed)
+    want = adam_steps(None)
+    for w, h in zip(want, have):
+      np.testing.assert_allclose(h, w, rtol=1e-5, atol=1e-6)
+    w0, w1 = placed
+    self.assertEqual(type(w0).__name__, "ShardedVariable")
+    self.assertEqual([c.shape.as_list() for c in w1.values], [[2, 2], [2, 2]])
+    self.assertEqual([c.device[-5:] for c in w0.values], ["CPU:0", "CPU:2"])
+    self.assertEqual([c.device[-5:] for c in w1.values], ["CPU:1", "CPU:3"])
 
   def test_a_device_count_it_does_not_divide_is_refused(self):
     with self.assertRaisesRegex(ValueError, r"devices_per_replica=3.*4"):

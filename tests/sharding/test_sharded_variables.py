@@ -262,9 +262,9 @@ class EmbeddingTest(unittest.TestCase):
     gathered = []
     gather_whole = sharded_variables.gather_whole
 
-    def recording(ctx, layout, shard_value, shard):
+    def recording(ctx, layout, *args):
       gathered.append(layout.shape)
-      return gather_whole(ctx, layout, shard_value, shard)
+      return gather_whole(ctx, layout, *args)
 
     with mock.patch.object(sharded_variables, "gather_whole", recording):
       model, losses, evaluated, predicted = fit_embedding(strategy)
