@@ -27,6 +27,7 @@ import tensorflow as tf
 
 from replicator_strategy.collectives import reduce_op as reduce_op_lib
 from replicator_strategy.collectives import replica_collectives
+from replicator_strategy.collectives import exchange as exchange_lib
 
 _SUM = reduce_op_lib.ReduceOp.SUM
 
@@ -56,7 +57,7 @@ def reduce_scatter(ctx, value, axis, logical_device=0):
   collectives = communicator.replica_collectives
   return _exchange(
       ctx, communicator,
-      lambda values: [communicator.reduce_scatter(_SUM, v, axis)
+      lambda values: [communicator.reduce_scatter(v, _SUM, axis)
                       for v in values],
       lambda keys, values: collectives.reduce_scatter(
           ctx.local_index, _SUM, values, [axis], keys),
@@ -68,8 +69,8 @@ def _exchange(ctx, communicator, merge, collective, value, grad,
   """The replica context's one differentiable exchange, among the devices of
   `communicator` (the replicas' other logical device), its result there."""
   with tf.device(communicator.devices[ctx.local_index]):
-    return ctx._exchange(  # pylint: disable=protected-access
-        lambda strategy, *values: merge(values), collective, [value],
+    return exchange_lib.exchange(
+        ctx, lambda strategy, *values: merge(values), collective, [value],
         grad=lambda xs, ys, dys: [grad(dys[0])],
         keys_per_tensor=keys_per_tensor,
         collectives=communicator.replica_collectives)[0]
