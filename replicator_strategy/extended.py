@@ -63,8 +63,6 @@ class ReplicatorExtended(tfi.StrategyExtendedV1):
     self.variable_partitioner = options.sharding.partitioner(
         self.communicator.num_replicas)
     self._devices = self.communicator.devices
-    self._timeout_seconds = timeout_seconds
-    self._communicators_on = {0: self.communicator}
     tfi.set_default_device(self, self.communicator.default_device)
     # Partial final batches: a replica may get fewer (or no) examples.
     self.experimental_enable_get_next_as_optional = True
@@ -107,26 +105,6 @@ class ReplicatorExtended(tfi.StrategyExtendedV1):
   def first_replica_id(self):
     """The global replica id of this worker's first replica."""
     return self.communicator.first_replica_id
-
-  def communicator_on(self, logical_device_id):
-    """The communicator among every replica's logical device
-    `logical_device_id` (0: `communicator`), where a split weight's part
-    sharded over the replicas moves (`sharding.exchange`)."""
-    if logical_device_id not in self._communicators_on:
-      if self.num_workers > 1 or self.num_sync_groups > 1:
-        raise NotImplementedError(
-            f"A weight split over each replica's devices and sharded over "
-            f"the replicas (variable_partitioner, or a layout naming the "
-            f"batch axis) moves its parts' shards among the replicas' "
-            f"logical device {logical_device_id}, which works within one "
-            f"worker and one sync group only yet. Received "
-            f"{self.num_workers} workers and {self.num_sync_groups} sync "
-            f"groups. Shard only the weights no layout splits (leave the "
-            f"batch axis out of the layouts, and variable_partitioner out).")
-      self._communicators_on[logical_device_id] = communicator_lib.Communicator(
-          [group[logical_device_id] for group in self.logical_devices.groups],
-          "auto", self._timeout_seconds)
-    return self._communicators_on[logical_device_id]
 
   @property
   def host_device(self):

@@ -133,6 +133,11 @@ class Communicator(protocol.Collectives):
       return self._host_reduce_ops
     return self.cross_device_ops
 
+  @property
+  def timeout_seconds(self):
+    """How long a replica waits in a collective before failing."""
+    return self._timeout_seconds
+
   def among_devices(self, devices):
     """`(cross_device_ops, replica_collectives)`: the all-reduce among the
     same replicas of values on `devices`, one per local replica (each

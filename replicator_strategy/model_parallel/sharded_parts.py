@@ -258,16 +258,9 @@ def _create(strategy, next_creator, axis, layout, replica_reads, **kwargs):
   kwargs.pop("colocate_with", None)
   kwargs.pop("shape", None)
   extended = strategy.extended
-  if extended.num_sync_groups > 1:
-    raise NotImplementedError(
-        f"{kwargs.get('name')!r} would be split over each replica's devices "
-        f"(tensor parallel) and sharded over the replicas (ZeRO-3) with sync "
-        f"groups: the three do not combine yet. Drop one: sync_groups=1, or "
-        f"no `variable_partitioner` (and no \"batch\" in the layout), or no "
-        f"model axis.")
   groups = extended.logical_devices.groups
   for j in range(1, len(groups[0])):
-    extended.communicator_on(j)  # Refuses what it cannot serve, now.
+    exchange.communicator_on(extended, j)  # Refuses what it cannot serve, now.
   communicator = extended.communicator
   first_shard = communicator.first_replica_id
   with tf.init_scope(), tf.device(groups[0][0]):
