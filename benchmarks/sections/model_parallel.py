@@ -19,7 +19,6 @@ import numpy as np
 import tensorflow as tf
 
 import replicator_strategy as rs
-from replicator_strategy.model_parallel import sharded_parts
 from replicator_strategy.model_parallel import split_variables
 from benchmarks import contenders
 from benchmarks import models
@@ -96,21 +95,13 @@ def strategy(name):
 
 
 def gradient_bytes_by_device(weights):
-  """Bytes of each weight's gradient, per device, as the strategy holds it:
-  a sharded weight's as its shards, a split one's whole on each replica's
-  first device (Keras's optimizer gets it assembled), a mirrored one's on
-  each replica."""
+  """Bytes of each weight's gradient, per device, as the strategy holds it in
+  a traced step: as its components, a sharded weight's as its shards, a split
+  one's as its parts (its gradient stays in parts), a mirrored one's on each
+  replica."""
   by_device = {}
   for weight in weights:
-    value = weight.value
-    components = value.values
-    if (isinstance(value, split_variables.SplitVariable) and
-        not isinstance(value, sharded_parts.ShardedSplitVariable)):
-      whole = value.shape.num_elements() * value.dtype.size
-      for first in components[::value.num_parts]:
-        by_device[first.device] = by_device.get(first.device, 0) + whole
-      continue
-    for component in components:  # Copies, or shards (a sharded weight's).
+    for component in weight.value.values:
       by_device[component.device] = by_device.get(component.device, 0) + (
           component.shape.num_elements() * component.dtype.size)
   return by_device
