@@ -380,6 +380,23 @@ def custom_gradient(f):
   return call
 
 
+def note(tf_object, name, value):
+  """Keeps `value` on `tf_object` (a tensor) as our note `name`; it goes with
+  the object. `noted` reads it back.
+
+  >>> x = tf.constant(1.0)
+  >>> note(x, "origin", "a constant")
+  >>> noted(x, "origin"), noted(tf.constant(2.0), "origin")
+  ('a constant', None)
+  """
+  setattr(tf_object, f"_replicator_strategy_{name}", value)
+
+
+def noted(tf_object, name):
+  """Our note `name` on `tf_object` (see `note`), or None."""
+  return getattr(tf_object, f"_replicator_strategy_{name}", None)
+
+
 def owned_by(tf_object, name):
   """The dict `name` of ours that `tf_object` (a graph, a `tf.function`)
   holds, made empty on first ask: it goes with `tf_object`.

@@ -341,8 +341,8 @@ class ReplicatorStrategy(tf.distribute.Strategy):
               f"every {self.average_every} steps"
               if self.num_sync_groups > 1 else "")
     return (f"ReplicatorStrategy({n} replica{'s' if n > 1 else ''}{groups}"
-            f"{workers}, mesh {self.mesh}: "
-            f"{', '.join(self.extended.worker_devices)}; all-reduce "
+            f"{workers}: {', '.join(self.extended.worker_devices)}; mesh "
+            f"{self.mesh}; all-reduce "
             f"{self.extended.all_reduce_choice})")
 
 

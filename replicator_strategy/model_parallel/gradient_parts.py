@@ -26,7 +26,9 @@ weight's whole gradient.
 import numpy as np
 import tensorflow as tf
 
-_ATTRIBUTE = "_replicator_strategy_parts"
+from replicator_strategy import _tf_internal as tfi
+
+_NOTE = "parts"
 
 # Ops computed part by part: elementwise, with every other input a scalar or
 # of the same whole shape.
@@ -62,7 +64,7 @@ class Parts:
 
 def record(whole, parts):
   """Returns `whole`, noted to be `parts` (a `Parts`)."""
-  setattr(whole, _ATTRIBUTE, parts)
+  tfi.note(whole, _NOTE, parts)
   return whole
 
 
@@ -74,7 +76,7 @@ def parts_of(value):
   such values) in a graph; the parts of a computed one are computed, each on
   its part's device, in the value's own graph (once: it records them).
   """
-  parts = getattr(value, _ATTRIBUTE, None)
+  parts = tfi.noted(value, _NOTE)
   if parts is not None or not isinstance(value, tf.Tensor) or (
       tf.executing_eagerly() or not hasattr(value, "graph")):
     return parts

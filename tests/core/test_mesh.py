@@ -46,7 +46,7 @@ class MeshTest(unittest.TestCase):
       with self.subTest(**keywords):
         strategy = rs.ReplicatorStrategy(**keywords)
         self.assertEqual(str(strategy.mesh), shown)
-        self.assertIn(f"mesh {shown}:", repr(strategy))
+        self.assertIn(f"; mesh {shown}; all-reduce", repr(strategy))
         self.assertEqual(strategy.num_sync_groups, groups)
 
   def test_a_mesh_gives_what_its_keywords_give(self):
