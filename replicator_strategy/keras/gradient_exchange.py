@@ -167,10 +167,7 @@ def split_in_parts(all_reduce_sum_gradients):
   def wrapper(self, grads_and_vars):
     pairs = list(grads_and_vars)
     if (step_context.gradients_summed(self) or not replicas.in_our_replicas()
-        or not gradient_parts.may_have_parts() or
-        # Each part's sum would have to stay within its sync group: the
-        # whole goes to Keras's sum, which does.
-        options_lib.of().sync.groups > 1):
+        or not gradient_parts.may_have_parts()):
       return all_reduce_sum_gradients(self, pairs)
     parts = [None if g is None else gradient_parts.parts_of(g)
              for g, _ in pairs]
@@ -201,7 +198,8 @@ def split_in_parts(all_reduce_sum_gradients):
 def _sum_parts(replica_context, parts_list, wire=None):
   """Each of `parts_list` (`Parts`, one per gradient) summed over the
   replicas in sync, part by part: part j among every replica's part j, on
-  its own device (logical device j). Returns their `Parts`.
+  its own device (logical device j), within each sync group. Returns their
+  `Parts`.
 
   `wire`: the 16-bit dtype dense float parts travel as
   (`collectives.compression`), or None. In a replica's control flow (a
