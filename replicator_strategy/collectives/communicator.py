@@ -17,6 +17,8 @@ are sharded per worker, and ops without a device stay on this worker.
 (2, 'add_on_one_device: devices share host memory')
 """
 
+import copy
+
 from absl import logging
 import tensorflow as tf
 
@@ -85,16 +87,23 @@ class Communicator(protocol.Collectives):
   # Ops with no device scope: TF's default placement.
   default_device = None
 
-  def __init__(self, devices, all_reduce, timeout_seconds, num_workers=1):
-    self.devices = tuple(devices)
+  def __init__(self, devices, all_reduce, timeout_seconds):
     self._all_reduce, self._timeout_seconds = all_reduce, timeout_seconds
-    self.host_device = tfi.device_util.get_host_for_device(self.devices[0])
-    self.cross_device_ops, self.all_reduce_choice = all_reduce_lib.choose(
-        self.devices, all_reduce, num_workers=num_workers,
-        timeout_seconds=timeout_seconds)
-    self.replica_collectives = replica_collectives.ReplicaCollectives(
-        self.devices, len(self.devices) * num_workers, timeout_seconds)
+    self.host_device = tfi.device_util.get_host_for_device(devices[0])
+    self._exchange_on(devices)
     self._host_reduce_ops = tf.distribute.ReductionToOneDevice()
+    self._on_devices = {}
+
+  def _exchange_on(self, devices, what=None):
+    """Sets the devices, one per local replica, and what exchanges among
+    them and every worker's."""
+    self.devices = tuple(devices)
+    self.cross_device_ops, self.all_reduce_choice = all_reduce_lib.choose(
+        self.devices, self._all_reduce, num_workers=self.num_workers,
+        timeout_seconds=self._timeout_seconds)
+    self.replica_collectives = replica_collectives.ReplicaCollectives(
+        self.devices, self.num_replicas, self._timeout_seconds,
+        what=what)
 
   @property
   def num_replicas(self):
@@ -138,16 +147,22 @@ class Communicator(protocol.Collectives):
     """How long a replica waits in a collective before failing."""
     return self._timeout_seconds
 
-  def among_devices(self, devices):
-    """`(cross_device_ops, replica_collectives)`: the all-reduce among the
-    same replicas of values on `devices`, one per local replica (each
-    replica's logical device j), in collective groups of their own."""
-    cross_device_ops, _ = all_reduce_lib.choose(
-        devices, self._all_reduce, num_workers=self.num_workers,
-        timeout_seconds=self._timeout_seconds)
-    return cross_device_ops, replica_collectives.ReplicaCollectives(
-        devices, self.num_replicas, self._timeout_seconds,
-        what=f"collectives among {self.num_replicas} replicas on {devices}")
+  def on_devices(self, devices):
+    """The same replicas, exchanging values on other devices: a communicator
+    of this one's kind among `devices`, one per local replica (each
+    replica's logical device j), with the same workers, in collective groups
+    of its own. Made once per strategy and `devices`; itself for its own."""
+    key = tuple(devices)
+    if key == self.devices:
+      return self
+    if key not in self._on_devices:
+      other = copy.copy(self)
+      other._on_devices = {}  # pylint: disable=protected-access
+      other._exchange_on(  # pylint: disable=protected-access
+          devices,
+          what=f"collectives among {self.num_replicas} replicas on {devices}")
+      self._on_devices[key] = other
+    return self._on_devices[key]
 
   @property
   def gather_ops(self):
@@ -235,8 +250,7 @@ class ClusterCommunicator(Communicator):
     self.is_chief = cluster.is_chief
     # Ops without a device stay on this worker.
     self.default_device = cluster.task_name
-    super().__init__(devices, all_reduce, timeout_seconds,
-                     num_workers=cluster.num_workers)
+    super().__init__(devices, all_reduce, timeout_seconds)
     collective_watchdog.share_stalls_across_workers(self.worker_index,
                                                     self.num_workers)
     # One value per worker, on each worker's host.

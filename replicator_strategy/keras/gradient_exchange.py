@@ -19,7 +19,6 @@ all-reduce sends 16-bit floats (`replicator_strategy.collectives.compression`).
 """
 
 import functools
-import weakref
 
 import keras
 import tensorflow as tf
@@ -33,6 +32,7 @@ from replicator_strategy.collectives import exchange
 from replicator_strategy import options as options_lib
 from replicator_strategy.collectives import reduce_op as reduce_op_lib
 from replicator_strategy.model_parallel import gradient_parts
+from replicator_strategy.model_parallel import logical_devices
 
 
 def _clips(optimizer):
@@ -167,10 +167,7 @@ def split_in_parts(all_reduce_sum_gradients):
   def wrapper(self, grads_and_vars):
     pairs = list(grads_and_vars)
     if (step_context.gradients_summed(self) or not replicas.in_our_replicas()
-        or not gradient_parts.may_have_parts() or
-        # Each part's sum would have to stay within its sync group: the
-        # whole goes to Keras's sum, which does.
-        options_lib.of().sync.groups > 1):
+        or not gradient_parts.may_have_parts()):
       return all_reduce_sum_gradients(self, pairs)
     parts = [None if g is None else gradient_parts.parts_of(g)
              for g, _ in pairs]
@@ -198,14 +195,11 @@ def split_in_parts(all_reduce_sum_gradients):
   return wrapper
 
 
-# Per strategy: the all-reduce of each logical device index j.
-_exchanges = weakref.WeakKeyDictionary()
-
-
 def _sum_parts(replica_context, parts_list, wire=None):
   """Each of `parts_list` (`Parts`, one per gradient) summed over the
   replicas in sync, part by part: part j among every replica's part j, on
-  its own device (logical device j). Returns their `Parts`.
+  its own device (logical device j), within each sync group. Returns their
+  `Parts`.
 
   `wire`: the 16-bit dtype dense float parts travel as
   (`collectives.compression`), or None. In a replica's control flow (a
@@ -215,12 +209,8 @@ def _sum_parts(replica_context, parts_list, wire=None):
   extended = ctx.strategy.extended
   if extended.num_replicas_in_all_groups == 1:
     return list(parts_list)
-  if extended not in _exchanges:
-    communicator = extended.communicator
-    _exchanges[extended] = [
-        communicator.among_devices(column) for column in
-        zip(*extended.logical_devices.groups)]
-  exchanges = _exchanges[extended]
+  exchanges = [logical_devices.communicator_on(extended, j)
+               for j in range(extended.logical_devices.per_replica)]
   n = len(parts_list)
   columns = [[] for _ in exchanges]
   for parts in parts_list:
@@ -233,8 +223,8 @@ def _sum_parts(replica_context, parts_list, wire=None):
 
     def merge_fn(strategy, *values):
       del strategy
-      return [total for j, (ops, _) in enumerate(exchanges)
-              for total in ops.batch_reduce(
+      return [total for j, communicator in enumerate(exchanges)
+              for total in communicator.cross_device_ops.batch_reduce(
                   tf.distribute.ReduceOp.SUM,
                   [(v, v) for v in values[j * n:(j + 1) * n]])]
 
@@ -242,7 +232,8 @@ def _sum_parts(replica_context, parts_list, wire=None):
     summed = [flat[j * n:(j + 1) * n] for j in range(len(exchanges))]
   else:
     summed = []
-    for (_, collectives), column in zip(exchanges, columns):
+    for communicator, column in zip(exchanges, columns):
+      collectives = communicator.replica_collectives
       keys = exchange.collective_keys(ctx, len(column), collectives)
       summed.append(collectives.all_reduce(
           ctx.local_index, reduce_op_lib.ReduceOp.SUM, column, keys))

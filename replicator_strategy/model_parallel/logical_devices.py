@@ -85,3 +85,12 @@ class LogicalDevices:
     """A `tf.device` scope on the local replica's logical device."""
     i = self.check(logical_device_id, "ReplicaContext.logical_device")
     return tf.device(self.groups[local_replica][i])
+
+
+def communicator_on(extended, logical_device_id):
+  """The exchange among every replica's logical device `logical_device_id`
+  (the strategy's `extended`), where part j of a split weight moves: the
+  communicator's own on those devices, with every worker, within each sync
+  group (`Communicator.on_devices`); the communicator itself for device 0."""
+  return extended.communicator.on_devices(
+      [group[logical_device_id] for group in extended.logical_devices.groups])

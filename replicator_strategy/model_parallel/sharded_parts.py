@@ -252,6 +252,21 @@ def create(strategy, next_creator, request, split_axis, batch_axis, **kwargs):
   return _create(strategy, next_creator, split_axis, layout, "whole", **kwargs)
 
 
+def _check_one_worker_and_group(extended):
+  """Refuses, when made, what the shards' exchange does not serve yet."""
+  if extended.logical_devices.per_replica > 1 and (
+      extended.num_workers > 1 or extended.num_sync_groups > 1):
+    raise NotImplementedError(
+        f"A weight split over each replica's devices and sharded over the "
+        f"replicas (variable_partitioner, or a layout naming the batch axis) "
+        f"moves its parts' shards among the replicas' logical device j, "
+        f"which works within one worker and one sync group only yet. "
+        f"Received {extended.num_workers} workers and "
+        f"{extended.num_sync_groups} sync groups. Shard only the weights no "
+        f"layout splits (leave the batch axis out of the layouts, and "
+        f"variable_partitioner out).")
+
+
 def _create(strategy, next_creator, axis, layout, replica_reads, **kwargs):
   """The variable: shard r of part j of the whole initial value on each
   replica r's device j."""
@@ -259,8 +274,7 @@ def _create(strategy, next_creator, axis, layout, replica_reads, **kwargs):
   kwargs.pop("shape", None)
   extended = strategy.extended
   groups = extended.logical_devices.groups
-  for j in range(1, len(groups[0])):
-    exchange.communicator_on(extended, j)  # Refuses what it cannot serve, now.
+  _check_one_worker_and_group(extended)
   communicator = extended.communicator
   first_shard = communicator.first_replica_id
   with tf.init_scope(), tf.device(groups[0][0]):

@@ -5,7 +5,7 @@ replica: device 0 for a weight no layout splits, device j for part j of a
 weight split over a replica's devices (`model_parallel.sharded_parts`). Its
 shards move among those devices only: on logical device 0 through the
 replica context's own collectives, on device j through the communicator of
-every replica's device j (`communicator_on`), with the
+every replica's device j (`logical_devices.communicator_on`), with the
 same two paths (a `merge_call` where the replicas meet, run-time
 collectives inside control flow).
 
@@ -23,44 +23,14 @@ collectives inside control flow).
 [([0.0, 1.0], 'CPU:1'), ([0.0, 1.0], 'CPU:3')]
 """
 
-import weakref
-
 import tensorflow as tf
 
-from replicator_strategy.collectives import communicator as communicator_lib
 from replicator_strategy.collectives import reduce_op as reduce_op_lib
 from replicator_strategy.collectives import replica_collectives
 from replicator_strategy.collectives import exchange as exchange_lib
+from replicator_strategy.model_parallel import logical_devices
 
 _SUM = reduce_op_lib.ReduceOp.SUM
-
-
-# Per strategy's extended: the communicator of each logical device index.
-_communicators = weakref.WeakKeyDictionary()
-
-
-def communicator_on(extended, logical_device_id):
-  """The communicator among every replica's logical device
-  `logical_device_id` (0: `extended.communicator`), where a split weight's
-  part sharded over the replicas moves."""
-  if logical_device_id == 0:
-    return extended.communicator
-  made = _communicators.setdefault(extended, {})
-  if logical_device_id not in made:
-    if extended.num_workers > 1 or extended.num_sync_groups > 1:
-      raise NotImplementedError(
-          f"A weight split over each replica's devices and sharded over "
-          f"the replicas (variable_partitioner, or a layout naming the "
-          f"batch axis) moves its parts' shards among the replicas' "
-          f"logical device {logical_device_id}, which works within one "
-          f"worker and one sync group only yet. Received "
-          f"{extended.num_workers} workers and {extended.num_sync_groups} sync "
-          f"groups. Shard only the weights no layout splits (leave the "
-          f"batch axis out of the layouts, and variable_partitioner out).")
-    made[logical_device_id] = communicator_lib.Communicator(
-        [group[logical_device_id] for group in extended.logical_devices.groups],
-        "auto", extended.communicator.timeout_seconds)
-  return made[logical_device_id]
 
 
 def all_gather(ctx, value, axis, logical_device=0):
@@ -68,7 +38,8 @@ def all_gather(ctx, value, axis, logical_device=0):
   on this replica's `logical_device`; the gradient is `reduce_scatter`."""
   if logical_device == 0:
     return ctx.all_gather(value, axis)
-  communicator = communicator_on(ctx.strategy.extended, logical_device)
+  communicator = logical_devices.communicator_on(ctx.strategy.extended,
+                                                 logical_device)
   collectives = communicator.replica_collectives
   return _exchange(
       ctx, communicator,
@@ -84,7 +55,8 @@ def reduce_scatter(ctx, value, axis, logical_device=0):
   replica r's `logical_device`; the gradient is `all_gather`."""
   if logical_device == 0:
     return ctx.reduce_scatter("sum", value, axis=axis)
-  communicator = communicator_on(ctx.strategy.extended, logical_device)
+  communicator = logical_devices.communicator_on(ctx.strategy.extended,
+                                                 logical_device)
   collectives = communicator.replica_collectives
   return _exchange(
       ctx, communicator,

@@ -97,6 +97,8 @@ class GroupedCommunicator(protocol.Collectives):
     worker's `devices` and every other worker's (None: `everyone`'s own)."""
     check_divides(num_groups, everyone.num_replicas, len(everyone.devices))
     self.everyone = everyone
+    self._make_group = make_group
+    self._on_devices = {}
     self._make_round_ops = make_round_ops
     self._round_ops = {}
     self.round_ops = self.round_ops_on(everyone.devices)
@@ -124,6 +126,20 @@ class GroupedCommunicator(protocol.Collectives):
           self._make_round_ops(devices) if self._make_round_ops else
           self.everyone.cross_device_ops)
     return self._round_ops[devices]
+
+  def on_devices(self, devices):
+    """The same groups, exchanging values on other devices (each replica's
+    logical device j): a `GroupedCommunicator` over `everyone.on_devices`,
+    each group alone, its rounds' all-reduces this one's. Made once per
+    `devices`; itself for its own."""
+    key = tuple(devices)
+    if key == self.everyone.devices:
+      return self
+    if key not in self._on_devices:
+      self._on_devices[key] = GroupedCommunicator(
+          self.everyone.on_devices(devices), self.num_sync_groups,
+          self._make_group, self.round_ops_on)
+    return self._on_devices[key]
 
   def describe(self):
     return (f"{self.everyone.describe()}, in {self.num_sync_groups} sync "

@@ -1,14 +1,14 @@
 """A split weight's gradient stays in parts, from the tape to the update.
 
-On a (2, 2) mesh the traced training step (Keras's train step, as `fit`
-runs it in each replica, and a custom loop's `apply_gradients`) computes no
-tensor of a split weight's whole shape that its outputs or updates depend
-on: each part's gradient is summed over the replicas on its own device, and
-each part updated from it; so too when the optimizer clips, scales the loss
-or accumulates, or the strategy compresses the sum. The layers: an
-Embedding, MultiHeadAttention (its EinsumDense projections), and a Megatron
-MLP of Dense layers. Clipped or compressed in parts, it trains as one device
-does.
+On a (2, 2) mesh (also as 2 sync groups of 1 replica) the traced training
+step (Keras's train step, as `fit` runs it in each replica, and a custom
+loop's `apply_gradients`) computes no tensor of a split weight's whole shape
+that its outputs or updates depend on: each part's gradient is summed over
+the replicas on its own device, and each part updated from it; so too when
+the optimizer clips, scales the loss or accumulates, or the strategy
+compresses the sum. The layers: an Embedding, MultiHeadAttention (its
+EinsumDense projections), and a Megatron MLP of Dense layers. Clipped or
+compressed in parts, it trains as one device does.
 """
 
 import unittest
@@ -185,6 +185,15 @@ class NoWholeGradientTest(unittest.TestCase):
     self.check(*split_block((None, "model"),
                             lambda: keras.optimizers.SGD(0.1)),
                step_graph=custom_step_graph)
+
+  @parameterized.expand([("fit", fit_step_graph),
+                         ("custom_loop", custom_step_graph)])
+  def test_in_sync_groups_the_step_holds_no_whole_split_weight_in(
+      self, _, step_graph):
+    # 2 groups of 1 replica over 2 devices: each part is summed within its
+    # group, on its device.
+    self.check(*split_block((None, "model"), sync_groups=2),
+               step_graph=step_graph)
 
 
 def trained(model):

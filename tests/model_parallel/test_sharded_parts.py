@@ -184,6 +184,39 @@ class RefusalTest(unittest.TestCase):
               (None, megatron.FEATURES))
 
 
+class ExchangeOnALogicalDeviceTest(unittest.TestCase):
+  """A part's shards move among every replica's logical device j within
+  each sync group: 2 groups of 1 replica over 2 devices."""
+
+  def test_each_sync_group_gathers_and_reduce_scatters_alone(self):
+    strategy = rs.ReplicatorStrategy(
+        devices=[f"/cpu:{i}" for i in range(4)], devices_per_replica=2,
+        sync_groups=2)
+
+    def exchanged():
+      ctx = tf.distribute.get_replica_context()
+      with ctx.logical_device(1):
+        x = tf.fill([2], tf.cast(ctx.sync_group + 1, tf.float32))
+      return (exchange.all_gather(ctx, x, axis=0, logical_device=1),
+              exchange.reduce_scatter(ctx, x, axis=0, logical_device=1))
+
+    def in_cond():  # Each replica launches its collectives at run time.
+      return tf.cond(tf.constant(True), exchanged, exchanged)
+
+    for name, step in [("merged", lambda: strategy.run(exchanged)),
+                       ("launched", tf.function(
+                           lambda: strategy.run(in_cond)))]:
+      with self.subTest(name):
+        for result in step():
+          self.assertEqual(
+              [t.numpy().tolist()
+               for t in strategy.experimental_local_results(result)],
+              [[1.0, 1.0], [2.0, 2.0]])
+    # Where the replicas meet, the results land on their logical device 1.
+    self.assertEqual([t.device[-5:] for t in strategy.experimental_local_results(
+        strategy.run(exchanged)[0])], ["CPU:1", "CPU:3"])
+
+
 def block_layout():
   """The block's token table split by columns, its heads and MLP split
   Megatron style, its logits by columns."""
