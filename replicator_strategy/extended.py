@@ -165,8 +165,10 @@ class ReplicatorExtended(tfi.StrategyExtendedV1):
     replica_sum = kwargs.pop(variables.REPLICA_SUM, False)
     request = kwargs.pop(sharding.SLOT_REQUEST, None)
     axis, batch_axis = self._layout_axes(kwargs)
-    placed = sharded_parts.create(strategy, next_creator, request, axis,
-                                  batch_axis, **kwargs)
+    placed = sharded_parts.create(
+        strategy, next_creator, request, axis, batch_axis,
+        variables.piecewise_class(strategy, sharded_parts.ShardedSplitVariable),
+        **kwargs)
     if placed is None:
       placed = sharding.create(
           strategy, next_creator, request, batch_axis,

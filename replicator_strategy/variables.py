@@ -20,6 +20,7 @@ import tensorflow as tf
 
 from replicator_strategy import _tf_internal as tfi
 from replicator_strategy import replica_context
+from replicator_strategy.model_parallel import sharded_parts
 from replicator_strategy.model_parallel import split_variables
 from replicator_strategy.sharding import variables as sharded_variables
 
@@ -288,9 +289,42 @@ class SyncGroupSplitVariable(_SplitCopies):
   replicas_per_copy = SyncGroupVariable.replicas_per_copy
 
 
+class SyncGroupShardedSplitVariable(SavedCopies,
+                                    sharded_parts.ShardedSplitVariable):
+  """A `ShardedSplitVariable` under sync groups, whose saves keep every
+  group's value (each group's parts, assembled from its shards, whole), as
+  a `SyncGroupVariable`'s are."""
+
+  COPIES_KEY = SyncGroupVariable.COPIES_KEY
+  replicas_per_copy = SyncGroupVariable.replicas_per_copy
+
+  def _local_copies(self):
+    k, n = self.num_parts, self.layout.num_shards
+    wholes = {}
+    for first in range(0, len(self.values) // k, n):
+      parts = []
+      for j in range(k):
+        shards = self.values[first * k + j:(first + n) * k:k]
+        with tf.device(shards[0].device):
+          parts.append(self.layout.assemble(
+              [c.read_value() for c in shards]))
+      wholes[first] = self._concat(parts)
+    return [wholes[r - r % n] for r in range(len(self.values) // k)]
+
+  def _assign_local_copies(self, value_of):
+    updates = []
+    for r in range(len(self.values) // self.num_parts):
+      for component, part in zip(self.parts(r), self._split(value_of(r))):
+        with tf.device(component.device):
+          updates.append(component.assign(
+              self.layout.shard(part, self.shard_index(r)), read_value=False))
+    return tf.group(updates)
+
+
 _SYNC_GROUP_CLASSES = {
     sharded_variables.ShardedVariable: SyncGroupShardedVariable,
     split_variables.SplitVariable: SyncGroupSplitVariable,
+    sharded_parts.ShardedSplitVariable: SyncGroupShardedSplitVariable,
 }
 
 
@@ -308,9 +342,15 @@ def round_pieces(variable):
   `variable`: in pieces, each a list of (component, the local replicas it
   stands for), one value per replica (or per group) on its own device. A
   split weight's piece i is part i of every replica, a sharded one's piece
-  s is shard s of every group: each is averaged on its own devices, never
-  whole. Any other variable is one piece, its components."""
+  s is shard s of every group, and a split one sharded too has a piece for
+  shard s of part j of every group: each is averaged on its own devices,
+  never whole. Any other variable is one piece, its components."""
   values = variable.values
+  if isinstance(variable, sharded_parts.ShardedSplitVariable):
+    k, n = variable.num_parts, variable.layout.num_shards
+    return [[(values[(g + s) * k + j], list(range(g, g + n)))
+             for g in range(0, len(values) // k, n)]
+            for j in range(k) for s in range(n)]
   if isinstance(variable, split_variables.SplitVariable):
     k = variable.num_parts
     return [[(variable.parts(r)[i], [r]) for r in range(len(values) // k)]
@@ -326,6 +366,10 @@ def whole_from_pieces(variable, values):
   """The whole of `variable` from one value of each of its `round_pieces`,
   on the first's device."""
   with tf.device(values[0].device):
+    if isinstance(variable, sharded_parts.ShardedSplitVariable):
+      n = variable.layout.num_shards
+      return tf.concat([variable.layout.assemble(values[j:j + n])
+                        for j in range(0, len(values), n)], variable.axis)
     if isinstance(variable, split_variables.SplitVariable):
       return tf.concat(values, variable.axis)
     if isinstance(variable, sharded_variables.ShardedVariable):

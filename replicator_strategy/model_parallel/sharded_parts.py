@@ -5,9 +5,11 @@ over the model axis (a `split_variables.SplitVariable`) and shards over the
 N replicas (`variable_partitioner`, or a layout that names the batch axis
 too, as `("batch", "model")`) is a `ShardedSplitVariable`. Device j of
 replica r holds shard r of part j (a `sharding.layout.RowLayout` of the
-part), 1/(N k) of the weight, and so do its optimizer slots. How it reads:
+part), 1/(N k) of the weight, and so do its optimizer slots; with sync
+groups, N is a group's replicas and r counts within the group. How it reads:
 
-- in cross-replica context (saving, `numpy()`): the whole, from every shard;
+- in cross-replica context (saving, `numpy()`): the whole, from every shard
+  (the first group's);
 - inside the update of replica r's part j: its shard, so an optimizer's
   elementwise math runs on shards unchanged;
 - inside replica r: each part gathered over the replicas on its own device j
@@ -60,8 +62,10 @@ class ShardedSplitVariable(split_variables.SplitVariable):
     super().__init__(strategy, values, aggregation, axis, shape, path)
 
   def shard_index(self, local_replica):
-    """The shard of each part that local replica `local_replica` holds."""
-    return self.first_shard + local_replica
+    """The shard of each part that local replica `local_replica` holds
+    (counted within its sync group)."""
+    return sharded_variables.shard_index(self.first_shard, local_replica,
+                                         self.layout.num_shards)
 
   def read_parts(self, local_replica):
     """Replica `local_replica`'s parts, each gathered whole on its device."""
@@ -84,12 +88,13 @@ class ShardedSplitVariable(split_variables.SplitVariable):
     return super()._whole(local_replica)
 
   def _get_cross_replica(self):
-    k = self.num_parts
+    k, n = self.num_parts, self.layout.num_shards
     parts = []
     for j in range(k):
       with tf.device(self.values[j].device):
+        # Under sync groups, the first group's.
         parts.append(self.layout.assemble(
-            [c.read_value() for c in self.values[j::k]]))
+            [c.read_value() for c in self.values[j::k][:n]]))
     with tf.device(self.values[0].device):
       return tf.concat(parts, self.axis)
 
@@ -216,8 +221,10 @@ class ShardedSplitVariable(split_variables.SplitVariable):
         **kwargs)
 
 
-def create(strategy, next_creator, request, split_axis, batch_axis, **kwargs):
-  """A `ShardedSplitVariable` where the new variable is one, else None.
+def create(strategy, next_creator, request, split_axis, batch_axis,
+           variable_class, **kwargs):
+  """A `variable_class` (`ShardedSplitVariable` or a subclass) where the new
+  variable is one, else None.
 
   It is one where it is optimizer state of one (created `colocate_with` it),
   or a trainable weight split along `split_axis` that `batch_axis` (the
@@ -237,7 +244,8 @@ def create(strategy, next_creator, request, split_axis, batch_axis, **kwargs):
           f"which keeps no on-read state. Create it outside "
           f"`colocate_vars_with` of that weight.")
     return _create(strategy, next_creator, weight.axis, weight.layout,
-                   "whole" if request.reads_whole else "shard", **kwargs)
+                   "whole" if request.reads_whole else "shard",
+                   variable_class, **kwargs)
   if (split_axis is None or weight is not None or
       (batch_axis is None and extended.variable_partitioner is None) or
       not creation.shardable(kwargs)):
@@ -249,32 +257,32 @@ def create(strategy, next_creator, request, split_axis, batch_axis, **kwargs):
                                kwargs.get("name"), batch_axis)
   if layout is None:
     return None
-  return _create(strategy, next_creator, split_axis, layout, "whole", **kwargs)
+  return _create(strategy, next_creator, split_axis, layout, "whole",
+                 variable_class, **kwargs)
 
 
-def _check_one_worker_and_group(extended):
+def _check_one_worker(extended):
   """Refuses, when made, what the shards' exchange does not serve yet."""
-  if extended.logical_devices.per_replica > 1 and (
-      extended.num_workers > 1 or extended.num_sync_groups > 1):
+  if extended.logical_devices.per_replica > 1 and extended.num_workers > 1:
     raise NotImplementedError(
         f"A weight split over each replica's devices and sharded over the "
         f"replicas (variable_partitioner, or a layout naming the batch axis) "
         f"moves its parts' shards among the replicas' logical device j, "
-        f"which works within one worker and one sync group only yet. "
-        f"Received {extended.num_workers} workers and "
-        f"{extended.num_sync_groups} sync groups. Shard only the weights no "
-        f"layout splits (leave the batch axis out of the layouts, and "
+        f"which works within one worker only yet. Received "
+        f"{extended.num_workers} workers. Shard only the weights no layout "
+        f"splits (leave the batch axis out of the layouts, and "
         f"variable_partitioner out).")
 
 
-def _create(strategy, next_creator, axis, layout, replica_reads, **kwargs):
+def _create(strategy, next_creator, axis, layout, replica_reads,
+            variable_class, **kwargs):
   """The variable: shard r of part j of the whole initial value on each
   replica r's device j."""
   kwargs.pop("colocate_with", None)
   kwargs.pop("shape", None)
   extended = strategy.extended
   groups = extended.logical_devices.groups
-  _check_one_worker_and_group(extended)
+  _check_one_worker(extended)
   communicator = extended.communicator
   first_shard = communicator.first_replica_id
   with tf.init_scope(), tf.device(groups[0][0]):
@@ -290,8 +298,9 @@ def _create(strategy, next_creator, axis, layout, replica_reads, **kwargs):
     for replica, group in enumerate(groups):
       for part, device in enumerate(group):
         with tf.device(device):
-          kwargs["initial_value"] = layout.shard(parts[part],
-                                                 first_shard + replica)
+          kwargs["initial_value"] = layout.shard(
+              parts[part], sharded_variables.shard_index(
+                  first_shard, replica, layout.num_shards))
           if shards:
             kwargs["name"] = "{}/replica_{:d}/part_{:d}/".format(
                 shards[0].name.split(":")[0], replica, part)
@@ -304,9 +313,8 @@ def _create(strategy, next_creator, axis, layout, replica_reads, **kwargs):
   path = keras_variable[0] if keras_variable else None
 
   def sharded_split_variable(strategy, values, aggregation):
-    return ShardedSplitVariable(strategy, values, aggregation, axis,
-                                whole.shape, path, layout, first_shard,
-                                replica_reads)
+    return variable_class(strategy, values, aggregation, axis, whole.shape,
+                          path, layout, first_shard, replica_reads)
 
   return tfi.distribute_utils.create_mirrored_variable(
       strategy, create_shards,

@@ -12,7 +12,11 @@ of 1 replica over 2 devices (tensor parallel). Whole fits that only add
 cases are marked slow.
 """
 
+import json
 import os
+import pathlib
+import subprocess
+import sys
 import tempfile
 import unittest
 
@@ -32,6 +36,7 @@ from test_sync_groups import ATOL, GLOBAL_BATCH, RTOL, data
 from replicator_strategy.sharding import variables as sharded_variables
 
 EPOCHS = 2  # 12 steps of 16 rows.
+TESTS = pathlib.Path(__file__).resolve().parent.parent
 
 
 def momentum():
@@ -308,6 +313,45 @@ class TensorParallelTest(ComposedTest, unittest.TestCase):
     strategy.average_sync_groups([v])
     assert_per_replica(self, strategy, v, [0.5, 0.5])
     self.assertEqual([c.device[-5:] for c in v.values], ["CPU:1", "CPU:3"])
+
+
+@pytest.mark.slow  # A fresh process on 8 logical CPUs.
+class TensorParallelZeroThreeTest(unittest.TestCase):
+  """2 groups x 2 replicas x 2 devices, each kernel split over a replica's
+  devices and sharded over its group's replicas
+  (`sync_groups_sharded_parts_main.py`)."""
+
+  @classmethod
+  def setUpClass(cls):
+    super().setUpClass()
+    env = dict(os.environ, PYTHONPATH=str(TESTS.parent))
+    env.pop("TF_CONFIG", None)
+    done = subprocess.run(
+        [sys.executable, str(TESTS / "sync_groups_sharded_parts_main.py")],
+        capture_output=True, text=True, env=env, timeout=600, check=False)
+    if done.returncode:
+      raise AssertionError(done.stderr[-3000:])
+    cls.results = json.loads(done.stdout.splitlines()[-1])
+
+  def test_each_device_holds_a_shard_of_a_part(self):
+    self.assertEqual(self.results["kinds"].count(
+        "SyncGroupShardedSplitVariable"), 2, self.results["kinds"])
+    # The 8 x 16 kernel: 2 parts of 8 x 8, each in 2 shards of 4 x 8.
+    self.assertEqual(self.results["kernel_shards"], [[4, 8]] * 8)
+
+  def test_fit_averaging_every_sgd_step_is_synchronous(self):
+    for got, want in zip(self.results["grouped"], self.results["synchronous"],
+                         strict=True):
+      np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL)
+
+  def test_diloco_overlapped_trains_as_without_the_sharding(self):
+    for got, want in zip(self.results["diloco"],
+                         self.results["diloco_unsharded"], strict=True):
+      np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL)
+
+  def test_a_checkpoint_between_rounds_restores_every_group(self):
+    self.assertTrue(self.results["groups_differ_between_rounds"])
+    self.assertTrue(self.results["checkpoint_restores_every_group"])
 
 
 class ZeroThreeTest(ComposedTest, unittest.TestCase):
