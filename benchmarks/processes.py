@@ -29,7 +29,7 @@ def _env():
 
 def _command(options, kind, spec, devices=None, worker=False):
   # -X faulthandler: a child that crashes in native code (a SIGSEGV) prints
-  # every thread's Python stack to the stderr it shares with the parent.
+  # every thread's Python stack to its stderr, which `fresh` passes on.
   return ([sys.executable, "-X", "faulthandler", "-m", "benchmarks", "--child",
            f"{kind}:{spec}"] + options.child_flags(devices, worker))
 
@@ -46,10 +46,32 @@ def child(options, kind, run, spec=""):
 
 
 def fresh(options, kind, spec="", timeout=600):
-  """Runs the child `kind:spec` in a fresh process; its JSON result."""
-  done = subprocess.run(_command(options, kind, spec), stdout=subprocess.PIPE,
-                        text=True, timeout=timeout, check=True, env=_env())
-  return json.loads(done.stdout.strip().splitlines()[-1])
+  """Runs the child `kind:spec` in a fresh process; its JSON result.
+
+  A child killed by a signal (a native crash inside TensorFlow, seen
+  rarely under a loaded machine) is run once more, after its stacks and a
+  line saying so go to stderr; a second failure raises with the child's
+  last stderr lines, its stacks among them.
+  """
+  for attempt in (1, 2):
+    done = subprocess.run(_command(options, kind, spec), capture_output=True,
+                          text=True, timeout=timeout, env=_env())
+    sys.stderr.write(done.stderr)
+    if done.returncode == 0:
+      return json.loads(done.stdout.strip().splitlines()[-1])
+    if done.returncode > 0 or attempt == 2:
+      raise ChildFailed(kind, spec, done.returncode, done.stderr)
+    print(f"benchmark child {kind}:{spec} died by signal {-done.returncode} "
+          "(its stacks above); running it once more", file=sys.stderr)
+
+
+class ChildFailed(RuntimeError):
+  """A benchmark child that exited with an error; its stderr's end."""
+
+  def __init__(self, kind, spec, returncode, stderr):
+    super().__init__(
+        f"benchmark child {kind}:{spec} failed with exit status {returncode}; "
+        f"the end of its stderr:\n{stderr[-4000:]}")
 
 
 def on_two_workers(options, kind, spec=""):

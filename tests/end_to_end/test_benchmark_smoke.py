@@ -14,6 +14,7 @@ import subprocess
 import sys
 import tempfile
 import unittest
+from unittest import mock
 
 import pytest
 
@@ -212,3 +213,51 @@ class BenchmarkSmokeTest(unittest.TestCase):
 
 if __name__ == "__main__":
   unittest.main()
+
+
+class FreshChildTest(unittest.TestCase):
+  """`processes.fresh`: a child killed by a signal runs once more; a child
+  that fails for good raises with the end of its stderr."""
+
+  def _fresh_running(self, script, marker):
+    _import_benchmarks()
+    from benchmarks import processes  # pylint: disable=g-import-not-at-top
+    command = [sys.executable, "-c", script, marker]
+    with mock.patch.object(processes, "_command",
+                                    lambda *args, **kwargs: command):
+      return processes.fresh(None, "replicas", "1", timeout=60)
+
+  def test_a_child_killed_by_a_signal_runs_once_more(self):
+    # The first run leaves a marker and kills itself; the second answers.
+    script = ("import os, signal, sys\n"
+              "if not os.path.exists(sys.argv[1]):\n"
+              "  open(sys.argv[1], 'w').close()\n"
+              "  print('stacks of the crash', file=sys.stderr, flush=True)\n"
+              "  os.kill(os.getpid(), signal.SIGSEGV)\n"
+              "print('{\"runs\": 2}')\n")
+    with tempfile.TemporaryDirectory() as out:
+      self.assertEqual(
+          self._fresh_running(script, os.path.join(out, "ran")), {"runs": 2})
+
+  def test_a_child_that_crashes_twice_raises_with_its_stderr(self):
+    script = ("import os, signal, sys\n"
+              "print('stacks of the crash', file=sys.stderr, flush=True)\n"
+              "os.kill(os.getpid(), signal.SIGSEGV)\n")
+    _import_benchmarks()
+    from benchmarks import processes  # pylint: disable=g-import-not-at-top
+    with self.assertRaisesRegex(processes.ChildFailed,
+                                r"exit status -11;(.|\n)*stacks of the crash"):
+      self._fresh_running(script, "unused")
+
+  def test_a_child_that_exits_with_an_error_is_not_run_again(self):
+    script = ("import os, sys\n"
+              "with open(sys.argv[1], 'a') as f: f.write('x')\n"
+              "sys.exit('bad flag')\n")
+    _import_benchmarks()
+    from benchmarks import processes  # pylint: disable=g-import-not-at-top
+    with tempfile.TemporaryDirectory() as out:
+      marker = os.path.join(out, "runs")
+      with self.assertRaisesRegex(processes.ChildFailed, "bad flag"):
+        self._fresh_running(script, marker)
+      with open(marker, encoding="utf-8") as f:
+        self.assertEqual(f.read(), "x")
