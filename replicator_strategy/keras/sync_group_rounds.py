@@ -45,6 +45,7 @@ import tensorflow as tf
 
 from replicator_strategy import strategy as strategy_lib
 from replicator_strategy.keras import _internal as ki
+from replicator_strategy.keras import global_results
 
 
 @dataclasses.dataclass
@@ -80,7 +81,8 @@ def _average(model, scheduled):
 
 def rows_counted(make_function):
   """Keras's step maker, with the train step counting its rows for the
-  rounds."""
+  rounds, and its logs summed over this worker's groups only
+  (`global_results`)."""
 
   @functools.wraps(make_function)
   def wrapper(self, step_function):
@@ -91,7 +93,8 @@ def rows_counted(make_function):
       @functools.wraps(train_step)
       def step_function(data):
         averaging.count_rows()
-        return train_step(data)
+        with global_results.train_step_logs_local():
+          return train_step(data)
 
     return make_function(self, step_function)
 
