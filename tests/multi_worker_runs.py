@@ -297,13 +297,14 @@ def sync_groups_fit(strategy):
           "bytes_averaged": averaging.bytes_averaged - averaged}
 
 
-def worker_metrics(model, replicas=2):
-  """The metric results of each `replicas` of this worker's replicas (a
-  worker's on 2 workers x 2), from their metric variables summed here,
-  outside any step."""
+def replica_metrics(model, replicas=None):
+  """The metric results of each `replicas` (None: all) of this worker's
+  replicas, in order, from their metric variables summed here, outside any
+  step."""
   strategy = model.distribute_strategy
   variables = [v for metric in model.metrics for v in metric.variables]
   parts = [strategy.experimental_local_results(v.value) for v in variables]
+  replicas = replicas or len(parts[0])
   results = []
   for first in range(0, len(parts[0]), replicas):
     sums = [tf.add_n(list(p[first:first + replicas])) for p in parts]
@@ -314,13 +315,14 @@ def worker_metrics(model, replicas=2):
 
 
 class StepLogs(keras.callbacks.Callback):
-  """Each train step's logs, the metrics of each worker's replicas after it
-  (`worker_metrics`), and the collectives launched between workers during
-  it (its train function and the round after it, if due)."""
+  """Each train step's logs; after it, the metrics (`replica_metrics`) of
+  each pair of this worker's replicas (a worker's on 2 workers x 2) and of
+  all of them; and the collectives launched between workers during it (its
+  train function and the round after it, if due)."""
 
   def __init__(self):
     super().__init__()
-    self.logs, self.workers, self.launches = [], [], []
+    self.logs, self.pairs, self.local, self.launches = [], [], [], []
     self._launched = None
 
   def on_train_batch_begin(self, batch, logs=None):
@@ -329,20 +331,21 @@ class StepLogs(keras.callbacks.Callback):
   def on_train_batch_end(self, batch, logs=None):
     self.launches.append(watchdog.launches_between_workers() - self._launched)
     self.logs.append({name: float(value) for name, value in logs.items()})
-    self.workers.append(worker_metrics(self.model))
+    self.pairs.append(replica_metrics(self.model, 2))
+    self.local.append(replica_metrics(self.model)[0])
 
 
 def sync_groups_step_logs(strategy):
-  """3 epochs of `fit` (12 steps) in sync groups: each step's logs, each
-  worker's replicas' metrics and the launches between workers
-  (`StepLogs`), and the History."""
+  """3 epochs of `fit` (12 steps) in sync groups: each step's logs, its
+  replicas' metrics and the launches between workers (`StepLogs`), and the
+  History."""
   x, y = data()
   model = _model(strategy, lambda: keras.optimizers.SGD(0.1), loss="mse",
                  metrics=["mae"])
   steps = StepLogs()
   history = model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=3, shuffle=False,
                       verbose=0, callbacks=[steps])
-  return {"logs": steps.logs, "workers": steps.workers,
+  return {"logs": steps.logs, "pairs": steps.pairs, "local": steps.local,
           "launches": steps.launches, "history": history.history}
 
 

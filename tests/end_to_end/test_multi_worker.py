@@ -358,7 +358,7 @@ class SyncGroupsStepLogsTwoWorkersTest(RunsOnWorkers, unittest.TestCase):
   group, and nothing crossing between the workers until a round."""
   RUNS = ("sync_groups_step_logs",)
   OPTIONS = "@2_sync_groups"
-  LAUNCH = "steplogs"
+  LAUNCH = "keras"
 
   @classmethod
   def setUpClass(cls):
@@ -370,10 +370,9 @@ class SyncGroupsStepLogsTwoWorkersTest(RunsOnWorkers, unittest.TestCase):
 
   def test_each_step_logs_the_workers_own_groups(self):
     for index, run in enumerate(self.runs):
-      own = by_metric([step[index] for step in self.expected["workers"]])
+      own = by_metric([step[index] for step in self.expected["pairs"]])
       assert_close_nested(self, by_metric(run["logs"]), own)
-      assert_close_nested(
-          self, by_metric([step[0] for step in run["workers"]]), own)
+      assert_close_nested(self, by_metric(run["local"]), own)
     # The workers' logs differ: each shows its own rows.
     first, second = (by_metric(run["logs"])["loss"] for run in self.runs)
     self.assertFalse(np.allclose(first, second))
