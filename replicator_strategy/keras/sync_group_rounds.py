@@ -6,7 +6,8 @@ function is followed, after each call, by a look at the optimizer's
 multiple of H, an averaging round runs (`replicator_strategy.sync_groups.rounds`).
 Before the first step the weights are kept as the first round's `old` (with
 an outer optimizer). Each train step counts its replicas' rows, which a
-round weighs the groups by (`Averaging.count_rows`). When `fit` returns, a
+round weighs the groups by (`Averaging.count_rows`), and logs its metrics
+over this worker's groups only (`global_results`). When `fit` returns, a
 last round runs if the last step did not average (or left an overlapped
 exchange in flight), so `evaluate`, `predict` and saving see one model.
 Called between rounds (a custom loop's, or a callback's), `predict`,
