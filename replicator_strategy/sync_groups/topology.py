@@ -16,7 +16,9 @@ the all-replica communicator, `everyone`. The averaging rounds exchange
 between groups through `round_ops`, over every replica too: across workers,
 collectives with keys of their own, so that a round's exchange running in a
 thread beside the steps (`overlap_averaging`) never draws launch numbers
-from the counters of a step's own exchanges between groups (Keras's metrics).
+from the counters of a step's own exchanges between groups (`fit`'s
+validation metrics, a custom loop's `all_reduce_all_groups`). `local_groups`
+reduces over this worker's groups only (`fit`'s per-step logs).
 
 >>> from replicator_strategy.collectives import communicator
 >>> grouped = communicator.for_topology(
