@@ -295,27 +295,43 @@ class ReplicaContext(tfi.ThreadReplicaContext):
   def all_reduce_all_groups(self, reduce_op, value):
     """`all_reduce` ("sum" or "mean") over every replica of every sync group.
 
-    The one exchange between groups a step may ask for (Keras's per-step
-    logs of global metrics); with one group, `all_reduce` itself.
+    An exchange between groups (Keras's metrics of `evaluate` and of `fit`'s
+    validation); with one group, `all_reduce` itself.
     """
+    return self._reduce_across_groups("all_reduce_all_groups", reduce_op,
+                                      value, local=False)
+
+  def all_reduce_local_groups(self, reduce_op, value):
+    """`all_reduce` ("sum" or "mean") over this worker's replicas: every sync
+    group on it, no other worker (in one process, every group).
+
+    Keras's per-step logs of a train step: no wait on other workers. With
+    one group, `all_reduce` itself.
+    """
+    return self._reduce_across_groups("all_reduce_local_groups", reduce_op,
+                                      value, local=True)
+
+  def _reduce_across_groups(self, name, reduce_op, value, local):
     communicator = self.strategy.extended.communicator
     if communicator.num_sync_groups == 1:
       return self.all_reduce(reduce_op, value)
-    checks.refuse_cross_replica_context("all_reduce_all_groups")
+    checks.refuse_cross_replica_context(name)
     op = reduce_op_lib.parse(reduce_op)
     if op.is_extremum:
       raise ValueError(
-          f"Expected `reduce_op` of all_reduce_all_groups to be 'sum' or "
-          f"'mean'. Received: reduce_op={reduce_op!r}.")
+          f"Expected `reduce_op` of {name} to be 'sum' or 'mean'. "
+          f"Received: reduce_op={reduce_op!r}.")
     flat = [tf.convert_to_tensor(v) for v in tf.nest.flatten(value)]
-    everyone = communicator.everyone.replica_collectives
+    among = (communicator.local_groups if local else
+             communicator.everyone).replica_collectives
     ys = exchange.exchange(
         self, lambda strategy, *values: strategy.extended.communicator.
-        reduce_all_groups(op.to_tf(), values),
-        lambda keys, values: everyone.all_reduce(self.local_index, op, values,
-                                                 keys),
-        flat, grad=lambda xs, ys, dys: self.all_reduce_all_groups(op, dys),
-        collectives=everyone)
+        reduce_across_groups(op.to_tf(), values, local),
+        lambda keys, values: among.all_reduce(self.local_index, op, values,
+                                              keys),
+        flat, grad=lambda xs, ys, dys: self._reduce_across_groups(
+            name, op, dys, local),
+        collectives=among)
     return tf.nest.pack_sequence_as(value, ys)
 
   # Where this replica is and what it sees: documented API, computed elsewhere.

@@ -22,6 +22,7 @@ import keras
 import models
 import replicator_strategy as rs
 from replicator_strategy.cluster import scratch
+from replicator_strategy.collectives import watchdog
 from replicator_strategy.keras import replica_loss
 
 GLOBAL_BATCH = 16
@@ -56,6 +57,7 @@ STRATEGY_OPTIONS = {
     "bfloat16": {"gradient_compression": "bfloat16"},
     # On 2 workers x 2: a sync group per worker.
     "2_sync_groups": {"sync_groups": 2, "average_every": 4},
+    "4_sync_groups": {"sync_groups": 4, "average_every": 4},  # 2 per worker.
     "overlap": {"overlap_averaging": True},
     "4_shards": {"variable_partitioner": (
         tf.distribute.experimental.partitioners.FixedShardsPartitioner(4))},
@@ -293,6 +295,58 @@ def sync_groups_fit(strategy):
   results = keras_fit(strategy)
   return {**results, "rounds": averaging.rounds - rounds,
           "bytes_averaged": averaging.bytes_averaged - averaged}
+
+
+def replica_metrics(model, replicas=None):
+  """The metric results of each `replicas` (None: all) of this worker's
+  replicas, in order, from their metric variables summed here, outside any
+  step."""
+  strategy = model.distribute_strategy
+  variables = [v for metric in model.metrics for v in metric.variables]
+  parts = [strategy.experimental_local_results(v.value) for v in variables]
+  replicas = replicas or len(parts[0])
+  results = []
+  for first in range(0, len(parts[0]), replicas):
+    sums = [tf.add_n(list(p[first:first + replicas])) for p in parts]
+    with keras.StatelessScope(state_mapping=list(zip(variables, sums))):
+      results.append({name: float(value) for name, value in
+                      model.get_metrics_result().items()})
+  return results
+
+
+class StepLogs(keras.callbacks.Callback):
+  """Each train step's logs; after it, the metrics (`replica_metrics`) of
+  each pair of this worker's replicas (a worker's on 2 workers x 2) and of
+  all of them; and the collectives launched between workers during it (its
+  train function and the round after it, if due)."""
+
+  def __init__(self):
+    super().__init__()
+    self.logs, self.pairs, self.local, self.launches = [], [], [], []
+    self._launched = None
+
+  def on_train_batch_begin(self, batch, logs=None):
+    self._launched = watchdog.launches_between_workers()
+
+  def on_train_batch_end(self, batch, logs=None):
+    self.launches.append(watchdog.launches_between_workers() - self._launched)
+    self.logs.append({name: float(value) for name, value in logs.items()})
+    self.pairs.append(replica_metrics(self.model, 2))
+    self.local.append(replica_metrics(self.model)[0])
+
+
+def sync_groups_step_logs(strategy):
+  """3 epochs of `fit` (12 steps) in sync groups: each step's logs, its
+  replicas' metrics and the launches between workers (`StepLogs`), and the
+  History."""
+  x, y = data()
+  model = _model(strategy, lambda: keras.optimizers.SGD(0.1), loss="mse",
+                 metrics=["mae"])
+  steps = StepLogs()
+  history = model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=3, shuffle=False,
+                      verbose=0, callbacks=[steps])
+  return {"logs": steps.logs, "pairs": steps.pairs, "local": steps.local,
+          "launches": steps.launches, "history": history.history}
 
 
 def sync_groups_loop(strategy, steps=8):
@@ -771,7 +825,8 @@ RUNS = {"custom_loop": custom_loop, "primitives": primitives,
         "conv_last_batches": conv_last_batches,
         "batch_share": batch_share, "random_layers_fit": random_layers_fit,
         "sync_groups_fit": sync_groups_fit,
-        "sync_groups_loop": sync_groups_loop}
+        "sync_groups_loop": sync_groups_loop,
+        "sync_groups_step_logs": sync_groups_step_logs}
 # Runs that take the output directory as their working directory.
 TAKES_WORKDIR = ("keras_files", "keras_backup_and_restore", "keras_preempted",
                  "keras_accumulation_restarted",

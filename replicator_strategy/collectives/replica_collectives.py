@@ -82,7 +82,7 @@ class ReplicaCollectives(protocol.LaunchedCollectives):
     self._group_key = new_group_key()
     self._progress = collective_watchdog.Progress(
         self._devices, timeout_seconds,
-        what or f"collectives among {group_size} replicas")
+        what or f"collectives among {group_size} replicas", group_size)
 
   def draw_keys(self, local_index, count, home_graph):
     """`count` launches for this replica's next collectives, in program order."""

@@ -122,8 +122,12 @@ class Launch:
 class Progress:
   """Counters the graph collectives of one group of replicas advance, a set per device."""
 
-  def __init__(self, devices, timeout_seconds, what):
+  def __init__(self, devices, timeout_seconds, what, group_size=None):
+    """`group_size`: the replicas the collectives span, over every worker
+    (None: these `devices`')."""
     self.devices = tuple(devices)
+    # More replicas than this worker's devices hold: other workers' too.
+    self.spans_workers = (group_size or len(self.devices)) > len(self.devices)
     self.timeout_seconds = timeout_seconds
     self.what = what
     self.traced = False  # No counter moves until a collective is traced.
@@ -192,6 +196,15 @@ class Progress:
       out.append((int(launched.numpy()), int(completed.numpy()),
                   _describe(int(last.numpy()))))
     return out
+
+
+def launches_between_workers():
+  """How many graph collectives this process has launched among replicas of
+  several workers so far: a launch per local device (a hierarchical
+  reduction's one between workers counts once)."""
+  return sum(launched for progress in _WATCHDOG.watched()
+             if progress.spans_workers
+             for launched, _, _ in progress.read())
 
 
 def check_not_aborted():
@@ -323,6 +336,11 @@ class _Watchdog:
     with self._lock:
       self._sources[progress] = _Seen()
       self._start()
+
+  def watched(self):
+    """Every `Progress` alive."""
+    with self._lock:
+      return list(self._sources)
 
   @contextlib.contextmanager
   def waiting(self, description, timeout_seconds):

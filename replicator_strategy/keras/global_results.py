@@ -5,13 +5,19 @@
   which differ from the global values for anything but equal local batches
   and linear metrics. Here the metric variables are summed across replicas
   first (one batched all-reduce per step) and the results computed from the
-  sums, exactly as one device would.
+  sums, exactly as one device would. With sync groups a train step's logs
+  sum over this worker's groups only (`train_step_logs_local`), so that no
+  group waits on another worker between rounds; an epoch's logs (History,
+  `on_epoch_end`), read outside the step, and `evaluate`'s sum over every
+  group.
 - Across workers, `predict` concatenates this worker's replicas only (Keras
   gathers every worker's rows for MultiWorkerMirroredStrategy alone). Here
   every worker gets all rows, in order.
 """
 
+import contextlib
 import functools
+import threading
 
 import keras
 import tensorflow as tf
@@ -19,6 +25,20 @@ import tensorflow as tf
 from replicator_strategy.keras import _internal as ki
 from replicator_strategy.keras import replicas
 from replicator_strategy import strategy as strategy_lib
+
+
+_step = threading.local()  # Each replica runs its step in its own thread.
+
+
+@contextlib.contextmanager
+def train_step_logs_local():
+  """In here (a replica's train step), metric results sum over this
+  worker's sync groups, not every worker's."""
+  _step.local = True
+  try:
+    yield
+  finally:
+    _step.local = False
 
 
 def global_metrics_result(get_metrics_result):
@@ -32,9 +52,11 @@ def global_metrics_result(get_metrics_result):
     if not variables:
       return get_metrics_result(self)
     # Keras metric state is additive (totals, counts, confusion entries);
-    # with sync groups, summed over every group's replicas, as one device's.
-    summed = ctx.all_reduce_all_groups(
-        "sum", [tf.convert_to_tensor(v) for v in variables])
+    # with sync groups, summed over every group's replicas, as one device's,
+    # or in a train step over this worker's.
+    reduce = (ctx.all_reduce_local_groups if getattr(_step, "local", False)
+              else ctx.all_reduce_all_groups)
+    summed = reduce("sum", [tf.convert_to_tensor(v) for v in variables])
     with keras.StatelessScope(state_mapping=list(zip(variables, summed))):
       return get_metrics_result(self)
 

@@ -6,7 +6,8 @@ function is followed, after each call, by a look at the optimizer's
 multiple of H, an averaging round runs (`replicator_strategy.sync_groups.rounds`).
 Before the first step the weights are kept as the first round's `old` (with
 an outer optimizer). Each train step counts its replicas' rows, which a
-round weighs the groups by (`Averaging.count_rows`). When `fit` returns, a
+round weighs the groups by (`Averaging.count_rows`), and logs its metrics
+over this worker's groups only (`global_results`). When `fit` returns, a
 last round runs if the last step did not average (or left an overlapped
 exchange in flight), so `evaluate`, `predict` and saving see one model.
 Called between rounds (a custom loop's, or a callback's), `predict`,
@@ -45,6 +46,7 @@ import tensorflow as tf
 
 from replicator_strategy import strategy as strategy_lib
 from replicator_strategy.keras import _internal as ki
+from replicator_strategy.keras import global_results
 
 
 @dataclasses.dataclass
@@ -80,7 +82,8 @@ def _average(model, scheduled):
 
 def rows_counted(make_function):
   """Keras's step maker, with the train step counting its rows for the
-  rounds."""
+  rounds, and its logs summed over this worker's groups only
+  (`global_results`)."""
 
   @functools.wraps(make_function)
   def wrapper(self, step_function):
@@ -91,7 +94,8 @@ def rows_counted(make_function):
       @functools.wraps(train_step)
       def step_function(data):
         averaging.count_rows()
-        return train_step(data)
+        with global_results.train_step_logs_local():
+          return train_step(data)
 
     return make_function(self, step_function)
 

@@ -16,7 +16,9 @@ the all-replica communicator, `everyone`. The averaging rounds exchange
 between groups through `round_ops`, over every replica too: across workers,
 collectives with keys of their own, so that a round's exchange running in a
 thread beside the steps (`overlap_averaging`) never draws launch numbers
-from the counters of a step's own exchanges between groups (Keras's metrics).
+from the counters of a step's own exchanges between groups (`fit`'s
+validation metrics, a custom loop's `all_reduce_all_groups`). `local_groups`
+reduces over this worker's groups only (`fit`'s per-step logs).
 
 >>> from replicator_strategy.collectives import communicator
 >>> grouped = communicator.for_topology(
@@ -84,6 +86,8 @@ class GroupedCommunicator(protocol.Collectives):
       among the devices of a split weight's parts or a sharded one's shards.
     groups: one `Communicator` per sync group of this worker, over its slice
       of the devices, in replica order.
+    local_groups: the communicator among this worker's replicas, every
+      group on it and no other worker (`everyone` in one process).
     num_replicas: replicas in one group (`num_replicas_in_sync`).
     num_sync_groups: how many groups, over every worker.
 
@@ -108,6 +112,14 @@ class GroupedCommunicator(protocol.Collectives):
     self.groups = tuple(
         make_group(everyone.devices[i:i + n])
         for i in range(0, len(everyone.devices), n))
+    # Made here, not when first used: collectives between workers number
+    # their groups from one counter per process, in the order made.
+    if everyone.num_workers == 1:
+      self.local_groups = everyone
+    elif len(self.groups) == 1:
+      self.local_groups = self.groups[0]
+    else:
+      self.local_groups = make_group(everyone.devices)
     self._replica_devices = {tfi.device_util.resolve(d)
                              for d in everyone.devices}
     self.cross_device_ops = GroupedOps(self)
@@ -175,11 +187,12 @@ class GroupedCommunicator(protocol.Collectives):
   def gather_ops(self):
     return self.cross_device_ops
 
-  def reduce_all_groups(self, reduce_op, values):
+  def reduce_across_groups(self, reduce_op, values, local=False):
     """Each of the per-replica `values` reduced over every replica of every
-    group (the exchange between groups), back on the replicas."""
-    return [self.everyone.ops_for(v, v).reduce(reduce_op, v, v)
-            for v in values]
+    group (the exchange between groups), or with `local` of every group on
+    this worker, back on the replicas."""
+    among = self.local_groups if local else self.everyone
+    return [among.ops_for(v, v).reduce(reduce_op, v, v) for v in values]
 
 
 class GroupedOps(tf.distribute.CrossDeviceOps):

@@ -22,6 +22,7 @@ import tensorflow as tf
 
 from assertions import assert_per_replica
 import models
+import multi_worker_runs
 import topology
 from replicator_strategy.collectives import communicator as communicator_lib
 from replicator_strategy.keras import sync_group_rounds
@@ -106,12 +107,14 @@ class GroupsTest(unittest.TestCase):
       return (ctx.all_reduce("sum", r), ctx.broadcast(r + 10.0),
               ctx.all_gather(tf.reshape(r, [1]), axis=0),
               ctx.all_reduce_all_groups("sum", r),
+              # One process is one worker: every group is local.
+              ctx.all_reduce_local_groups("mean", r),
               tf.constant([ctx.replica_id_in_group, ctx.sync_group]))
 
     group_sums = [1.0, 1.0, 5.0, 5.0]
     expected = lambda r: (group_sums[r], 10.0 + 2 * (r // 2),
                           np.array([2 * (r // 2), 2 * (r // 2) + 1], "f"),
-                          6.0, np.array([r % 2, r // 2], "i"))
+                          6.0, 1.5, np.array([r % 2, r // 2], "i"))
     assert_per_replica(self, strategy, strategy.run(step), expected)
     assert_per_replica(self, strategy, tf.function(
         lambda: strategy.run(step))(), expected)
@@ -127,12 +130,34 @@ class GroupsTest(unittest.TestCase):
         # Inside a tf.cond each replica launches its own collectives.
         return tf.cond(r >= 0.0,
                        lambda: (ctx.all_reduce("sum", r),
-                                ctx.all_reduce_all_groups("sum", r)),
-                       lambda: (r, r))
+                                ctx.all_reduce_all_groups("sum", r),
+                                ctx.all_reduce_local_groups("sum", r)),
+                       lambda: (r, r, r))
       return strategy.run(step)
 
     assert_per_replica(self, strategy, run(),
-                       lambda r: ([1.0, 1.0, 5.0, 5.0][r], 6.0))
+                       lambda r: ([1.0, 1.0, 5.0, 5.0][r], 6.0, 6.0))
+
+
+class StepLogsTest(unittest.TestCase):
+  """`fit`'s logs in one process: each step's sum this worker's groups,
+  which here are all of them, as each epoch's do (2 workers:
+  tests/end_to_end/test_multi_worker.py)."""
+
+  def test_each_step_and_epoch_logs_every_group(self):
+    run = multi_worker_runs.sync_groups_step_logs(
+        topology.strategy_over(4, sync_groups=2, average_every=4))
+    for step, (logs, local, pairs) in enumerate(
+        zip(run["logs"], run["local"], run["pairs"]), 1):
+      with self.subTest(step=step):
+        # Summed from every replica's metric variables after the step.
+        for name in logs:
+          self.assertAlmostEqual(logs[name], local[name], places=5)
+        # The groups (replicas 0, 1 and 2, 3) differ: not one group's.
+        self.assertNotAlmostEqual(pairs[0]["loss"], pairs[1]["loss"], places=3)
+    self.assertEqual(run["history"]["loss"],
+                     [run["logs"][step]["loss"] for step in (3, 7, 11)])
+    self.assertEqual(run["launches"], [0] * 12)  # No other worker.
 
 
 class AveragingTest(unittest.TestCase):

@@ -289,6 +289,11 @@ class MapGatherTest(RunsOnWorkers, unittest.TestCase):
       self.assertEqual(second, [[2, 2], [3, 3]], mode)
 
 
+def by_metric(logs):
+  """Each step's logs ({metric: value}) as {metric: each step's value}."""
+  return {name: [step[name] for step in logs] for name in logs[0]}
+
+
 def saved_slots(path):
   """The optimizer slots of the Keras model saved at `path`."""
   loaded = keras.models.load_model(path)
@@ -344,6 +349,57 @@ class SyncGroupsTwoWorkersTest(RunsOnWorkers, unittest.TestCase):
       self.assertEqual(result["rounds"], self.ROUNDS_IN_FIT)
       self.assertEqual(result["bytes_averaged"],
                        self.ROUNDS_IN_FIT * 4 * weights)
+
+
+@pytest.mark.slow
+class SyncGroupsStepLogsTwoWorkersTest(RunsOnWorkers, unittest.TestCase):
+  """`fit`'s logs in a sync group per worker (2 workers x 2, H = 4, 12
+  steps): each step's from the worker's own group, each epoch's over every
+  group, and nothing crossing between the workers until a round."""
+  RUNS = ("sync_groups_step_logs",)
+  OPTIONS = "@2_sync_groups"
+  LAUNCH = "keras"
+
+  @classmethod
+  def setUpClass(cls):
+    super().setUpClass()
+    cls.runs = [w["sync_groups_step_logs"] for w in cls.workers]
+    # One process x 4, the same groups: the metrics of replicas 0, 1 and of
+    # 2, 3 after each step, from their metric variables.
+    cls.expected = in_one_process("sync_groups_step_logs" + cls.OPTIONS)
+
+  def test_each_step_logs_the_workers_own_groups(self):
+    for index, run in enumerate(self.runs):
+      own = by_metric([step[index] for step in self.expected["pairs"]])
+      assert_close_nested(self, by_metric(run["logs"]), own)
+      assert_close_nested(self, by_metric(run["local"]), own)
+    # The workers' logs differ: each shows its own rows.
+    first, second = (by_metric(run["logs"])["loss"] for run in self.runs)
+    self.assertFalse(np.allclose(first, second))
+
+  def test_each_epoch_logs_every_group(self):
+    for run in self.runs:
+      assert_close_nested(self, run["history"], self.expected["history"])
+      # Not the worker's own groups' last step (epoch 1 ends at step 4).
+      self.assertNotAlmostEqual(run["history"]["loss"][0],
+                                run["logs"][3]["loss"], places=4)
+
+  def test_no_collective_crosses_between_workers_between_rounds(self):
+    for run in self.runs:
+      launches = run["launches"]
+      self.assertEqual(len(launches), 12)
+      # Rounds follow steps 4, 8 and 12: their exchange is counted there.
+      self.assertTrue(all(n > 0 for n in launches[3::4]), launches)
+      self.assertEqual([n for step, n in enumerate(launches, 1) if step % 4],
+                       [0] * 9)
+
+
+@pytest.mark.slow
+class SyncGroupsStepLogsTwoGroupsPerWorkerTest(
+    SyncGroupsStepLogsTwoWorkersTest):
+  """The same with 2 sync groups on each worker: each step's logs sum the
+  worker's two groups."""
+  OPTIONS = "@4_sync_groups"
 
 
 @pytest.mark.slow
