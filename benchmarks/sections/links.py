@@ -5,7 +5,8 @@ split as keras_examples/digits.py splits them) on 2 workers x 2 devices under
 the launcher, once per link rate (`replicator-launch --link-rate`: the
 workers' loopback shaped into one simulated link), in each of the `VARIANTS`:
 synchronous, local SGD (2 sync groups, a group per worker, averaging every 8
-steps) and DiLoCo (every 32 steps, an outer Nesterov step). Each variant
+steps; also with the round's exchange overlapped with the next steps) and
+DiLoCo (every 32 steps, an outer Nesterov step). Each variant
 reports its step time, the bytes that cross between the workers, its final
 accuracy and the training time it takes to come within 0.5 points of the
 synchronous run's final accuracy at the same rate.
@@ -47,6 +48,8 @@ def _diloco_outer():
 VARIANTS = {
     "synchronous": rs.SyncGroups,
     "local SGD, H=8": lambda: rs.SyncGroups(groups=2, average_every=8),
+    "local SGD, H=8, overlap": lambda: rs.SyncGroups(
+        groups=2, average_every=8, overlap=True),
     "DiLoCo, H=32": lambda: rs.SyncGroups(groups=2, average_every=32,
                                           outer_optimizer=_diloco_outer()),
 }
@@ -188,14 +191,14 @@ def links_table(options, rows):
   lines = ["", "Slow links (simulated: one shaped loopback), digits MLP on 2 "
            "workers x 2: step ms (median of epochs), seconds to synchronous "
            "accuracy - 0.5 points, final accuracy, MB between workers",
-           f"{'rate':>9} {'variant':16} {'ms':>7} {'/sync':>6} {'/unl':>6} "
+           f"{'rate':>9} {'variant':23} {'ms':>7} {'/sync':>6} {'/unl':>6} "
            f"{'to acc s':>8} {'/sync':>6} {'/unl':>6} {'acc':>6} {'MB':>8}"]
   for r in rows:
     sync = by[(r["rate"], "synchronous")]
     unlimited = by.get(("unlimited", r["variant"]), r)
     to_acc = r["seconds_to_sync_accuracy"]
     lines.append(
-        f"{r['rate']:>9} {r['variant']:16} {r['ms']:>7.1f} "
+        f"{r['rate']:>9} {r['variant']:23} {r['ms']:>7.1f} "
         f"{_ratio(r['ms'], sync['ms'])} {_ratio(r['ms'], unlimited['ms'])} "
         f"{'never' if to_acc is None else f'{to_acc:.1f}':>8} "
         f"{_ratio(to_acc, sync['seconds_to_sync_accuracy'])} "
