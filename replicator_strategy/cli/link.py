@@ -42,8 +42,8 @@ _TC_PATH = os.pathsep.join(["/usr/sbin", "/sbin"])
 def rate(text):
   """`--link-rate`: a tc-style rate ("100mbit", "1gbit") in bits per second.
 
-  >>> rate("100mbit"), rate("1Gbit"), rate("2.5kbps")
-  (100000000, 1000000000, 20000)
+  >>> rate("100mbit"), rate("1Gbit"), rate("2.5mbps")
+  (100000000, 1000000000, 20000000)
   """
   match = _RATE.match(text)
   if not match:
