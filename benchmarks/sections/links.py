@@ -15,6 +15,8 @@ synchronous run's final accuracy at the same rate.
 groups; no launcher, no link): it checks that the pieces run, not timings.
 """
 
+import json
+import os
 import statistics
 import time
 
@@ -145,9 +147,12 @@ def train(options, variant):
 
 
 def links_child(options, spec):
-  """In a worker (or, --quick, this process): every variant, by name."""
+  """In a worker (or, --quick, this process): its task index and every
+  variant's run, by name."""
   del spec  # The rate: the launcher shaped the link already.
-  return {variant: train(options, variant) for variant in VARIANTS}
+  task = json.loads(os.environ.get("TF_CONFIG", "{}")).get("task", {})
+  return {"worker": task.get("index", 0),
+          "runs": {variant: train(options, variant) for variant in VARIANTS}}
 
 
 def links_rows(options):
@@ -155,11 +160,12 @@ def links_rows(options):
   rows = []
   for rate in RATES[int(options.quick)]:
     if options.quick:
-      runs = processes.child(options, SECTION.name, links_child, rate)
+      runs = processes.child(options, SECTION.name, links_child, rate)["runs"]
     else:
       flags = () if rate == "unlimited" else ("--link-rate", rate)
-      runs = processes.on_two_workers(options, SECTION.name, rate,
-                                      launcher_flags=flags)[0]
+      runs, = [w["runs"] for w in processes.on_two_workers(
+          options, SECTION.name, rate, launcher_flags=flags)
+               if w["worker"] == 0]
     target = runs["synchronous"]["final_accuracy"] - WITHIN
     for variant, run in runs.items():
       reached = [s for s, a in zip(run["seconds"], run["accuracy"])
