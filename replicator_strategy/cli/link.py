@@ -29,11 +29,14 @@ _RATE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*(|k|m|g|t|ki|mi|gi|ti)"
 MIN_RATE_BITS = 100_000
 # The bucket holds at least two of loopback's largest packets (MTU 65536: a
 # packet larger than the bucket would never leave) and 4 ms at the rate, so
-# that the kernel's timers keep up; a packet waits at most 50 ms in its queue
-# beyond the bucket before it is dropped (then TCP sends it again).
+# that the kernel's timers keep up. The queue behind it holds a second at the
+# rate, and at least 16 MiB, more than TCP keeps in flight on loopback: the
+# link drops nothing (a drop there left TCP waiting out retransmission
+# timeouts of seconds, a loss model nobody asked for).
 _MIN_BURST_BYTES = 2 * 65536
 _BURST_SECONDS = 0.004
-_QUEUE_MS = 50
+_QUEUE_SECONDS = 1
+_MIN_QUEUE_BYTES = 16 * 2**20
 # netem's queue, in packets (its default, 1000, drops at high rates).
 _NETEM_LIMIT = 100_000
 _TC_PATH = os.pathsep.join(["/usr/sbin", "/sbin"])
@@ -124,8 +127,10 @@ class Link:
       # rate.
       where = (["qdisc", "add", "dev", "lo", "parent", "1:1", "handle", "10:"]
                if qdiscs else root)
+      queue = max(_MIN_QUEUE_BYTES,
+                  round(self.rate_bits / 8 * _QUEUE_SECONDS))
       qdiscs.append(where + ["tbf", "rate", f"{self.rate_bits}bit", "burst",
-                             str(burst), "latency", f"{_QUEUE_MS}ms"])
+                             str(burst), "limit", str(queue)])
     return qdiscs
 
   def shape(self):

@@ -21,9 +21,10 @@ from replicator_strategy.cli import launch as launch_lib
 from replicator_strategy.cli import link
 
 # Sends MEGABYTES to a receiver process over 127.0.0.1 and prints the seconds
-# from the first byte sent to the receiver's acknowledgement of the last.
+# from the first byte sent to the receiver's acknowledgement of the last, then
+# the packets loopback's queue dropped.
 TRANSFER = """
-import socket, subprocess, sys, time
+import os, re, shutil, socket, subprocess, sys, time
 size = int(float(sys.argv[1]) * 1e6)
 server = socket.create_server(("127.0.0.1", 0))
 receiver = subprocess.Popen([sys.executable, "-c", '''
@@ -41,6 +42,10 @@ connection.sendall(b"x" * size)
 assert connection.recv(1) == b"k"
 print(f"seconds {time.monotonic() - start}", flush=True)
 receiver.wait(timeout=60)
+tc = shutil.which("tc", path=os.environ["PATH"] + ":/usr/sbin:/sbin")
+stats = subprocess.run([tc, "-s", "qdisc", "show", "dev", "lo"], timeout=30,
+                       capture_output=True, text=True, check=True).stdout
+print(f"dropped {re.search('dropped ([0-9]+)', stats).group(1)}", flush=True)
 """
 
 # Times round trips of one byte to an echo process over 127.0.0.1; prints the
@@ -180,6 +185,8 @@ class ShapedLinkTest(unittest.TestCase):
     self.assertGreater(_measured(shaped, "seconds"), 0.8 * expected)
     self.assertLess(_measured(shaped, "seconds"), 2 * expected)
     self.assertLess(_measured(unshaped, "seconds"), 0.3 * expected)
+    # A rate, not a lossy link: TCP never waits out a retransmission timeout.
+    self.assertEqual(_measured(shaped, "dropped"), 0)
 
   def test_a_delay_adds_twice_itself_to_a_round_trip_or_says_why_not(self):
     done = launch("--workers", "1", "--timeout", "60", "--link-delay", "20",
