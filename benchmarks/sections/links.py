@@ -155,6 +155,18 @@ def links_child(options, spec):
           "runs": {variant: train(options, variant) for variant in VARIANTS}}
 
 
+def to_accuracy(run, target):
+  """Seconds and steps until an epoch's end first scores `target` (None,
+  None if none does)."""
+  epoch = next((e for e, a in enumerate(run["accuracy"]) if a >= target),
+               None)
+  if epoch is None:
+    return {"seconds_to_sync_accuracy": None, "steps_to_sync_accuracy": None}
+  return {"seconds_to_sync_accuracy": run["seconds"][epoch],
+          "steps_to_sync_accuracy":
+              (epoch + 1) * run["steps"] // len(run["accuracy"])}
+
+
 def links_rows(options):
   """One row per rate and variant, from the chief's results."""
   rows = []
@@ -168,10 +180,8 @@ def links_rows(options):
                if w["worker"] == 0]
     target = runs["synchronous"]["final_accuracy"] - WITHIN
     for variant, run in runs.items():
-      reached = [s for s, a in zip(run["seconds"], run["accuracy"])
-                 if a >= target]
       row = {"rate": rate, "variant": variant, "ms": run["ms"],
-             "seconds_to_sync_accuracy": reached[0] if reached else None,
+             **to_accuracy(run, target),
              "final_accuracy": run["final_accuracy"],
              "mb_between_workers": run["bytes"] / 1e6, "steps": run["steps"],
              "seconds": run["seconds"], "accuracy": run["accuracy"]}
@@ -195,10 +205,12 @@ def links_table(options, rows):
     return []
   by = {(r["rate"], r["variant"]): r for r in rows}
   lines = ["", "Slow links (simulated: one shaped loopback), digits MLP on 2 "
-           "workers x 2: step ms (median of epochs), seconds to synchronous "
-           "accuracy - 0.5 points, final accuracy, MB between workers",
+           "workers x 2: step ms (median of epochs), seconds and steps to "
+           "synchronous accuracy - 0.5 points, final accuracy, MB between "
+           "workers",
            f"{'rate':>9} {'variant':23} {'ms':>7} {'/sync':>6} {'/unl':>6} "
-           f"{'to acc s':>8} {'/sync':>6} {'/unl':>6} {'acc':>6} {'MB':>8}"]
+           f"{'to acc s':>8} {'/sync':>6} {'/unl':>6} {'steps':>6} {'acc':>6} "
+           f"{'MB':>8}"]
   for r in rows:
     sync = by[(r["rate"], "synchronous")]
     unlimited = by.get(("unlimited", r["variant"]), r)
@@ -209,6 +221,7 @@ def links_table(options, rows):
         f"{'never' if to_acc is None else f'{to_acc:.1f}':>8} "
         f"{_ratio(to_acc, sync['seconds_to_sync_accuracy'])} "
         f"{_ratio(to_acc, unlimited['seconds_to_sync_accuracy'])} "
+        f"{r['steps_to_sync_accuracy'] or '-':>6} "
         f"{r['final_accuracy']:>6.4f} {r['mb_between_workers']:>8.1f}")
   return lines
 
