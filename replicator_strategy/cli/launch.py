@@ -422,25 +422,16 @@ def main(argv=None):
   if args.network == "private":
     refused = isolate_network()
     if refused and link:
-      return _refuse(link_lib.no_namespace(refused))
+      return link_lib.refuse(link_lib.no_namespace(refused))
     if refused:
       print(f"[launch] could not give the workers a private network "
             f"({refused}); they run on the host's network, where "
             f"TensorFlow's server listens on every interface. Use "
             f"--network host to silence this.", file=sys.stderr, flush=True)
-  if link:
-    problem = link.shape()
-    if problem:
-      return _refuse(problem)
-    print(f"[launch] the workers' link: {link.describe()} (simulated on the "
-          f"loopback of their network).", file=sys.stderr, flush=True)
+  if link and not link.shape():
+    return link_lib.REFUSED
   return run(command, args.workers, args.timeout, args.max_restarts,
              args.grace_period, args.output)
-
-
-def _refuse(message):
-  print(f"[launch] {message}", file=sys.stderr, flush=True)
-  return 2
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 
 # tc's units (its man page, "RATES"), in bits per second: bit/bps and the SI
 # (k, m, g, t) and IEC (ki, mi, gi, ti) prefixes; "bps" counts bytes.
@@ -39,6 +40,9 @@ _QUEUE_SECONDS = 1
 _MIN_QUEUE_BYTES = 16 * 2**20
 # netem's queue, in packets (its default, 1000, drops at high rates).
 _NETEM_LIMIT = 100_000
+# The launcher's exit status when it cannot shape the link: a usage error's,
+# as argparse exits.
+REFUSED = 2
 _TC_PATH = os.pathsep.join(["/usr/sbin", "/sbin"])
 
 
@@ -134,7 +138,18 @@ class Link:
     return qdiscs
 
   def shape(self):
-    """Shapes this network namespace's loopback; None, or what went wrong."""
+    """Shapes this network namespace's loopback and says so; False, having
+    said why, where it cannot."""
+    problem = self._shape()
+    if problem:
+      refuse(problem)
+      return False
+    print(f"[launch] the workers' link: {self.describe()} (simulated on the "
+          f"loopback of their network).", file=sys.stderr, flush=True)
+    return True
+
+  def _shape(self):
+    """None, or what went wrong."""
     tc = shutil.which("tc", path=os.pathsep.join(
         [os.environ.get("PATH", ""), _TC_PATH]))
     if tc is None:
@@ -175,3 +190,9 @@ def no_namespace(refused):
           f"which the kernel refused ({refused}); nothing was run: the host's "
           f"loopback is never shaped. Run where user and network namespaces "
           f"are allowed, or leave both out.")
+
+
+def refuse(message):
+  """Says why the launcher stops before starting a worker; its exit status."""
+  print(f"[launch] {message}", file=sys.stderr, flush=True)
+  return REFUSED
