@@ -74,13 +74,14 @@ class ChildFailed(RuntimeError):
         f"the end of its stderr:\n{stderr[-4000:]}")
 
 
-def on_two_workers(options, kind, spec=""):
+def on_two_workers(options, kind, spec="", launcher_flags=()):
   """Runs the child `kind:spec` on 2 workers x 2 devices (under the
-  launcher); each worker's JSON result."""
+  launcher, with `launcher_flags` such as a `--link-rate`); each worker's
+  JSON result."""
   with tempfile.TemporaryDirectory() as out:
     done = subprocess.run(
         [sys.executable, "-m", "replicator_strategy.cli.launch", "--workers",
-         "2", "--timeout", "500", "--output", "all", "--"] +
+         "2", "--timeout", "500", "--output", "all", *launcher_flags, "--"] +
         _command(options, kind, spec, devices=2, worker=True),
         stdout=subprocess.PIPE, text=True, timeout=560, check=True, cwd=out,
         env=_env())

@@ -10,6 +10,7 @@ from benchmarks.sections import embedding
 from benchmarks.sections import exchange
 from benchmarks.sections import first
 from benchmarks.sections import fit
+from benchmarks.sections import links
 from benchmarks.sections import mapgather
 from benchmarks.sections import model_parallel
 from benchmarks.sections import multi
@@ -27,4 +28,4 @@ REGISTRY = {s.name: s for s in (
     overhead.SECTION, parts.SECTION, update.SECTION, sharding.SECTION,
     embedding.SECTION, allreduce.SECTION, reducescatter.SECTION,
     mapgather.SECTION, first.SECTION, multi.SECTION, exchange.SECTION,
-    model_parallel.SECTION, sync_groups.SECTION)}
+    model_parallel.SECTION, sync_groups.SECTION, links.SECTION)}

@@ -34,6 +34,8 @@ interface is loopback: nothing outside the launcher can reach them, and
 they reach nothing outside it either. `--network host` keeps the machine's
 network (for a script that downloads data); where the kernel refuses a
 private namespace, the launcher says so and runs on the host's network.
+`--link-rate` and `--link-delay` shape that namespace's loopback into a
+simulated slow link between the workers (see `link`).
 
 Restarts: with `--max-restarts N`, a cluster in which a worker failed is
 stopped and started again, all workers on fresh ports, up to N times. Each
@@ -55,6 +57,7 @@ import sys
 import threading
 import time
 
+from replicator_strategy.cli import link as link_lib
 from replicator_strategy.cli import tensorflow_logs
 from replicator_strategy.cli import worker_output
 
@@ -397,6 +400,7 @@ def main(argv=None):
                       "all: every worker's output in full. Either way each "
                       "line is prefixed [worker i] and a progress bar's "
                       "redraws come out as its final line")
+  link_lib.add_arguments(parser)
   parser.add_argument("command", nargs=argparse.REMAINDER,
                       help="the command each worker runs, after `--`")
   args = parser.parse_args(argv)
@@ -414,13 +418,18 @@ def main(argv=None):
   if args.grace_period < 0:
     parser.error(f"--grace-period must be 0 or more. Received: "
                  f"{args.grace_period}")
+  link = link_lib.from_args(parser, args)
   if args.network == "private":
     refused = isolate_network()
+    if refused and link:
+      return link_lib.refuse(link_lib.no_namespace(refused))
     if refused:
       print(f"[launch] could not give the workers a private network "
             f"({refused}); they run on the host's network, where "
             f"TensorFlow's server listens on every interface. Use "
             f"--network host to silence this.", file=sys.stderr, flush=True)
+  if link and not link.shape():
+    return link_lib.REFUSED
   return run(command, args.workers, args.timeout, args.max_restarts,
              args.grace_period, args.output)
 

@@ -123,6 +123,16 @@ class BenchmarkSmokeTest(unittest.TestCase):
     self.assertGreater(by_variant["2 groups, H=1, overlap"], sync_bytes)
     for overlap in ("", ", overlap"):
       self.assertLess(by_variant[f"2 groups, H=8{overlap}"], sync_bytes)
+    links = {r["variant"]: r for r in results["links"]}
+    self.assertEqual(list(links), ["synchronous", "local SGD, H=8",
+                                   "local SGD, H=8, overlap", "DiLoCo, H=32"])
+    for row in links.values():
+      self.assertEqual(row["rate"], "unlimited")  # --quick: no link shaped.
+      self.assertTrue(0 <= row["final_accuracy"] <= 1, row)
+    # Every step's gradients against one round at fit's end.
+    self.assertLess(links["local SGD, H=8"]["mb_between_workers"],
+                    links["synchronous"]["mb_between_workers"])
+    self.assertIn("Slow links (simulated: one shaped loopback)", stdout)
     exchange, = results["exchange"]
     self.assertEqual(len(exchange["ms"]), 8)  # 4 exchanges, 1 x 4 and 2 x 2.
     self.assertTrue(exchange["agree"], exchange)
