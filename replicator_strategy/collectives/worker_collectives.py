@@ -19,6 +19,7 @@ import tensorflow as tf
 
 from replicator_strategy import _tf_internal as tfi
 from replicator_strategy.collectives import watchdog as collective_watchdog
+from replicator_strategy.collectives import packing
 from replicator_strategy.collectives import reduce_op as reduce_op_lib
 from replicator_strategy.collectives import replica_collectives
 
@@ -39,8 +40,11 @@ class KeyedCollectiveOps(tf.distribute.CrossDeviceOps):
   on its first device, that one value per worker is all-reduced among the
   workers, and the result is copied to the destinations. A ring over all
   replicas would take 2 x (replicas - 1) steps, most of them crossing
-  between workers; this takes 2 x (workers - 1). Gathers launch one
-  collective per local replica.
+  between workers; this takes 2 x (workers - 1). A batch of values crosses
+  in as few collectives as `packing.packed_all_reduce` allows (one per dtype
+  up to `bytes_per_pack`): each collective between workers costs round
+  trips whatever its size. Gathers launch one collective per local
+  replica.
   """
 
   def __init__(self, devices, group_size, timeout_seconds, eager_ops):
@@ -100,11 +104,16 @@ class KeyedCollectiveOps(tf.distribute.CrossDeviceOps):
               reduce_op, value_destination_pairs, options))
     op = reduce_op_lib.parse(reduce_op)
     across = ReduceOp.SUM if op == ReduceOp.MEAN else op
-    keys = self._across_workers.draw_keys(
-        0, len(values), tf.compat.v1.get_default_graph())
+
+    def among_workers(tensors):
+      keys = self._across_workers.draw_keys(
+          0, len(tensors), tf.compat.v1.get_default_graph())
+      return self._across_workers.all_reduce(0, across, tensors, keys)
+
     with tf.device(self._devices[0]):
       local = [reduce_op_lib.reduce_parts(across, v.values) for v in values]
-    reduced = self._across_workers.all_reduce(0, across, local, keys)
+      reduced = packing.packed_all_reduce(local, among_workers,
+                                          packing.bucket_bytes(options))
     if op == ReduceOp.MEAN:
       with tf.device(self._devices[0]):
         # As TF's CollectiveAllReduce: integers divide into float64.
