@@ -82,9 +82,9 @@ class WorkerCounts:
       return None
     return cls(extended, args, kwargs)
 
-  def counts(self):
-    """Every replica's rows (int64, in replica order), or None without
-    inputs of rank 1 or more."""
+  def counts(self, num_replicas):
+    """Every replica's rows (of `num_replicas`, in replica order), or None
+    without inputs of rank 1 or more."""
     if self._leaves[0] is None:
       return None
     if self._counts is None:
@@ -92,7 +92,7 @@ class WorkerCounts:
       first = self._extended.first_replica_id
       with self._home_graph.as_default(), tf.device(communicator.host_device):
         own = _own_counts(range(first, first + len(self._leaves)),
-                          self._leaves, self._extended.num_replicas_in_sync)
+                          self._leaves, num_replicas)
         summed = communicator.reduce_plain(
             tf.distribute.ReduceOp.SUM, own, communicator.host_device, None)
         self._counts = per_replica.parts(summed)[0]
@@ -121,7 +121,7 @@ class Counter:
         count = tf.shape(leaf, out_type=tf.int64)[0]
         replica = ctx.replica_id_in_group
         if self._worker_counts is not None:
-          counts = self._worker_counts.counts()
+          counts = self._worker_counts.counts(ctx.num_replicas_in_sync)
         else:
           counts = ctx.all_reduce("sum", _own_counts(
               [replica], [leaf], ctx.num_replicas_in_sync))
