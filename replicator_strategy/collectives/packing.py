@@ -6,6 +6,8 @@ metric totals cost more in overhead than in bytes. So the small values of a
 batch all-reduce (as optimizers and Keras issue them) are flattened and
 concatenated on each replica, reduced once, and split back; large values are
 reduced as they are (copying them into a buffer would cost more than it saves).
+Between workers, large values are packed too (`packed_all_reduce`): there each
+collective costs round trips over the network whatever its size.
 
 A buffer holds at most `BUCKET_BYTES` (per replica; a
 `tf.distribute.experimental.CommunicationOptions(bytes_per_pack=...)` sets
