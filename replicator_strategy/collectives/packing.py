@@ -50,14 +50,17 @@ def bucket_bytes(options):
   return getattr(options, "bytes_per_pack", 0) or BUCKET_BYTES
 
 
+def _dense(tensor):
+  return (tf.is_tensor(tensor) and
+          not isinstance(tensor, (tf.IndexedSlices, tf.SparseTensor)))
+
+
 def packable(value):
   """Whether `value` (a PerReplica) is a dense tensor small enough to pack."""
   if not isinstance(value, tfi.values.PerReplica):
     return False
   first = value.values[0]
-  return (tf.is_tensor(first) and
-          not isinstance(first, (tf.IndexedSlices, tf.SparseTensor)) and
-          first.shape.is_fully_defined() and
+  return (_dense(first) and first.shape.is_fully_defined() and
           first.shape.num_elements() * first.dtype.size <= SMALL_BYTES and
           all(v.shape == first.shape for v in value.values))
 
@@ -72,7 +75,7 @@ def buckets(tensors, bucket_bytes):
   groups = []
   filling = {}  # dtype: (the bucket being filled, its bytes)
   for index, tensor in enumerate(tensors):
-    if (len(tensors) == 1 or not isinstance(tensor, tf.Tensor) or
+    if (len(tensors) == 1 or not _dense(tensor) or
         not tensor.shape.is_fully_defined()):
       continue
     size = tensor.shape.num_elements() * tensor.dtype.size

@@ -131,6 +131,7 @@ class KeyedCollectiveOps(tf.distribute.CrossDeviceOps):
   def _reduce_one(self, op, tensor, key):
     """`tensor` reduced among the workers: small ones through a gather."""
     across = self._across_workers
+    tensor = tf.convert_to_tensor(tensor)
     small = (tensor.shape.is_fully_defined() and
              tensor.dtype in replica_collectives.GATHERED_DTYPES and
              tensor.shape.num_elements() * tensor.dtype.size *
