@@ -23,6 +23,7 @@ import warnings
 import tensorflow as tf
 
 from replicator_strategy import _tf_internal as tfi
+from replicator_strategy import batch_rows
 from replicator_strategy import replica_context
 
 
@@ -68,20 +69,26 @@ def call_for_each_replica(strategy, fn, args, kwargs):
     # Tapes are per thread and the replicas run in threads of their own.
     warnings.warn(_OUTER_TAPE_EAGERLY, stacklevel=1)  # This line: once.
 
+  worker_counts = batch_rows.WorkerCounts.for_step(strategy.extended, args,
+                                                   kwargs)
+
   @tfi.autograph.do_not_convert
   def in_replica_context(*a, **k):
     thread_context = tf.distribute.get_replica_context()
     a, k = _relax_empty_batches((a, k))
     context = replica_context.ReplicaContext(
-        strategy, tfi.replica_id(thread_context), inputs=(a, k))
+        strategy, tfi.replica_id(thread_context), inputs=(a, k),
+        worker_counts=worker_counts)
     with context:
-      # Counting the rows all-reduces, which merges the replica threads, and
-      # they take turns at each merge: counted later (Keras scales a loss by
-      # the rows' share), it would let another replica run a layer in
-      # between, and Keras layers keep their add_loss values on the layer,
-      # shared by the threads. In one process unused counts are pruned from
-      # the graph.
-      context.batch_rows()
+      if worker_counts is None:
+        # Counting the rows all-reduces, which merges the replica threads,
+        # and they take turns at each merge: counted later (Keras scales a
+        # loss by the rows' share), it would let another replica run a layer
+        # in between, and Keras layers keep their add_loss values on the
+        # layer, shared by the threads. In one process unused counts are
+        # pruned from the graph. Across workers (`worker_counts`) nothing
+        # merges, and the count is exchanged where first asked for.
+        context.batch_rows()
       return fn(*a, **k)
 
   return tfi.mirrored_run.call_for_each_replica(strategy, in_replica_context,

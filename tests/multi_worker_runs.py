@@ -21,6 +21,7 @@ import keras
 
 import models
 import replicator_strategy as rs
+from replicator_strategy import _tf_internal as tfi
 from replicator_strategy.cluster import scratch
 from replicator_strategy.collectives import watchdog
 from replicator_strategy.keras import replica_loss
@@ -784,6 +785,44 @@ def batch_share(strategy):
   return [float(s) for s in strategy.experimental_local_results(shares())]
 
 
+def collectives_per_step(strategy):
+  """The collectives each traced step launches, by step, and each replica's
+  batch share read inside a tf.cond; replica r has r + 1 rows."""
+  values = strategy.experimental_distribute_values_from_function(
+      lambda ctx: [tf.ones([ctx.replica_id_in_sync_group + 1, 2]),
+                   tf.ones([3]), tf.ones([3, 2]), tf.ones([2]), tf.ones([4])])
+
+  def share(_):
+    return replica_loss.batch_share(tf.distribute.get_replica_context())
+
+  steps = {
+      "empty": lambda v: v[0] * 2.0,
+      "batch_share": share,
+      "batch_share_in_cond": lambda v: tf.cond(
+          tf.reduce_sum(v[1]) > 0.0, lambda: share(v), lambda: 0.0),
+      "all_reduce_4_tensors": lambda v: tf.distribute.get_replica_context(
+          ).all_reduce("sum", v[1:]),
+  }
+  results = {}
+  for name, fn in steps.items():
+    step = tf.function(lambda fn=fn: strategy.run(fn, (values,)))
+    results[name] = _collectives(step.get_concrete_function().graph)
+  in_cond = tf.function(lambda: strategy.run(steps["batch_share_in_cond"],
+                                             (values,)))
+  results["shares_in_cond"] = [
+      float(s) for s in strategy.experimental_local_results(in_cond())]
+  return results
+
+
+def _collectives(graph):
+  """How many collective ops `graph` and the functions it calls hold."""
+  count = 0
+  for op in graph.get_operations():
+    count += op.type.startswith("Collective")
+    count += sum(_collectives(g) for g in tfi.called_function_graphs(op))
+  return count
+
+
 @contextlib.contextmanager
 def _captured_warnings():
   caught = []
@@ -809,6 +848,7 @@ RUNS = {"custom_loop": custom_loop, "primitives": primitives,
         "keras_fit_nadam": functools.partial(
             keras_fit, optimizer=keras.optimizers.Nadam),
         "input_pipelines": input_pipelines,
+        "collectives_per_step": collectives_per_step,
         "keras_preempted": keras_preempted,
         "keras_accumulation_restarted": keras_accumulation_restarted,
         # Without the workdir: no backup, no exit.

@@ -61,6 +61,9 @@ _GROUP_OFFSETS = {kind: i for i, kind in
 # Keys one all_gather takes per tensor: one for the sizes, one for the data.
 GATHER_KEYS = 2
 
+# The dtypes TF's gather kernel takes (no bfloat16, no bool).
+GATHERED_DTYPES = (tf.float16, tf.float32, tf.float64, tf.int32, tf.int64)
+
 
 def new_group_key():
   return next(_group_keys)
@@ -124,6 +127,19 @@ class ReplicaCollectives(protocol.LaunchedCollectives):
             lambda *a, **k: tfi.collective_ops.all_reduce_v2(
                 *a, merge_op=merge_op, final_op=final_op, **k),
             t, key)
+        for t, key in zip(tensors, keys)
+    ]
+
+  def reduce_gathered(self, local_index, op, tensors, keys):
+    """As `all_reduce`, from a gather of every replica's tensor: N - 1 ring
+    steps instead of 2 (N - 1), N / 2 times the bytes each way, and every
+    replica adds in the same order. Faster for small tensors, whose steps
+    cost their latency, not their bytes. Static shapes of the dtypes TF
+    gathers (`GATHERED_DTYPES`) only; a key each."""
+    return [
+        reduce_op_lib.reduce_along(op, self._launch(
+            local_index, _GATHER, tfi.collective_ops.all_gather_v2,
+            tf.expand_dims(t, 0), key), 0)
         for t, key in zip(tensors, keys)
     ]
 

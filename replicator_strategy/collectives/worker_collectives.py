@@ -19,10 +19,17 @@ import tensorflow as tf
 
 from replicator_strategy import _tf_internal as tfi
 from replicator_strategy.collectives import watchdog as collective_watchdog
+from replicator_strategy.collectives import packing
 from replicator_strategy.collectives import reduce_op as reduce_op_lib
 from replicator_strategy.collectives import replica_collectives
 
 ReduceOp = reduce_op_lib.ReduceOp
+
+# A value whose gather between workers holds at most this many bytes is
+# reduced from the gather: one ring step instead of two between 2 workers.
+# Measured on 2 workers over loopback: 8 bytes 1.5 ms gathered, 2.7 ms
+# all-reduced; 64 KiB 1.4 and 1.8 ms; 256 KiB even; 2.7 MB 7.8 and 6.9 ms.
+GATHER_BYTES = 128 * 1024
 
 
 class KeyedCollectiveOps(tf.distribute.CrossDeviceOps):
@@ -39,7 +46,11 @@ class KeyedCollectiveOps(tf.distribute.CrossDeviceOps):
   on its first device, that one value per worker is all-reduced among the
   workers, and the result is copied to the destinations. A ring over all
   replicas would take 2 x (replicas - 1) steps, most of them crossing
-  between workers; this takes 2 x (workers - 1). Gathers launch one
+  between workers; this takes 2 x (workers - 1). A batch of values crosses
+  in as few collectives as `packing.packed_all_reduce` allows (one per dtype
+  up to `bytes_per_pack`): each collective between workers costs round
+  trips whatever its size. A small one is gathered and reduced on each
+  worker (`GATHER_BYTES`): workers - 1 ring steps. Gathers launch one
   collective per local replica.
   """
 
@@ -100,17 +111,33 @@ class KeyedCollectiveOps(tf.distribute.CrossDeviceOps):
               reduce_op, value_destination_pairs, options))
     op = reduce_op_lib.parse(reduce_op)
     across = ReduceOp.SUM if op == ReduceOp.MEAN else op
-    keys = self._across_workers.draw_keys(
-        0, len(values), tf.compat.v1.get_default_graph())
+
+    def among_workers(tensors):
+      keys = self._across_workers.draw_keys(
+          0, len(tensors), tf.compat.v1.get_default_graph())
+      return [self._reduce_one(across, t, key) for t, key in zip(tensors, keys)]
+
     with tf.device(self._devices[0]):
       local = [reduce_op_lib.reduce_parts(across, v.values) for v in values]
-    reduced = self._across_workers.all_reduce(0, across, local, keys)
+      reduced = packing.packed_all_reduce(local, among_workers,
+                                          packing.bucket_bytes(options))
     if op == ReduceOp.MEAN:
       with tf.device(self._devices[0]):
         # As TF's CollectiveAllReduce: integers divide into float64.
         reduced = [r / self._group_size for r in reduced]
     return [_placed([r], d)
             for r, (_, d) in zip(reduced, value_destination_pairs)]
+
+  def _reduce_one(self, op, tensor, key):
+    """`tensor` reduced among the workers: small ones through a gather."""
+    across = self._across_workers
+    tensor = tf.convert_to_tensor(tensor)
+    small = (tensor.shape.is_fully_defined() and
+             tensor.dtype in replica_collectives.GATHERED_DTYPES and
+             tensor.shape.num_elements() * tensor.dtype.size *
+             self._num_between_graph_workers <= GATHER_BYTES)
+    launch = across.reduce_gathered if small else across.all_reduce
+    return launch(0, op, [tensor], [key])[0]
 
   def reduce_scatter(self, reduce_op, per_replica_value, axis):
     """Slice g (of N along `axis`) of the reduction, on global replica g.

@@ -104,5 +104,27 @@ class PackingTest(unittest.TestCase):
         strategy.experimental_local_results(step(32)())[1],
         [[2] * 4] * 2 + [[4] * 4] * 2)
 
+  def test_between_workers_every_value_of_a_dtype_crosses_packed(self):
+    # Large values too, in buckets of at most bucket_bytes; each value
+    # comes back in its own shape and place.
+    large = packing.SMALL_BYTES // 4 + 1  # float32 elements.
+    tensors = [tf.ones([3, 2]), tf.fill([large], 2.0), tf.ones([4], tf.int32),
+               tf.constant(5.0), tf.fill([2], 3)]
+    crossed = []
+
+    def doubled(buffers):
+      crossed.extend(b.shape.as_list() for b in buffers)
+      return [b * 2 for b in buffers]
+
+    out = packing.packed_all_reduce(tensors, doubled)
+    self.assertEqual(sorted(crossed), [[6], [6 + large + 1]])
+    for got, sent in zip(out, tensors):
+      np.testing.assert_array_equal(got, sent * 2)
+    crossed.clear()
+    # The first float32 value fills a bucket alone; the next two share one.
+    packing.packed_all_reduce(tensors, doubled, bucket_bytes=4 * large + 4)
+    self.assertEqual(sorted(crossed), [[3, 2], [6], [large + 1]])
+
+
 if __name__ == "__main__":
   unittest.main()

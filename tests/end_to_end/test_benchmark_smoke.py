@@ -134,7 +134,10 @@ class BenchmarkSmokeTest(unittest.TestCase):
                     links["synchronous"]["mb_between_workers"])
     self.assertIn("Slow links (simulated: one shaped loopback)", stdout)
     exchange, = results["exchange"]
-    self.assertEqual(len(exchange["ms"]), 8)  # 4 exchanges, 1 x 4 and 2 x 2.
+    self.assertEqual(len(exchange["ms"]), 10)  # 5 exchanges, 1 x 4 and 2 x 2.
+    # The anchor (MultiWorkerMirroredStrategy) ran, and its sums agree too.
+    self.assertEqual(sorted(exchange["anchor ms"]),
+                     ["run, gradients", "run, nothing"])
     self.assertTrue(exchange["agree"], exchange)
     self.assertEqual(sorted(results["multi"][-1]["ms by kind"]), [
         f"{kind}, {where}" for kind in ("accumulate", "update")

@@ -135,11 +135,12 @@ def shared_launch(name):
 @pytest.mark.slow
 class TwoWorkersTest(RunsOnWorkers, unittest.TestCase):
   RUNS = ("primitives", "custom_loop", "keras_fit",
-          "keras_fit_steps_per_execution", "input_pipelines", "batch_share")
+          "keras_fit_steps_per_execution", "input_pipelines", "batch_share",
+          "collectives_per_step")
 
   def test_workers_agree_on_everything_but_ids_and_input_shards(self):
     first, second = (dict(w) for w in self.workers)
-    for run in ("input_pipelines", "batch_share"):
+    for run in ("input_pipelines", "batch_share", "collectives_per_step"):
       first.pop(run)
       second.pop(run)
     first["primitives"] = {k: dict(v) if isinstance(v, dict) else v
@@ -172,6 +173,16 @@ class TwoWorkersTest(RunsOnWorkers, unittest.TestCase):
   def test_the_batch_share_counts_every_workers_rows(self):
     np.testing.assert_allclose([w["batch_share"] for w in self.workers],
                                [[0.1, 0.2], [0.3, 0.4]], rtol=1e-6)
+
+  def test_a_step_exchanges_between_workers_only_what_it_reads(self):
+    # An empty step launches no collective; the batch share, read once or
+    # inside a tf.cond, one; a batch all-reduce of 4 float32 tensors, one.
+    for worker, shares in zip(self.workers, ([0.1, 0.2], [0.3, 0.4])):
+      got = dict(worker["collectives_per_step"])
+      np.testing.assert_allclose(got.pop("shares_in_cond"), shares, rtol=1e-6)
+      self.assertEqual(got, {"empty": 0, "batch_share": 1,
+                             "batch_share_in_cond": 1,
+                             "all_reduce_4_tensors": 1})
 
   def test_unseeded_variables_start_from_the_chiefs_value(self):
     values = [w["primitives"]["unseeded_variable"] for w in self.workers]
