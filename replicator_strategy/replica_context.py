@@ -44,8 +44,7 @@ class ReplicaContext(tfi.ThreadReplicaContext):
   (<tf.Tensor: ... numpy=3.0>, <tf.Tensor: ... numpy=10.0>)
   """
 
-  def __init__(self, strategy, replica_id_in_sync_group, inputs=(),
-               worker_counts=None):
+  def __init__(self, strategy, replica_id_in_sync_group, inputs=(), worker_counts=None):
     super().__init__(strategy, replica_id_in_sync_group)
     # Where strategy.run traces this replica: where the replicas can merge.
     self.home_graph = tf.compat.v1.get_default_graph()
