@@ -115,10 +115,10 @@ def initial():
   return [rng.normal(size=shape).astype(np.float32) for shape in SHAPES]
 
 
-def make(name, outer_optimizer=None):
+def make(name, outer_optimizer=None, **kwargs):
   strategy = topology.strategy_over(4, sync=rs.SyncGroups(
       groups=2, average_every=2, outer_optimizer=outer_optimizer,
-      outer_dtype=name))
+      outer_dtype=name), **kwargs)
   with strategy.scope():
     model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(3)])
     model.set_weights(initial())
@@ -148,10 +148,11 @@ def train(strategy, model, optimizer, steps):
     strategy.sync_groups_step(n, weights)
 
 
-def reference(name, steps, outer_optimizer=None):
+def reference(name, steps, outer_optimizer=None, shards=1):
   """The same training and rounds in NumPy: (each group's weights, each
   group's residuals). Each group's change in 2 chunks (one per replica),
-  each group weighted 1/2."""
+  or with `shards`, each shard (along the first axis) in one; each group
+  weighted 1/2."""
   targets = group_targets()
   groups = [initial(), initial()]
   anchors = initial()
@@ -166,15 +167,17 @@ def reference(name, steps, outer_optimizer=None):
       continue
     mean_change = []
     for i in range(len(SHAPES)):
-      total = 0
+      total = np.zeros(SHAPES[i], np.float32)
       for g in range(2):
         change = anchors[i] - groups[g][i] + residuals[g][i]
-        sent, scales, _, steps = np_quantize(change, name, 2)
-        residuals[g][i] = change - sent
-        # As every replica receives it: its steps times its scale times
-        # its group's weight, 1/2.
-        received = (steps * (scales * np.float32(0.5))[:, None]).reshape(-1)
-        total = total + received[:change.size].reshape(change.shape)
+        for piece in np.array_split(np.arange(SHAPES[i][0]), shards):
+          part = change[piece]
+          sent, scales, _, steps = np_quantize(part, name, 2 // shards)
+          residuals[g][i][piece] = part - sent
+          # As every replica receives it: its steps times its scale times
+          # its group's weight, 1/2.
+          received = (steps * (scales * np.float32(0.5))[:, None]).reshape(-1)
+          total[piece] += received[:part.size].reshape(part.shape)
       mean_change.append(total)
     means = [a - m for a, m in zip(anchors, mean_change)]
     if outer is not None:
@@ -218,6 +221,31 @@ class CustomLoopTest(unittest.TestCase):
                  "bfloat16": 2 * (16 + 4) + 2 * (4 + 4)}[name]
     self.assertEqual(strategy.averaging.rounds, 3)
     self.assertEqual(strategy.averaging.bytes_averaged, 3 * per_round)
+
+  def test_zero3_shards_each_shard_equals_numpy(self):
+    # Each group holds each weight in 2 shards, one per replica: each
+    # shard's change goes in one chunk, from the replica that holds it.
+    strategy, model, optimizer, _ = make(
+        "int8", variable_partitioner=(
+            tf.distribute.experimental.partitioners.FixedShardsPartitioner(2)))
+    self.assertEqual(
+        [c.shape.as_list() for c in model.layers[0].kernel.value.values],
+        [[3, 3], [2, 3]] * 2)
+    train(strategy, model, optimizer, range(1, 5))
+    want, want_residuals = reference("int8", range(1, 5), shards=2)
+    self.assertEqual(strategy.averaging.bytes_averaged, 2 * 4 * (
+        (3 + 1) + (2 + 1) + (1 + 1) + (1 + 1)))  # 9 and 6, 2 and 1 values
+    def group_values(variable, g):  # Group g's shards, whole.
+      return np.concatenate([variable.values[2 * g + s].read_value()
+                             for s in range(2)])
+
+    for g in range(2):
+      for got, expected in zip(
+          [v.value for v in model.trainable_variables] +
+          list(strategy.sync_groups_state.residuals),
+          want[g] + want_residuals[g]):
+        np.testing.assert_allclose(group_values(got, g), expected, rtol=1e-6,
+                                   atol=1e-6)
 
   def test_an_outer_nesterov_step_equals_numpy(self):
     strategy, model, optimizer, _ = make("int8", nesterov())
