@@ -57,6 +57,9 @@ STRATEGY_OPTIONS = {
     # On 2 workers x 2: a sync group per worker.
     "2_sync_groups": {"sync_groups": 2, "average_every": 4},
     "overlap": {"overlap_averaging": True},
+    # A group per worker, its rounds sending int8 changes.
+    "int8_rounds": {"sync": rs.SyncGroups(groups=2, average_every=4,
+                                          outer_dtype="int8")},
     "4_shards": {"variable_partitioner": (
         tf.distribute.experimental.partitioners.FixedShardsPartitioner(4))},
 }

@@ -135,18 +135,18 @@ def _pack(steps, wire_):
 
 
 def _unpack(words, wire_):
-  chunks = words.shape[0]
+  length = int(words.shape[1]) * wire_.per_word
   if wire_.bits == 16:
-    return tf.cast(tf.reshape(tf.bitcast(words, tf.bfloat16), [chunks, -1]),
+    return tf.cast(tf.reshape(tf.bitcast(words, tf.bfloat16), [-1, length]),
                    tf.float32)
   if wire_.bits == 8:
-    return tf.cast(tf.reshape(tf.bitcast(words, tf.int8), [chunks, -1]),
+    return tf.cast(tf.reshape(tf.bitcast(words, tf.int8), [-1, length]),
                    tf.float32)
-  pairs = tf.cast(tf.reshape(tf.bitcast(words, tf.uint8), [chunks, -1]),
+  pairs = tf.cast(tf.reshape(tf.bitcast(words, tf.uint8), [-1, length // 2]),
                   tf.int32)
   nibbles = tf.reshape(tf.stack([tf.bitwise.bitwise_and(pairs, 15),
                                  tf.bitwise.right_shift(pairs, 4)], -1),
-                       [chunks, -1])
+                       [-1, length])
   return tf.cast(tf.where(nibbles >= 8, nibbles - 16, nibbles), tf.float32)
 
 
@@ -207,7 +207,9 @@ class LowBitExchange:
       value = per_replica.wrap([
           tf.concat([sends[k] for _, _, sends in batch], axis=1)
           for k in range(len(batch[0][2]))])
-      gathered = per_replica.parts(tfi.gather(ops, value, value, axis=0))
+      # Across workers the gather's shape is unknown: its width is not.
+      gathered = [tf.reshape(part, [-1, sum(widths)]) for part in
+                  per_replica.parts(tfi.gather(ops, value, value, axis=0))]
       for (i, j, _), columns in zip(batch, _columns(widths)):
         devices, chunks, anchor_piece = layout[i][j]
         means[i][j] = per_replica.make(
