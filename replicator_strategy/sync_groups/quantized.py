@@ -186,7 +186,7 @@ class LowBitExchange:
     rows), or None: equally."""
     residuals = [self._residuals[id(anchor)] for anchor in anchors]
     batches = {}  # The pieces' round ops -> [(variable, piece, sends)].
-    layout = []  # Per variable, per piece: (devices, chunks, its size).
+    layout = []  # Per variable, per piece: (devices, chunks, its anchor's).
     for i, (weight, anchor, residual) in enumerate(
         zip(weights, anchors, residuals)):
       layout.append([])
@@ -229,10 +229,10 @@ class LowBitExchange:
     components), its scale times the group's weight (bitcast) first.
     Keeps the group's residual."""
     weight, anchor, residual = (piece[k][0] for piece in pieces)
-    change = (tf.cast(anchor.read_value() - weight.read_value(), tf.float32) +
-              residual.read_value())
+    change = tf.cast(anchor.read_value() - weight.read_value() +
+                     residual.read_value(), tf.float32)
     words, scales, sent = quantize(change, self.wire, chunks)
-    residual.assign(change - sent)
+    residual.assign(tf.cast(change - sent, residual.dtype))
     groups = [replicas[0] // self._per_group for _, replicas in pieces[0]]
     group = groups[k]
     members = range(group * self._per_group, (group + 1) * self._per_group)
