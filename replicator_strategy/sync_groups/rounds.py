@@ -251,8 +251,9 @@ class Averaging:
         raise ValueError(
             f"With an `outer_optimizer` or `outer_dtype`, the weights' values "
             f"before the first round are kept, but these weights were not "
-            f"given before training: {missing}. Call strategy.sync_groups_step(0, "
-            f"trainable_variables) before the first step (Keras's fit does).")
+            f"given before training: {missing}. Call "
+            f"strategy.sync_groups_step(0, trainable_variables) before the "
+            f"first step (Keras's fit does).")
 
   def _round(self, trainable, non_trainable, restart_rows):
     variables = [_tf_variable(v) for v in trainable + non_trainable]
