@@ -105,23 +105,29 @@ class QuantizeTest(unittest.TestCase):
                        5 * quantum)
 
 
-def group_targets():
+def group_targets(shapes=SHAPES):
   rng = np.random.default_rng(2)
-  return [rng.normal(size=(2, *shape)).astype(np.float32) for shape in SHAPES]
+  return [rng.normal(size=(2, *shape)).astype(np.float32) for shape in shapes]
 
 
-def initial():
+def initial(shapes=SHAPES):
   rng = np.random.default_rng(3)
-  return [rng.normal(size=shape).astype(np.float32) for shape in SHAPES]
+  return [rng.normal(size=shape).astype(np.float32) for shape in shapes]
 
 
-def make(name, outer_optimizer=None, **kwargs):
-  strategy = topology.strategy_over(4, sync=rs.SyncGroups(
-      groups=2, average_every=2, outer_optimizer=outer_optimizer,
-      outer_dtype=name), **kwargs)
+def make(name, outer_optimizer=None, units=3, **kwargs):
+  """A strategy of 2 groups over 4 logical CPUs (with `layout_map`, of its
+  replicas), a Dense(units) on 5 features in it, its optimizer, a
+  checkpoint of them."""
+  sync = rs.SyncGroups(groups=2, average_every=2,
+                       outer_optimizer=outer_optimizer, outer_dtype=name)
+  strategy = (rs.ReplicatorStrategy(sync=sync, **kwargs)
+              if "layout_map" in kwargs else
+              topology.strategy_over(4, sync=sync, **kwargs))
   with strategy.scope():
-    model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(3)])
-    model.set_weights(initial())
+    model = keras.Sequential([keras.Input((5,)),
+                              keras.layers.Dense(units, name="up")])
+    model.set_weights(initial(((5, units), (units,))))
     optimizer = keras.optimizers.SGD(LR)
   checkpoint = tf.train.Checkpoint(model=model, optimizer=optimizer,
                                    sync_groups=strategy.sync_groups_state)
@@ -130,15 +136,17 @@ def make(name, outer_optimizer=None, **kwargs):
 
 def train(strategy, model, optimizer, steps):
   """Each group steps toward its own targets: the gradient of
-  |w - target|² / 2 summed over a group's 2 replicas is w - target."""
-  targets = [tf.constant(t) for t in group_targets()]
+  |w - target|² / 2 summed over a group's replicas is w - target."""
   weights = model.trainable_variables
+  targets = [tf.constant(t) for t in
+             group_targets([tuple(w.shape) for w in weights])]
+  replicas = strategy.num_replicas_in_sync
 
   def replica_step():
     group = tf.distribute.get_replica_context().sync_group
     with tf.GradientTape() as tape:
       loss = tf.add_n([tf.reduce_sum(tf.square(w - tf.gather(t, group)))
-                       for w, t in zip(weights, targets)]) / 4
+                       for w, t in zip(weights, targets)]) / (2 * replicas)
     optimizer.apply_gradients(zip(tape.gradient(loss, weights), weights))
 
   step = tf.function(lambda: strategy.run(replica_step))
@@ -148,15 +156,21 @@ def train(strategy, model, optimizer, steps):
     strategy.sync_groups_step(n, weights)
 
 
-def reference(name, steps, outer_optimizer=None, shards=1):
+def in_two_chunks(unused_i, unused_shape):
+  """A weight's pieces and their chunks: whole, one chunk per replica of a
+  group of 2."""
+  return [(np.s_[...], 2)]
+
+
+def reference(name, steps, outer_optimizer=None, pieces=in_two_chunks,
+              shapes=SHAPES):
   """The same training and rounds in NumPy: (each group's weights, each
-  group's residuals). Each group's change in 2 chunks (one per replica),
-  or with `shards`, each shard (along the first axis) in one; each group
-  weighted 1/2."""
-  targets = group_targets()
-  groups = [initial(), initial()]
-  anchors = initial()
-  residuals = [[np.zeros(s, np.float32) for s in SHAPES] for _ in range(2)]
+  group's residuals). Weight i's change goes as `pieces(i, its shape)`:
+  (index, chunks) each; each group weighted 1/2."""
+  targets = group_targets(shapes)
+  groups = [initial(shapes), initial(shapes)]
+  anchors = initial(shapes)
+  residuals = [[np.zeros(s, np.float32) for s in shapes] for _ in range(2)]
   outer = None
   if outer_optimizer is not None:
     outer = [keras.Variable(a) for a in anchors]
@@ -166,13 +180,13 @@ def reference(name, steps, outer_optimizer=None, shards=1):
     if n % 2:
       continue
     mean_change = []
-    for i in range(len(SHAPES)):
-      total = np.zeros(SHAPES[i], np.float32)
+    for i, shape in enumerate(shapes):
+      total = np.zeros(shape, np.float32)
       for g in range(2):
         change = anchors[i] - groups[g][i] + residuals[g][i]
-        for piece in np.array_split(np.arange(SHAPES[i][0]), shards):
+        for piece, chunks in pieces(i, shape):
           part = change[piece]
-          sent, scales, _, steps = np_quantize(part, name, 2 // shards)
+          sent, scales, _, steps = np_quantize(part, name, chunks)
           residuals[g][i][piece] = part - sent
           # As every replica receives it: its steps times its scale times
           # its group's weight, 1/2.
@@ -232,7 +246,9 @@ class CustomLoopTest(unittest.TestCase):
         [c.shape.as_list() for c in model.layers[0].kernel.value.values],
         [[3, 3], [2, 3]] * 2)
     train(strategy, model, optimizer, range(1, 5))
-    want, want_residuals = reference("int8", range(1, 5), shards=2)
+    want, want_residuals = reference(
+        "int8", range(1, 5), pieces=lambda i, shape: [
+            (rows, 1) for rows in np.array_split(np.arange(shape[0]), 2)])
     self.assertEqual(strategy.averaging.bytes_averaged, 2 * 4 * (
         (3 + 1) + (2 + 1) + (1 + 1) + (1 + 1)))  # 9 and 6, 2 and 1 values
     def group_values(variable, g):  # Group g's shards, whole.
@@ -246,6 +262,38 @@ class CustomLoopTest(unittest.TestCase):
           want[g] + want_residuals[g]):
         np.testing.assert_allclose(group_values(got, g), expected, rtol=1e-6,
                                    atol=1e-6)
+
+  def test_split_parts_each_part_equals_numpy(self):
+    # 2 groups of 1 replica over 2 devices, the kernel column-parallel:
+    # each part's change goes in one chunk, the bias whole in one.
+    mesh = keras.distribution.DeviceMesh(
+        (2, 2), ("batch", "model"), keras.distribution.list_devices()[:4])
+    layout_map = keras.distribution.LayoutMap(mesh)
+    layout_map[".*up/kernel"] = (None, "model")
+    strategy, model, optimizer, _ = make("int4", units=4,
+                                         layout_map=layout_map)
+    kernel = model.layers[0].kernel.value
+    self.assertEqual([p.shape.as_list() for p in kernel.parts(0)],
+                     [[5, 2], [5, 2]])
+    train(strategy, model, optimizer, range(1, 5))
+    want, want_residuals = reference(
+        "int4", range(1, 5), shapes=((5, 4), (4,)), pieces=lambda i, shape: (
+            [(np.s_[:, :2], 1), (np.s_[:, 2:], 1)] if i == 0 else
+            [(np.s_[...], 1)]))
+    self.assertEqual(strategy.averaging.bytes_averaged, 2 * 4 * (
+        (2 + 1) + (2 + 1) + (1 + 1)))  # 10 and 10 int4 values, and 4
+    for g in range(2):
+      kernels = (kernel, strategy.sync_groups_state.residuals[0])
+      biases = (model.layers[0].bias.value,
+                strategy.sync_groups_state.residuals[1])
+      for got, expected in zip(kernels, (want[g][0], want_residuals[g][0])):
+        np.testing.assert_allclose(
+            np.concatenate([p.read_value() for p in got.parts(g)], axis=1),
+            expected, rtol=1e-6, atol=1e-6)
+      for got, expected in zip(biases, (want[g][1], want_residuals[g][1])):
+        np.testing.assert_allclose(
+            strategy.experimental_local_results(got)[g], expected, rtol=1e-6,
+            atol=1e-6)
 
   def test_an_outer_nesterov_step_equals_numpy(self):
     strategy, model, optimizer, _ = make("int8", nesterov())
