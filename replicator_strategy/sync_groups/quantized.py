@@ -8,8 +8,8 @@ float32. The mean of the changes is what a round needs: local SGD sets
 the mean change as its gradient (`old - mean`). Each group quantizes its
 change plus the residual its last quantization dropped (error feedback:
 what is not sent this round is sent later, so the sum of what a group sent
-stays within one quantum of the sum of its changes) and keeps the new
-residual. `Wire` says how: "bfloat16" (truncated to 16 bits), "int8" or
+stays within half a quantum of the sum of its changes) and keeps the new
+residual. `Wire` says how: "bfloat16" (rounded to the nearest), "int8" or
 "int4" (a symmetric scale per chunk, `max |x| / 127` or `/ 7`, rounded to
 the nearest integer; two int4 values a byte).
 
