@@ -171,7 +171,8 @@ class ReplicatorStrategy(tf.distribute.Strategy):
     super().__init__(extended_lib.ReplicatorExtended(
         self, options, all_reduce, cluster, timeout_seconds))
     self.averaging = rounds.Averaging(
-        self, sync.average_every, sync.outer_optimizer, overlap=sync.overlap)
+        self, sync.average_every, sync.outer_optimizer, overlap=sync.overlap,
+        outer_dtype=sync.outer_dtype)
     for hook in CREATION_HOOKS:
       hook(self)
 

@@ -43,6 +43,8 @@ import tensorflow as tf
 from replicator_strategy import replica_context as replica_context_lib
 from replicator_strategy import variables as variables_lib
 from replicator_strategy.collectives import per_replica
+from replicator_strategy.sync_groups import means as means_lib
+from replicator_strategy.sync_groups import quantized
 from replicator_strategy.sync_groups import state as state_lib
 
 
@@ -70,11 +72,14 @@ class Averaging:
   last round (`count_rows`), so a group that trained on more rows counts
   more; with none counted (a custom loop that does not count), equally.
 
+  `outer_dtype`: None, or the width a round sends each group's change of
+  the trainable weights at (`low_bit`, a `quantized.LowBitExchange`).
+
   `state`: what a checkpoint keeps of it (`state.SyncGroupsState`).
   """
 
   def __init__(self, strategy, average_every, outer_optimizer=None,
-               overlap=False):
+               overlap=False, outer_dtype=None):
     self._strategy = strategy
     self.average_every = average_every
     self.overlap = overlap
@@ -87,6 +92,8 @@ class Averaging:
         self.outer_optimizer = type(outer_optimizer).from_config(
             outer_optimizer.get_config())
     self.state = state_lib.SyncGroupsState(self.outer_optimizer)
+    self.low_bit = quantized.LowBitExchange.of(strategy, outer_dtype,
+                                               self.state)
     self._anchors = {}  # id of a trainable variable -> its value at the last round.
     self._rounds = {}  # ids of the variables -> the round's tf.function.
     self._first_group = {}  # ids of the variables -> its tf.function.
@@ -106,7 +113,7 @@ class Averaging:
       if self.overlap:
         self.state.snapshot_rows = self._row_counter(
             "sync_groups_snapshot_rows")
-    if self.outer_optimizer is not None:
+    if self.outer_optimizer is not None or self.low_bit:
       self._start_anchors(trainable)
     if self.overlap and self._strategy.num_sync_groups > 1:
       self._overlapped_functions(list(trainable))
@@ -153,7 +160,10 @@ class Averaging:
         self._anchors[id(v)] = _copy_beside(_tf_variable(v),
                                             "sync_groups_anchor")
         self.state.anchors.append(self._anchors[id(v)])
-      if not self.outer_optimizer.built:
+        if self.low_bit:
+          self.low_bit.keep(self._anchors[id(v)], _copy_beside(
+              _tf_variable(v), "sync_groups_residual", tf.zeros_like))
+      if self.outer_optimizer is not None and not self.outer_optimizer.built:
         self.outer_optimizer.build(list(trainable))
 
   @contextlib.contextmanager
@@ -184,10 +194,10 @@ class Averaging:
     # A sum in which only the first replica of all counts: it may lie on
     # another worker.
     first = self._strategy.extended.first_replica_id
-    sums = self._reduce_pieces(tf.distribute.ReduceOp.SUM, variables,
-                               lambda value, replicas: value if
-                               first + replicas[0] == 0 else
-                               tf.zeros_like(value))
+    sums = means_lib.reduce_pieces(
+        self._strategy, tf.distribute.ReduceOp.SUM, variables,
+        lambda value, replicas: value if first + replicas[0] == 0 else
+        tf.zeros_like(value))
     for v, value in zip(variables, sums):
       _assign_pieces(v, value)
 
@@ -215,7 +225,7 @@ class Averaging:
     self._check_anchors(trainable)
     self._apply_pending(trainable)
     self._run_round(trainable, non_trainable, restart_rows=True)
-    self._count(trainable + non_trainable)
+    self._count(trainable, non_trainable)
 
   def _run_round(self, trainable, non_trainable, restart_rows):
     """The round of `trainable` and `non_trainable`, weighted by the rows
@@ -228,25 +238,34 @@ class Averaging:
     with self._strategy.scope():
       self._rounds[key]()
 
-  def _count(self, variables):
+  def _count(self, trainable, non_trainable):
     self.rounds += 1
-    self.bytes_averaged += sum(
-        _tf_variable(v).shape.num_elements() * _tf_variable(v).dtype.size
-        for v in variables)
+    self.bytes_averaged += quantized.bytes_sent(
+        self.low_bit, *([_tf_variable(v) for v in variables]
+                        for variables in (trainable, non_trainable)))
 
   def _check_anchors(self, trainable):
-    if self.outer_optimizer is not None:
+    if self.outer_optimizer is not None or self.low_bit:
       missing = [v.name for v in trainable if id(v) not in self._anchors]
       if missing:
         raise ValueError(
-            f"With an `outer_optimizer`, the weights' values before the first "
-            f"round are kept, but these weights were not given before "
-            f"training: {missing}. Call strategy.sync_groups_step(0, "
-            f"trainable_variables) before the first step (Keras's fit does).")
+            f"With an `outer_optimizer` or `outer_dtype`, the weights' values "
+            f"before the first round are kept, but these weights were not "
+            f"given before training: {missing}. Call "
+            f"strategy.sync_groups_step(0, trainable_variables) before the "
+            f"first step (Keras's fit does).")
 
   def _round(self, trainable, non_trainable, restart_rows):
     variables = [_tf_variable(v) for v in trainable + non_trainable]
-    means = self._means(variables, self.state.rows)
+    low_bit = len(trainable) if self.low_bit else 0
+    means = means_lib.weighted(self._strategy, variables[low_bit:],
+                               self.state.rows)
+    if self.low_bit:  # The trainable weights' changes, at its width.
+      means = self.low_bit.means(
+          self._strategy.extended.communicator, variables[:low_bit],
+          [self._anchors[id(v)] for v in trainable],
+          means_lib.replica_weights(self._strategy, self.state.rows)
+      ) + means
     for v, mean in zip(variables[len(trainable):], means[len(trainable):]):
       _assign_pieces(v, mean)
     self._step_to(trainable, means[:len(trainable)])
@@ -261,6 +280,9 @@ class Averaging:
     if self.outer_optimizer is None:
       for v, mean in zip(variables, means):
         _assign_pieces(v, mean)
+      for v, weight in zip(trainable, variables):
+        if id(v) in self._anchors:  # Each group's change counts from here.
+          _copy_components(weight, self._anchors[id(v)])
       return
     deltas = []
     for v, weight, mean in zip(trainable, variables, means):
@@ -287,7 +309,7 @@ class Averaging:
       exchange = exchange.get_concrete_function()
     self.state.exchange.start(tuple(id(v) for v in trainable),
                               functools.partial(self._in_scope, exchange))
-    self._count(snapshots + non_trainable)
+    self._count(snapshots, non_trainable)
 
   def _apply_pending(self, trainable):
     """Waits for the exchange in flight, if any, and applies it."""
@@ -325,8 +347,9 @@ class Averaging:
 
       def exchange():
         # Every replica agrees on each mean: the first part is everyone's.
-        return [[per_replica.parts(piece)[0] for piece in mean] for mean in
-                self._means(snapshots, self.state.snapshot_rows)]
+        return [[per_replica.parts(piece)[0] for piece in mean]
+                for mean in means_lib.weighted(self._strategy, snapshots,
+                                               self.state.snapshot_rows)]
 
       def apply(means):
         progress = [[c.read_value() - s.read_value()
@@ -342,62 +365,13 @@ class Averaging:
                        for f in (take_snapshots, exchange, apply)))
     return self._overlapped[key]
 
-  def _means(self, variables, rows):
-    """Each variable's mean over every replica of every group, piece by
-    piece (`variables.round_pieces`, a `Mirrored` each), each replica
-    weighted by its part of `rows` (None, or none counted: equally)."""
-    if not variables:
-      return []
-    scale = lambda value, replicas: value
-    if rows is not None:
-      scales = self._row_scales(self._strategy.extended.communicator.round_ops,
-                                rows)
 
-      def scale(value, replicas):
-        # A replica of no rows counts for nothing, whatever its weights hold.
-        weight = tf.add_n([scales[r] for r in replicas]) / len(replicas)
-        return tf.math.multiply_no_nan(value, tf.cast(weight, value.dtype))
-
-    return self._reduce_pieces(tf.distribute.ReduceOp.MEAN, variables, scale)
-
-  def _reduce_pieces(self, reduce_op, variables, value_of):
-    """Each variable's pieces (`variables.round_pieces`), each component's
-    value `value_of(its value, the local replicas it stands for)`, reduced
-    over every replica of every group on the pieces' devices: per variable,
-    a `Mirrored` per piece."""
-    communicator = self._strategy.extended.communicator
-    pieces = [variables_lib.round_pieces(v) for v in variables]
-    batches = {}  # The pieces' all-reduce -> [(variable, piece, value)].
-    for i, variable_pieces in enumerate(pieces):
-      for j, piece in enumerate(variable_pieces):
-        devices = [component.device for component, _ in piece]
-        value = per_replica.make(devices, lambda k, piece=piece: value_of(
-            piece[k][0].read_value(), piece[k][1]))
-        batches.setdefault(communicator.round_ops_on(devices), []).append(
-            (i, j, value))
-    reduced = [[None] * len(p) for p in pieces]
-    for ops, batch in batches.items():
-      results = ops.batch_reduce(reduce_op, [(v, v) for _, _, v in batch])
-      for (i, j, _), result in zip(batch, results):
-        reduced[i][j] = result
-    return reduced
-
-  def _row_scales(self, ops, rows):
-    """Each local replica's rows times the replicas, over every replica's
-    rows: exactly 1 for each when all counted as many, or none counted."""
-    counts = per_replica.wrap(variables_lib.local_reads(rows))
-    totals = per_replica.parts(
-        ops.reduce(tf.distribute.ReduceOp.SUM, counts, counts))
-    replicas = float(self._strategy.extended.num_replicas_in_all_groups)
-    return [tf.where(total > 0, count * replicas / total, 1.0)
-            for count, total in zip(per_replica.parts(counts), totals)]
-
-
-def _copy_beside(variable, name):
-  """A new variable of `variable`'s value, on its devices and split or
-  sharded as it is (in the strategy's scope)."""
+def _copy_beside(variable, name, value_of=lambda value: value):
+  """A new variable of `value_of(variable's value)`, on its devices and
+  split or sharded as it is (in the strategy's scope)."""
   with tf.distribute.get_strategy().extended.colocate_vars_with(variable):
-    return tf.Variable(variable.read_value, trainable=False, name=name)
+    return tf.Variable(lambda: value_of(variable.read_value()),
+                       trainable=False, name=name)
 
 
 def _copy_components(source, target):

@@ -17,9 +17,11 @@ class SyncGroupsState(tf.Module):
   run restored between rounds goes on exactly as it would have. It holds
   the outer optimizer's copy (`outer_optimizer`, with its momentum and
   iterations), the trainable weights' values at the last round (`anchors`,
-  with an outer optimizer), each replica's rows since then (`rows`) and,
+  with an outer optimizer or `outer_dtype`), each replica's rows since then (`rows`) and,
   with overlap, the snapshots of the round in flight (`snapshots`, and their
-  rows, `snapshot_rows`) and whether it is (`exchange`). Anchors, snapshots
+  rows, `snapshot_rows`) and whether it is (`exchange`), and with
+  `outer_dtype` each group's residuals of its last low-bit exchange
+  (`residuals`, error feedback). Anchors, residuals, snapshots
   and the outer optimizer's slots are made before the first step
   (`strategy.sync_groups_step(0, trainable_variables)`, or Keras's `fit`);
   a checkpoint read before that is restored into them as they are made,
@@ -55,6 +57,7 @@ class SyncGroupsState(tf.Module):
     self.outer_optimizer = outer_optimizer
     self.anchors = []
     self.snapshots = []
+    self.residuals = []
     self.rows = None
     self.snapshot_rows = None
     self.exchange = overlap.ExchangeInFlight()

@@ -440,6 +440,24 @@ class OverlappedSyncGroupsTwoWorkersTest(SyncGroupsTwoWorkersTest):
 
 
 @pytest.mark.slow
+class LowBitSyncGroupsTwoWorkersTest(SyncGroupsTwoWorkersTest):
+  """The same with `outer_dtype="int8"`: each round all-gathers each group's
+  change as int8 packed into int32 words, between the workers."""
+  OPTIONS = "@int8_rounds"
+  LAUNCH = "low_bit"
+
+  def test_weights_cross_between_workers_once_every_four_steps(self):
+    # Each weight of the 8-16-3 model in 2 chunks (one per replica of a
+    # group) of int8 words and a float32 scale: the kernels 2 x (16 + 1) and
+    # 2 x (6 + 1) words, the biases 2 x (2 + 1) and 2 x (1 + 1).
+    for worker in self.workers:
+      result = worker["sync_groups_fit"]
+      self.assertEqual(result["rounds"], self.ROUNDS_IN_FIT)
+      self.assertEqual(result["bytes_averaged"],
+                       self.ROUNDS_IN_FIT * 4 * (34 + 14 + 6 + 4))
+
+
+@pytest.mark.slow
 class ShardedOptimizerStateTest(RunsOnWorkers, unittest.TestCase):
   """shard_optimizer_state=True on 2 workers x 2 equals one process with 4."""
   RUNS = ("custom_loop", "keras_fit", "keras_fit_steps_per_execution",
