@@ -12,7 +12,7 @@ records. The strategy keeps every option in one `StrategyOptions`, its
 >>> strategy = rs.ReplicatorStrategy(   # 4 replicas here
 ...     sync=rs.SyncGroups(groups=2, average_every=4))
 >>> of(strategy).sync
-SyncGroups(groups=2, average_every=4, outer_optimizer=None, overlap=False)
+SyncGroups(groups=2, average_every=4, outer_optimizer=None, overlap=False, fragments=1)
 >>> print(of(strategy).mesh)
 group 2 x batch 2
 >>> of(rs.ReplicatorStrategy(shard_optimizer_state=True)).sharding
@@ -99,16 +99,52 @@ class SyncGroups:
       round applies the change since the last round through (DiLoCo).
     overlap: a round's exchange runs beside the next steps and lands one
       round late (Streaming DiLoCo's overlap).
+    fragments: Streaming DiLoCo's fragments: the trainable weights cut into
+      this many, each averaged every `average_every` steps at its own
+      offset, so a round every average_every / fragments steps averages
+      one (`replicator_strategy.sync_groups.fragments`). At most
+      `average_every`; 1: every weight in every round.
   """
 
   groups: int = 1
   average_every: int = 1
   outer_optimizer: typing.Any = None
   overlap: bool = False
+  fragments: int = 1
 
   def __post_init__(self):
     _check_sync_groups(self.groups, self.average_every, self.outer_optimizer,
                        self.overlap)
+    _check_fragments(self)
+
+
+def _check_fragments(sync):
+  """Refuses a `fragments` count the rounds cannot keep."""
+  fragments = sync.fragments
+  if (isinstance(fragments, bool) or
+      not isinstance(fragments, numbers.Integral) or fragments < 1):
+    raise ValueError(
+        f"Expected `fragments` to be an int of at least 1. Received: "
+        f"fragments={fragments!r}. Pass how many parts the trainable weights "
+        f"are cut into, each averaged on its own schedule (1: all at once).")
+  if fragments == 1:
+    return
+  if sync.groups == 1:
+    raise ValueError(
+        f"`fragments` staggers sync groups' averaging rounds, but "
+        f"sync_groups=1 has no rounds. Received: fragments={fragments}. Pass "
+        f"groups > 1, or leave fragments out.")
+  if fragments > sync.average_every:
+    raise ValueError(
+        f"Expected `fragments` to be at most `average_every`: each fragment "
+        f"has its round at its own step of every average_every. Received: "
+        f"fragments={fragments}, average_every={sync.average_every}. Pass "
+        f"fragments <= {sync.average_every}, or a larger average_every.")
+  if sync.overlap:
+    raise NotImplementedError(
+        f"Fragments with an overlapped exchange are not supported yet. "
+        f"Received: fragments={fragments}, overlap=True. Pass overlap=False "
+        f"(each fragment's round then exchanges at once), or fragments=1.")
 
 
 def _check_sync_groups(sync_groups, average_every, outer_optimizer,

@@ -6,9 +6,12 @@ function is followed, after each call, by a look at the optimizer's
 multiple of H, an averaging round runs (`replicator_strategy.sync_groups.rounds`).
 Before the first step the weights are kept as the first round's `old` (with
 an outer optimizer). Each train step counts its replicas' rows, which a
-round weighs the groups by (`Averaging.count_rows`). When `fit` returns, a
-last round runs if the last step did not average (or left an overlapped
-exchange in flight), so `evaluate`, `predict` and saving see one model.
+round weighs the groups by (`Averaging.count_rows`). With fragments
+(`SyncGroups(fragments=F)`) a round averages the fragments due at the steps
+passed. When `fit` returns, a last round averages the weights the last step
+did not (all, or the fragments not due then; an overlapped exchange in
+flight is applied first), so `evaluate`, `predict` and saving see one
+model.
 Called between rounds (a custom loop's, or a callback's), `predict`,
 `evaluate` and their `_on_batch` forms answer with the first group's
 weights, which `get_weights()` and `save()` return; `fit`'s own validation
@@ -49,8 +52,9 @@ from replicator_strategy.keras import _internal as ki
 
 @dataclasses.dataclass
 class _Rounds:
-  """One model's training under sync groups: whether its last step averaged."""
-  last_step_averaged: bool = True
+  """One model's training under sync groups: the ids of the weights its
+  last step left apart (None: none, before any step)."""
+  apart: set | None = None
 
 
 _rounds = weakref.WeakKeyDictionary()  # model -> _Rounds
@@ -65,17 +69,17 @@ def _grouped(model):
           strategy.num_sync_groups > 1)
 
 
-def _average(model, scheduled):
-  """A round: the one due after a step (`scheduled`), or one that ends with
-  every replica equal."""
+def _apart_after(model, steps):
+  """The round due after the steps (last_step, step] of `steps`, if any;
+  then notes the weights left apart."""
   averaging = model.distribute_strategy.averaging
-  if scheduled:
-    averaging.scheduled_round(model.trainable_weights,
-                              model.non_trainable_weights)
-  else:
-    averaging.average(model.trainable_weights, model.non_trainable_weights)
-  # An overlapped round leaves its exchange in flight.
-  _rounds[model].last_step_averaged = not (scheduled and averaging.overlap)
+  equal = []
+  if averaging.rounds_due(*steps):
+    # Every round averages the non-trainable weights at once.
+    equal = model.non_trainable_weights + averaging.scheduled_round(
+        model.trainable_weights, model.non_trainable_weights, steps)
+  equal = {id(v) for v in equal}
+  _rounds[model].apart = {id(v) for v in model.weights if id(v) not in equal}
 
 
 def rows_counted(make_function):
@@ -108,7 +112,7 @@ def rounds_after_steps(make_train_function):
     if (not _grouped(self) or train_function is None or
         getattr(train_function, "counts_sync_group_rounds", False)):
       return built
-    rounds = _rounds.setdefault(self, _Rounds())
+    _rounds.setdefault(self, _Rounds())
     averaging = self.distribute_strategy.averaging
 
     def with_rounds(*args, **kwargs):
@@ -116,10 +120,8 @@ def rounds_after_steps(make_train_function):
       before = int(self.optimizer.iterations.numpy())
       logs = train_function(*args, **kwargs)
       after = int(self.optimizer.iterations.numpy())
-      if averaging.rounds_due(before, after):
-        _average(self, scheduled=True)
-      elif after != before:
-        rounds.last_step_averaged = False
+      if after != before:
+        _apart_after(self, (before, after))
       return logs
 
     with_rounds.counts_sync_group_rounds = True
@@ -130,14 +132,17 @@ def rounds_after_steps(make_train_function):
 
 
 def last_round(fit):
-  """Keras's `fit`, then a round if its last step did not average."""
+  """Keras's `fit`, then a round of the weights its last step left apart."""
 
   @functools.wraps(fit)
   def wrapper(self, *args, **kwargs):
     history = fit(self, *args, **kwargs)
     rounds = _rounds.get(self)
-    if _grouped(self) and rounds is not None and not rounds.last_step_averaged:
-      _average(self, scheduled=False)
+    if _grouped(self) and rounds is not None and rounds.apart:
+      self.distribute_strategy.averaging.average(
+          [v for v in self.trainable_weights if id(v) in rounds.apart],
+          self.non_trainable_weights)
+      rounds.apart = None
     return history
 
   return wrapper

@@ -43,6 +43,7 @@ import tensorflow as tf
 from replicator_strategy import replica_context as replica_context_lib
 from replicator_strategy import variables as variables_lib
 from replicator_strategy.collectives import per_replica
+from replicator_strategy.sync_groups import fragments as fragments_lib
 from replicator_strategy.sync_groups import state as state_lib
 
 
@@ -70,23 +71,25 @@ class Averaging:
   last round (`count_rows`), so a group that trained on more rows counts
   more; with none counted (a custom loop that does not count), equally.
 
+  `fragments`: how many of Streaming DiLoCo's (`fragments.Fragments`).
+
   `state`: what a checkpoint keeps of it (`state.SyncGroupsState`).
   """
 
   def __init__(self, strategy, average_every, outer_optimizer=None,
-               overlap=False):
+               overlap=False, fragments=1):
     self._strategy = strategy
     self.average_every = average_every
     self.overlap = overlap
     # ids of the trainable variables -> their snapshots and the functions of
     # an overlapped round.
     self._overlapped = {}
-    self.outer_optimizer = None
-    if outer_optimizer is not None:
-      with strategy.scope():
-        self.outer_optimizer = type(outer_optimizer).from_config(
-            outer_optimizer.get_config())
-    self.state = state_lib.SyncGroupsState(self.outer_optimizer)
+    self.fragments = fragments_lib.Fragments(fragments, average_every)
+    self._outer = fragments_lib.outer_copies(strategy, outer_optimizer,
+                                             fragments)
+    self.outer_optimizer = self._outer[0] if self._outer else None
+    self.state = state_lib.SyncGroupsState(self.outer_optimizer,
+                                           self._outer[1:])
     self._anchors = {}  # id of a trainable variable -> its value at the last round.
     self._rounds = {}  # ids of the variables -> the round's tf.function.
     self._first_group = {}  # ids of the variables -> its tf.function.
@@ -106,6 +109,8 @@ class Averaging:
       if self.overlap:
         self.state.snapshot_rows = self._row_counter(
             "sync_groups_snapshot_rows")
+    if self._strategy.num_sync_groups > 1:
+      self.fragments.split(trainable)  # Checks the count once.
     if self.outer_optimizer is not None:
       self._start_anchors(trainable)
     if self.overlap and self._strategy.num_sync_groups > 1:
@@ -153,8 +158,7 @@ class Averaging:
         self._anchors[id(v)] = _copy_beside(_tf_variable(v),
                                             "sync_groups_anchor")
         self.state.anchors.append(self._anchors[id(v)])
-      if not self.outer_optimizer.built:
-        self.outer_optimizer.build(list(trainable))
+      self.fragments.build(self._outer, trainable)
 
   @contextlib.contextmanager
   def first_group_everywhere(self, variables):
@@ -192,16 +196,21 @@ class Averaging:
       _assign_pieces(v, value)
 
   def rounds_due(self, last_step, step):
-    """Whether a multiple of `average_every` lies in (last_step, step]."""
-    return step // self.average_every > last_step // self.average_every
+    """Whether a round of a fragment (of every weight: at a multiple of
+    `average_every`) falls at a step in (last_step, step]."""
+    return bool(self.fragments.due(last_step, step))
 
-  def scheduled_round(self, trainable, non_trainable=()):
-    """The round due after a step: `average`, or with `overlap` the
-    overlapped one."""
+  def scheduled_round(self, trainable, non_trainable=(), steps=None):
+    """The round due after the steps (last_step, step] (None: all
+    fragments'): `average` of the fragments due, or the overlapped one;
+    returns the trainable weights it left equal on every replica."""
+    if steps is not None:
+      trainable = self.fragments.due_weights(trainable, *steps)
     if self.overlap and self._strategy.num_sync_groups > 1:
       self._overlapped_round(list(trainable), _floats(non_trainable))
-    else:
-      self.average(trainable, non_trainable)
+      return []
+    self.average(trainable, non_trainable)
+    return list(trainable)
 
   def average(self, trainable, non_trainable=()):
     """One round now: every replica of every group gets the mean (or the
@@ -267,7 +276,7 @@ class Averaging:
       anchor = self._anchors[id(v)]
       deltas.append(_delta(anchor, mean))
       _copy_components(anchor, weight)
-    self.outer_optimizer.apply_gradients(zip(deltas, trainable))
+    self.fragments.apply(self._outer, deltas, trainable)
     for v, weight in zip(trainable, variables):
       _copy_components(weight, self._anchors[id(v)])
 

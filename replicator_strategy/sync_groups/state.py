@@ -19,7 +19,10 @@ class SyncGroupsState(tf.Module):
   iterations), the trainable weights' values at the last round (`anchors`,
   with an outer optimizer), each replica's rows since then (`rows`) and,
   with overlap, the snapshots of the round in flight (`snapshots`, and their
-  rows, `snapshot_rows`) and whether it is (`exchange`). Anchors, snapshots
+  rows, `snapshot_rows`) and whether it is (`exchange`). With fragments
+  each fragment's anchors are among `anchors`, and fragments 1 ... F-1 have
+  their own outer optimizers (`fragment_outer_optimizers`; the first's is
+  `outer_optimizer`). Anchors, snapshots
   and the outer optimizer's slots are made before the first step
   (`strategy.sync_groups_step(0, trainable_variables)`, or Keras's `fit`);
   a checkpoint read before that is restored into them as they are made,
@@ -50,9 +53,11 @@ class SyncGroupsState(tf.Module):
   2
   """
 
-  def __init__(self, outer_optimizer):
+  def __init__(self, outer_optimizer, fragment_outer_optimizers=()):
     super().__init__(name="sync_groups")
     self.outer_optimizer = outer_optimizer
+    if fragment_outer_optimizers:  # One fragment saves as before.
+      self.fragment_outer_optimizers = list(fragment_outer_optimizers)
     self.anchors = []
     self.snapshots = []
     self.rows = None

@@ -1,0 +1,131 @@
+"""Streaming DiLoCo's fragments: the rounds of sync groups staggered by part.
+
+With `SyncGroups(groups=G, average_every=H, fragments=F)` the trainable
+weights are cut into F fragments (Douillard et al., 2025, "Streaming DiLoCo
+with overlapping communication", arXiv:2501.18512), each averaged on its own
+schedule: fragment f at the steps s > 0 with (s - offset_f) % H == 0,
+offset_f = f·H // F (rounded down; evenly every H/F steps when F divides H).
+So every H steps each fragment has one round, a round every H/F steps
+averages about 1/F of the weights, and none pays for the whole model.
+
+The fragments are contiguous runs of the trainable weights in the order
+given (a Keras model's: layer by layer, as the paper's blocks of layers),
+balanced by element count: fragment f ends at the weight whose running
+count of elements comes nearest f/F of the total, each fragment holding at
+least one weight. Each fragment has its own anchors (the weights' own) and
+its own copy of the outer optimizer; `rounds.Averaging` holds a
+`Fragments` and asks it which weights a step's round takes.
+
+>>> fragments = Fragments(count=2, average_every=4)
+>>> fragments.offsets
+[0, 2]
+>>> [step for step in range(1, 9) if fragments.due(step - 1, step)]
+[2, 4, 6, 8]
+>>> fragments.due(3, 4), fragments.due(5, 6)  # Fragment 0 at 4, 8; 1 at 2, 6.
+([0], [1])
+>>> import tensorflow as tf
+>>> weights = [tf.Variable(tf.zeros(n)) for n in (6, 2, 3, 1)]
+>>> [[int(w.shape[0]) for w in part] for part in fragments.split(weights)]
+[[6], [2, 3, 1]]
+"""
+
+import math
+
+
+class Fragments:
+  """The trainable weights cut into `count` fragments, each averaged every
+  `average_every` steps, at its own offset."""
+
+  def __init__(self, count, average_every):
+    self.count = count
+    self.average_every = average_every
+    self.offsets = [f * average_every // count for f in range(count)]
+    self._parts = {}  # Ids of the trainable weights -> their fragments.
+    self._index = {}  # Id of a trainable weight -> its fragment.
+
+  def due(self, last_step, step):
+    """The fragments with a round at a step in (last_step, step]."""
+    h = self.average_every
+    return [f for f, offset in enumerate(self.offsets)
+            if (step - offset) // h > (last_step - offset) // h]
+
+  def split(self, trainable):
+    """`trainable` cut into the fragments: contiguous, balanced by element
+    count, each at least one weight."""
+    trainable = list(trainable)
+    key = tuple(id(v) for v in trainable)
+    if self.count == 1:
+      return [trainable]
+    if key in self._parts:
+      return self._parts[key]
+    if self.count > len(trainable):
+      raise ValueError(
+          f"Expected `fragments` to be at most the number of trainable "
+          f"weights, each fragment holding at least one. Received: "
+          f"fragments={self.count} for {len(trainable)} trainable weights "
+          f"({[v.name for v in trainable]}). Pass fragments <= "
+          f"{len(trainable)}.")
+    sizes = [math.prod(tuple(v.shape)) for v in trainable]
+    running = [sum(sizes[:i + 1]) for i in range(len(sizes))]
+    ends = []
+    for f in range(1, self.count):
+      # The cut after weight i, leaving room for the fragments after it.
+      first = (ends[-1] if ends else 0) + 1
+      last = len(trainable) - (self.count - f)
+      target = f * running[-1] / self.count
+      ends.append(min(range(first, last + 1),
+                      key=lambda i: abs(running[i - 1] - target)))
+    bounds = [0, *ends, len(trainable)]
+    parts = [trainable[a:b] for a, b in zip(bounds, bounds[1:])]
+    self._parts[key] = parts
+    for f, part in enumerate(parts):
+      for v in part:
+        self._index[id(v)] = f
+    return parts
+
+  def of(self, variable):
+    """The fragment `variable` is in (0 with one fragment)."""
+    if self.count == 1:
+      return 0
+    if id(variable) not in self._index:
+      raise ValueError(
+          f"The weight {variable.name} is in no fragment: the fragments are "
+          f"cut from the trainable weights given before the first step. "
+          f"Give every round the same trainable weights.")
+    return self._index[id(variable)]
+
+  def due_weights(self, trainable, last_step, step):
+    """The weights among `trainable` whose fragment has a round at a step
+    in (last_step, step]."""
+    trainable = list(trainable)
+    if self.count == 1:
+      return trainable if self.due(last_step, step) else []
+    due = set(self.due(last_step, step))
+    return [v for f, part in enumerate(self.split(trainable)) if f in due
+            for v in part]
+
+  def build(self, optimizers, trainable):
+    """Builds each fragment's outer optimizer among `optimizers` for its
+    weights of `trainable`."""
+    for optimizer, part in zip(optimizers, self.split(trainable)):
+      if not optimizer.built:
+        optimizer.build(part)
+
+  def apply(self, optimizers, gradients, trainable):
+    """Each fragment's outer optimizer among `optimizers` steps its weights
+    of `trainable` by their `gradients`."""
+    pairs = {}
+    for gradient, v in zip(gradients, trainable):
+      pairs.setdefault(self.of(v), []).append((gradient, v))
+    for f, fragment_pairs in sorted(pairs.items()):
+      optimizers[f].apply_gradients(fragment_pairs)
+
+
+def outer_copies(strategy, outer_optimizer, count):
+  """`count` copies of `outer_optimizer` (made before the strategy) in its
+  scope, from its config: one per fragment; none without one."""
+  if outer_optimizer is None:
+    return []
+  with strategy.scope():
+    return [type(outer_optimizer).from_config(outer_optimizer.get_config())
+            for _ in range(count)]
