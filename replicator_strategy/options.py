@@ -102,7 +102,8 @@ class SyncGroups:
     fragments: Streaming DiLoCo's fragments: the trainable weights cut into
       this many, each averaged every `average_every` steps at its own
       offset, so a round every average_every / fragments steps averages
-      one (`replicator_strategy.sync_groups.fragments`). At most
+      one (`replicator_strategy.sync_groups.fragments`); with `overlap`,
+      the next round applies each fragment's exchange. At most
       `average_every`; 1: every weight in every round.
   """
 
@@ -140,11 +141,6 @@ def _check_fragments(sync):
         f"has its round at its own step of every average_every. Received: "
         f"fragments={fragments}, average_every={sync.average_every}. Pass "
         f"fragments <= {sync.average_every}, or a larger average_every.")
-  if sync.overlap:
-    raise NotImplementedError(
-        f"Fragments with an overlapped exchange are not supported yet. "
-        f"Received: fragments={fragments}, overlap=True. Pass overlap=False "
-        f"(each fragment's round then exchanges at once), or fragments=1.")
 
 
 def _check_sync_groups(sync_groups, average_every, outer_optimizer,

@@ -14,7 +14,10 @@ balanced by element count: fragment f ends at the weight whose running
 count of elements comes nearest f/F of the total, each fragment holding at
 least one weight. Each fragment has its own anchors (the weights' own) and
 its own copy of the outer optimizer; `rounds.Averaging` holds a
-`Fragments` and asks it which weights a step's round takes.
+`Fragments` and asks it which weights a step's round takes. With an
+overlapped exchange, a fragment's round starts its exchange and the next
+round (the next fragment's) applies it, H/F steps later; which fragment's
+is in flight is state a checkpoint keeps (`InFlight`).
 
 >>> fragments = Fragments(count=2, average_every=4)
 >>> fragments.offsets
@@ -31,17 +34,36 @@ its own copy of the outer optimizer; `rounds.Averaging` holds a
 
 import math
 
+import tensorflow as tf
+
+
+class InFlight(tf.train.experimental.PythonState):
+  """The fragments whose overlapped exchange is in flight, by index."""
+
+  def __init__(self):
+    self.fragments = []
+
+  def serialize(self):
+    return ",".join(str(f) for f in self.fragments)
+
+  def deserialize(self, string_value):
+    self.fragments = [int(f) for f in tf.compat.as_str(string_value).split(",")
+                      if f]
+
 
 class Fragments:
   """The trainable weights cut into `count` fragments, each averaged every
-  `average_every` steps, at its own offset."""
+  `average_every` steps, at its own offset; with `overlap`, which one's
+  exchange is in flight (`in_flight`, an `InFlight`; None with one)."""
 
-  def __init__(self, count, average_every):
+  def __init__(self, count, average_every, overlap=False):
     self.count = count
     self.average_every = average_every
     self.offsets = [f * average_every // count for f in range(count)]
+    self.in_flight = InFlight() if overlap and count > 1 else None
     self._parts = {}  # Ids of the trainable weights -> their fragments.
     self._index = {}  # Id of a trainable weight -> its fragment.
+    self._last = []  # The fragments of the trainable weights last cut.
 
   def due(self, last_step, step):
     """The fragments with a round at a step in (last_step, step]."""
@@ -57,7 +79,8 @@ class Fragments:
     if self.count == 1:
       return [trainable]
     if key in self._parts:
-      return self._parts[key]
+      self._last = self._parts[key]
+      return self._last
     if self.count > len(trainable):
       raise ValueError(
           f"Expected `fragments` to be at most the number of trainable "
@@ -77,7 +100,7 @@ class Fragments:
                       key=lambda i: abs(running[i - 1] - target)))
     bounds = [0, *ends, len(trainable)]
     parts = [trainable[a:b] for a, b in zip(bounds, bounds[1:])]
-    self._parts[key] = parts
+    self._parts[key] = self._last = parts
     for f, part in enumerate(parts):
       for v in part:
         self._index[id(v)] = f
@@ -94,15 +117,30 @@ class Fragments:
           f"Give every round the same trainable weights.")
     return self._index[id(variable)]
 
-  def due_weights(self, trainable, last_step, step):
-    """The weights among `trainable` whose fragment has a round at a step
-    in (last_step, step]."""
-    trainable = list(trainable)
-    if self.count == 1:
-      return trainable if self.due(last_step, step) else []
-    due = set(self.due(last_step, step))
-    return [v for f, part in enumerate(self.split(trainable)) if f in due
-            for v in part]
+  def due_parts(self, trainable, steps):
+    """The fragments of `trainable` with a round at a step in (last_step,
+    step] of `steps` (None: all)."""
+    parts = self.split(trainable)
+    if steps is None:
+      return parts
+    return [parts[f] for f in self.due(*steps)]
+
+  def started(self, trainable):
+    """Notes the fragments of `trainable` as the ones in flight."""
+    if self.in_flight is not None:
+      self.in_flight.fragments = sorted({self.of(v) for v in trainable})
+
+  def pending(self, trainable):
+    """The weights whose exchange is in flight: `trainable` with one
+    fragment, else those of the fragments noted in flight."""
+    if self.in_flight is None:
+      return trainable
+    if not self.in_flight.fragments:
+      raise ValueError(
+          "An overlapped exchange is in flight, but the rounds' state does "
+          "not say which fragment's: restore a checkpoint written with the "
+          "same `fragments` (its `sync_groups_state`), or one between rounds.")
+    return [v for f in self.in_flight.fragments for v in self._last[f]]
 
   def build(self, optimizers, trainable):
     """Builds each fragment's outer optimizer among `optimizers` for its

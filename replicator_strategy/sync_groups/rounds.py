@@ -84,12 +84,11 @@ class Averaging:
     # ids of the trainable variables -> their snapshots and the functions of
     # an overlapped round.
     self._overlapped = {}
-    self.fragments = fragments_lib.Fragments(fragments, average_every)
-    self._outer = fragments_lib.outer_copies(strategy, outer_optimizer,
-                                             fragments)
+    self.fragments = fragments_lib.Fragments(fragments, average_every, overlap)
+    self._outer = fragments_lib.outer_copies(strategy, outer_optimizer, fragments)
     self.outer_optimizer = self._outer[0] if self._outer else None
-    self.state = state_lib.SyncGroupsState(self.outer_optimizer,
-                                           self._outer[1:])
+    self.state = state_lib.SyncGroupsState(
+        self.outer_optimizer, self._outer[1:], self.fragments.in_flight)
     self._anchors = {}  # id of a trainable variable -> its value at the last round.
     self._rounds = {}  # ids of the variables -> the round's tf.function.
     self._first_group = {}  # ids of the variables -> its tf.function.
@@ -114,7 +113,8 @@ class Averaging:
     if self.outer_optimizer is not None:
       self._start_anchors(trainable)
     if self.overlap and self._strategy.num_sync_groups > 1:
-      self._overlapped_functions(list(trainable))
+      for part in self.fragments.split(trainable):
+        self._overlapped_functions(part)
 
   def _row_counter(self, name):
     """A count per replica, saved with every replica's (`ReplicaSum`)."""
@@ -202,15 +202,16 @@ class Averaging:
 
   def scheduled_round(self, trainable, non_trainable=(), steps=None):
     """The round due after the steps (last_step, step] (None: all
-    fragments'): `average` of the fragments due, or the overlapped one;
+    fragments'): `average` of the fragments due, or an overlapped one each;
     returns the trainable weights it left equal on every replica."""
-    if steps is not None:
-      trainable = self.fragments.due_weights(trainable, *steps)
+    parts = self.fragments.due_parts(trainable, steps)
     if self.overlap and self._strategy.num_sync_groups > 1:
-      self._overlapped_round(list(trainable), _floats(non_trainable))
+      for part in parts:
+        self._overlapped_round(part, _floats(non_trainable))
       return []
+    trainable = [v for part in parts for v in part]
     self.average(trainable, non_trainable)
-    return list(trainable)
+    return trainable
 
   def average(self, trainable, non_trainable=()):
     """One round now: every replica of every group gets the mean (or the
@@ -296,12 +297,14 @@ class Averaging:
       exchange = exchange.get_concrete_function()
     self.state.exchange.start(tuple(id(v) for v in trainable),
                               functools.partial(self._in_scope, exchange))
+    self.fragments.started(trainable)
     self._count(snapshots + non_trainable)
 
   def _apply_pending(self, trainable):
     """Waits for the exchange in flight, if any, and applies it."""
     if not self.state.exchange.in_flight:
       return
+    trainable = self.fragments.pending(trainable)
     _, _, exchange, apply = self._overlapped_functions(trainable)
     means = self.state.exchange.take(
         tuple(id(v) for v in trainable),

@@ -22,7 +22,8 @@ class SyncGroupsState(tf.Module):
   rows, `snapshot_rows`) and whether it is (`exchange`). With fragments
   each fragment's anchors are among `anchors`, and fragments 1 ... F-1 have
   their own outer optimizers (`fragment_outer_optimizers`; the first's is
-  `outer_optimizer`). Anchors, snapshots
+  `outer_optimizer`); with overlap, which fragment's exchange is in flight
+  is `fragments_in_flight`. Anchors, snapshots
   and the outer optimizer's slots are made before the first step
   (`strategy.sync_groups_step(0, trainable_variables)`, or Keras's `fit`);
   a checkpoint read before that is restored into them as they are made,
@@ -53,11 +54,15 @@ class SyncGroupsState(tf.Module):
   2
   """
 
-  def __init__(self, outer_optimizer, fragment_outer_optimizers=()):
+  def __init__(self, outer_optimizer, fragment_outer_optimizers=(),
+               fragments_in_flight=None):
     super().__init__(name="sync_groups")
     self.outer_optimizer = outer_optimizer
-    if fragment_outer_optimizers:  # One fragment saves as before.
+    # One fragment saves as before.
+    if fragment_outer_optimizers:
       self.fragment_outer_optimizers = list(fragment_outer_optimizers)
+    if fragments_in_flight is not None:
+      self.fragments_in_flight = fragments_in_flight
     self.anchors = []
     self.snapshots = []
     self.rows = None

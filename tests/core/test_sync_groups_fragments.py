@@ -39,14 +39,17 @@ def nesterov():
   return keras.optimizers.SGD(0.7, momentum=0.9, nesterov=True)
 
 
-def grouped(fragments, average_every, outer_optimizer=None):
+def grouped(fragments, average_every, outer_optimizer=None, overlap=False):
   return topology.strategy_over(4, sync=rs.SyncGroups(
       groups=2, average_every=average_every, outer_optimizer=outer_optimizer,
-      fragments=fragments))
+      overlap=overlap, fragments=fragments))
 
 
-def reference(fragments, average_every, outer, steps=STEPS):
-  """Each step's weights of each replica, in NumPy: a list of [4, 10]."""
+def reference(fragments, average_every, outer, overlap=False, steps=STEPS):
+  """Each step's weights of each replica, in NumPy: a list of [4, 10].
+  With `overlap`, a fragment's round snapshots it and the next round (of
+  any fragment) applies the snapshots' mean (or the outer step from it)
+  plus each replica's progress since."""
   cuts = {1: [(0, 10)], 2: [(0, 3), (3, 10)], 3: [(0, 3), (3, 8), (8, 10)]}
   cuts = cuts[fragments]
   offsets = [f * average_every // fragments for f in range(fragments)]
@@ -55,8 +58,8 @@ def reference(fragments, average_every, outer, steps=STEPS):
   anchor = np.zeros(10, np.float32)
   momentum = np.zeros(10, np.float32)
 
-  def round_of(lo, hi):
-    mean = w[:, lo:hi].mean(axis=0)
+  def round_of(lo, hi, mean=None):
+    mean = w[:, lo:hi].mean(axis=0) if mean is None else mean
     if outer:  # Keras's SGD(0.7, momentum=0.9, nesterov=True).
       g = anchor[lo:hi] - mean
       momentum[lo:hi] = 0.9 * momentum[lo:hi] - 0.7 * g
@@ -64,14 +67,28 @@ def reference(fragments, average_every, outer, steps=STEPS):
       anchor[lo:hi] = mean
     w[:, lo:hi] = mean
 
+  in_flight = []  # [(lo, hi, each replica's snapshot)]
+
+  def apply_in_flight():
+    for lo, hi, snapshot in in_flight:
+      progress = w[:, lo:hi] - snapshot
+      round_of(lo, hi, snapshot.mean(axis=0))
+      w[:, lo:hi] += progress
+    in_flight.clear()
+
   seen = []
   for step in range(1, steps + 1):
     for group in (slice(0, 2), slice(2, 4)):  # The group's mean gradient.
       w[group] -= LR * (w[group] - t[step, group].mean(axis=0))
     for (lo, hi), offset in zip(cuts, offsets):
       if (step - offset) % average_every == 0:
-        round_of(lo, hi)
+        if overlap:
+          apply_in_flight()
+          in_flight.append((lo, hi, w[:, lo:hi].copy()))
+        else:
+          round_of(lo, hi)
     seen.append(w.copy())
+  apply_in_flight()
   for lo, hi in cuts:  # The round that ends with one model.
     round_of(lo, hi)
   seen.append(w.copy())
@@ -128,14 +145,18 @@ class Loop:
 class ScheduleTest(parameterized.TestCase):
 
   @parameterized.parameters(
-      (1, 4, False), (2, 4, False), (2, 4, True), (3, 6, True), (3, 5, True))
-  def test_rounds_equal_the_reference(self, fragments, average_every, outer):
-    strategy = grouped(fragments, average_every, nesterov() if outer else None)
+      (1, 4, False, False), (2, 4, False, False), (2, 4, True, False),
+      (3, 6, True, False), (3, 5, True, False), (1, 4, True, True),
+      (2, 4, False, True), (3, 6, True, True))
+  def test_rounds_equal_the_reference(self, fragments, average_every, outer,
+                                      overlap):
+    strategy = grouped(fragments, average_every, nesterov() if outer else None,
+                       overlap)
     loop = Loop(strategy)
     seen = loop.train(STEPS)
     strategy.average_sync_groups(loop.weights)
     seen.append(loop.values())
-    want = reference(fragments, average_every, outer)
+    want = reference(fragments, average_every, outer, overlap)
     for step, (got, expected) in enumerate(zip(seen, want), start=1):
       np.testing.assert_allclose(got, expected, rtol=RTOL, atol=ATOL,
                                  err_msg=f"after step {step}")
@@ -158,25 +179,35 @@ class ScheduleTest(parameterized.TestCase):
                                       outer_optimizer=nesterov())
     self.assertFalse(hasattr(strategy.sync_groups_state,
                              "fragment_outer_optimizers"))
-    state = grouped(3, 6, nesterov()).sync_groups_state
+    self.assertFalse(hasattr(strategy.sync_groups_state,
+                             "fragments_in_flight"))
+    state = grouped(3, 6, nesterov(), overlap=True).sync_groups_state
     self.assertLen(state.fragment_outer_optimizers, 2)
+    self.assertEqual(state.fragments_in_flight.fragments, [])
 
 
-class ResumeTest(unittest.TestCase):
+class ResumeTest(parameterized.TestCase):
   """Resumed between two fragments' rounds: as if never stopped."""
 
-  def test_a_custom_loop_from_a_checkpoint(self):
-    make = lambda: Loop(grouped(2, 4, nesterov()))
+  @parameterized.parameters(False, True)
+  def test_a_custom_loop_from_a_checkpoint(self, overlap):
+    make = lambda: Loop(grouped(2, 4, nesterov(), overlap))
     uninterrupted = make()
     uninterrupted.train(STEPS)
+    uninterrupted.strategy.average_sync_groups(uninterrupted.weights)
 
     interrupted = make()
-    interrupted.train(5)  # Fragment 0 at 4, fragment 1 due at 6.
+    # Fragment 0 at 4 (with overlap, its exchange in flight), fragment 1
+    # due at 6.
+    interrupted.train(5)
+    self.assertEqual(interrupted.strategy.sync_groups_state.exchange.in_flight,
+                     overlap)
     with tempfile.TemporaryDirectory() as directory:
       path = interrupted.checkpoint().write(os.path.join(directory, "ckpt"))
       resumed = make()
       resumed.checkpoint().read(path).assert_existing_objects_matched()
       resumed.train(STEPS)
+    resumed.strategy.average_sync_groups(resumed.weights)
     np.testing.assert_allclose(resumed.values(), uninterrupted.values(),
                                rtol=RTOL, atol=ATOL)
     for got, want in zip(
@@ -211,7 +242,7 @@ def kernels(strategy, model, layer):
       model.layers[layer].kernel.value)]
 
 
-class FitTest(unittest.TestCase):
+class FitTest(parameterized.TestCase):
   """small_mlp's weights, 128 + 16 + 48 + 3 elements, in 2 fragments: the
   first kernel, and the rest."""
 
@@ -246,10 +277,12 @@ class FitTest(unittest.TestCase):
     self.assertEqual(strategy.averaging.bytes_averaged,
                      4 * (128 + 67 + 128 + 67))
 
-  def test_fit_resumes_from_a_backup_between_fragments(self):
+  @parameterized.parameters(False, True)
+  def test_fit_resumes_from_a_backup_between_fragments(self, overlap):
     # 12 steps; fragment 1 at 2, 6, 10, fragment 0 at 4, 8, 12. The backup
-    # after epoch 0 (step 6) lies between them; interrupted after step 7.
-    make = lambda: grouped(2, 4, nesterov())
+    # after epoch 0 (step 6) lies between them (with overlap, fragment 1's
+    # exchange in flight); interrupted after step 7.
+    make = lambda: grouped(2, 4, nesterov(), overlap)
     x, y = data()
     uninterrupted = compiled_model(make())
     uninterrupted.fit(x, y, batch_size=GLOBAL_BATCH, epochs=2, shuffle=False,
@@ -298,11 +331,6 @@ class BadInputTest(unittest.TestCase):
     with self.assertRaisesRegex(ValueError, r"sync_groups=1 has no rounds\. "
                                 r"Received: fragments=2"):
       rs.SyncGroups(fragments=2)
-
-  def test_fragments_with_an_overlapped_exchange(self):
-    with self.assertRaisesRegex(NotImplementedError,
-                                r"fragments=2, overlap=True"):
-      rs.SyncGroups(groups=2, average_every=4, overlap=True, fragments=2)
 
   def test_more_fragments_than_trainable_weights(self):
     strategy = grouped(3, 6)
