@@ -6,16 +6,17 @@ function is followed, after each call, by a look at the optimizer's
 multiple of H, an averaging round runs (`replicator_strategy.sync_groups.rounds`).
 Before the first step the weights are kept as the first round's `old` (with
 an outer optimizer). Each train step counts its replicas' rows, which a
-round weighs the groups by (`Averaging.count_rows`). With fragments
-(`SyncGroups(fragments=F)`) a round averages the fragments due at the steps
-passed. When `fit` returns, a last round averages the weights the last step
-did not (all, or the fragments not due then; an overlapped exchange in
-flight is applied first), so `evaluate`, `predict` and saving see one
-model.
+round weighs the groups by (`Averaging.count_rows`). When `fit` returns, a
+last round runs if the last step did not average (or left an overlapped
+exchange in flight), so `evaluate`, `predict` and saving see one model.
 Called between rounds (a custom loop's, or a callback's), `predict`,
 `evaluate` and their `_on_batch` forms answer with the first group's
 weights, which `get_weights()` and `save()` return; `fit`'s own validation
 runs on each group's.
+
+With fragments (`SyncGroups(fragments=F)`) a round averages the fragments
+due at the steps a call passed, and `fit`'s last round the weights its last
+step left apart (the fragments not averaged then).
 
 A `BackupAndRestore` backup, taken between rounds, holds one value per
 weight (its `.weights.h5` file); beside it a `tf.train.Checkpoint` of the
