@@ -57,6 +57,9 @@ STRATEGY_OPTIONS = {
     # On 2 workers x 2: a sync group per worker.
     "2_sync_groups": {"sync_groups": 2, "average_every": 4},
     "overlap": {"overlap_averaging": True},
+    # Streaming DiLoCo's 2 fragments, overlapped.
+    "2_sync_groups_fragments": {"sync": rs.SyncGroups(
+        groups=2, average_every=4, fragments=2, overlap=True)},
     "4_shards": {"variable_partitioner": (
         tf.distribute.experimental.partitioners.FixedShardsPartitioner(4))},
 }

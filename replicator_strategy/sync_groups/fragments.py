@@ -64,6 +64,7 @@ class Fragments:
     self._parts = {}  # Ids of the trainable weights -> their fragments.
     self._index = {}  # Id of a trainable weight -> its fragment.
     self._last = []  # The fragments of the trainable weights last cut.
+    self._stepped = set()  # Ids of the weights the outer optimizers step.
 
   def due(self, last_step, step):
     """The fragments with a round at a step in (last_step, step]."""
@@ -146,8 +147,16 @@ class Fragments:
     """Builds each fragment's outer optimizer among `optimizers` for its
     weights of `trainable`."""
     for optimizer, part in zip(optimizers, self.split(trainable)):
+      new = [v.name for v in part if id(v) not in self._stepped]
+      if optimizer.built and new:
+        raise ValueError(
+            f"A strategy's outer optimizer steps one model's trainable "
+            f"weights, those given before its first step; these are new: "
+            f"{new}. Make a new strategy (and outer optimizer) for each "
+            f"model.")
       if not optimizer.built:
         optimizer.build(part)
+        self._stepped.update(id(v) for v in part)
 
   def apply(self, optimizers, gradients, trainable):
     """Each fragment's outer optimizer among `optimizers` steps its weights

@@ -332,6 +332,14 @@ class BadInputTest(unittest.TestCase):
                                 r"Received: fragments=2"):
       rs.SyncGroups(fragments=2)
 
+  def test_one_outer_optimizer_per_model(self):
+    strategy = grouped(2, 4, nesterov())
+    Loop(strategy).train(1)
+    with self.assertRaisesRegex(
+        ValueError, r"outer optimizer steps one model's trainable weights.*"
+        r"these are new: \['a:0'\]\. Make a new strategy"):
+      Loop(strategy).train(1)
+
   def test_more_fragments_than_trainable_weights(self):
     strategy = grouped(3, 6)
     with strategy.scope():
