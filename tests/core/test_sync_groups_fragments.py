@@ -229,11 +229,12 @@ def data():
   return x, y
 
 
-def compiled_model(strategy):
+def compiled_model(strategy, steps_per_execution=1):
   with strategy.scope():
     model = models.small_mlp()
     model.set_weights(models.initial_weights())
-    model.compile(keras.optimizers.SGD(0.1), "mse")
+    model.compile(keras.optimizers.SGD(0.1), "mse",
+                  steps_per_execution=steps_per_execution)
   return model
 
 
@@ -276,6 +277,16 @@ class FitTest(parameterized.TestCase):
     self.assertEqual([int(o.iterations.numpy()) for o in outer], [2, 2])
     self.assertEqual(strategy.averaging.bytes_averaged,
                      4 * (128 + 67 + 128 + 67))
+
+  def test_steps_per_execution_dividing_the_offsets_keeps_the_rounds(self):
+    x, y = data()
+    weights = []
+    for steps_per_execution in (1, 2):  # Calls end at 2, 4, 6: each round's.
+      model = compiled_model(grouped(2, 4, nesterov()), steps_per_execution)
+      model.fit(x, y, batch_size=GLOBAL_BATCH, shuffle=False, verbose=0)
+      weights.append(model.get_weights())
+    for got, want in zip(*weights):
+      np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL)
 
   @parameterized.parameters(False, True)
   def test_fit_resumes_from_a_backup_between_fragments(self, overlap):
