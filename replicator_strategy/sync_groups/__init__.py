@@ -5,7 +5,8 @@ and what each group exchanges alone (`topology`: `GroupedCommunicator`,
 which `collectives.communicator.for_topology` picks), and the averaging
 rounds between the groups every `average_every` steps (`rounds`: the mean
 weighted by each group's rows, DiLoCo's outer optimizer; `overlap`: an
-overlapped round's exchange in its thread; `state`: `SyncGroupsState`, what
+overlapped round's exchange in its thread; `fragments`: Streaming
+DiLoCo's fragments, each averaged at its own steps; `state`: `SyncGroupsState`, what
 checkpoints keep of the rounds). Keras's `fit` runs the
 rounds through `keras/sync_group_rounds.py`, and each group's saved value is
 `variables.SyncGroupVariable` (a `SavedCopies`, like `ReplicaSum`): they stay
