@@ -6,9 +6,9 @@ which `collectives.communicator.for_topology` picks), and the averaging
 rounds between the groups every `average_every` steps (`rounds`: the mean
 weighted by each group's rows, DiLoCo's outer optimizer; `overlap`: an
 overlapped round's exchange in its thread; `fragments`: Streaming
-DiLoCo's fragments, each averaged at its own steps; `state`: `SyncGroupsState`, what
-checkpoints keep of the rounds). Keras's `fit` runs the
-rounds through `keras/sync_group_rounds.py`, and each group's saved value is
+DiLoCo's fragments, each averaged at its own steps; `state`:
+`SyncGroupsState`, what checkpoints keep of the rounds). Keras's `fit` runs
+the rounds through `keras/sync_group_rounds.py`, and each group's saved value is
 `variables.SyncGroupVariable` (a `SavedCopies`, like `ReplicaSum`): they stay
 with the Keras integration and the variables.
 
