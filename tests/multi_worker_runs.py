@@ -62,6 +62,9 @@ STRATEGY_OPTIONS = {
     # A group per worker, its rounds sending int8 changes.
     "int8_rounds": {"sync": rs.SyncGroups(groups=2, average_every=4,
                                           outer_dtype="int8")},
+    # Streaming DiLoCo's 2 fragments, overlapped.
+    "2_sync_groups_fragments": {"sync": rs.SyncGroups(
+        groups=2, average_every=4, fragments=2, overlap=True)},
     "4_shards": {"variable_partitioner": (
         tf.distribute.experimental.partitioners.FixedShardsPartitioner(4))},
 }

@@ -43,6 +43,7 @@ import tensorflow as tf
 from replicator_strategy import replica_context as replica_context_lib
 from replicator_strategy import variables as variables_lib
 from replicator_strategy.collectives import per_replica
+from replicator_strategy.sync_groups import fragments as fragments_lib
 from replicator_strategy.sync_groups import means as means_lib
 from replicator_strategy.sync_groups import quantized
 from replicator_strategy.sync_groups import state as state_lib
@@ -75,23 +76,26 @@ class Averaging:
   `outer_dtype`: None, or the width a round sends each group's change of
   the trainable weights at (`low_bit`, a `quantized.LowBitExchange`).
 
+  `fragments`: how many of Streaming DiLoCo's (`fragments.Fragments`); a
+  fragment's round sends its weights only (at `outer_dtype`, each weight
+  with its own residual).
+
   `state`: what a checkpoint keeps of it (`state.SyncGroupsState`).
   """
 
   def __init__(self, strategy, average_every, outer_optimizer=None,
-               overlap=False, outer_dtype=None):
+               overlap=False, outer_dtype=None, fragments=1):
     self._strategy = strategy
     self.average_every = average_every
     self.overlap = overlap
     # ids of the trainable variables -> their snapshots and the functions of
     # an overlapped round.
     self._overlapped = {}
-    self.outer_optimizer = None
-    if outer_optimizer is not None:
-      with strategy.scope():
-        self.outer_optimizer = type(outer_optimizer).from_config(
-            outer_optimizer.get_config())
-    self.state = state_lib.SyncGroupsState(self.outer_optimizer)
+    self.fragments = fragments_lib.Fragments(fragments, average_every, overlap)
+    self._outer = fragments_lib.outer_copies(strategy, outer_optimizer, fragments)
+    self.outer_optimizer = self._outer[0] if self._outer else None
+    self.state = state_lib.SyncGroupsState(
+        self.outer_optimizer, self._outer[1:], self.fragments.in_flight)
     self.low_bit = quantized.LowBitExchange.of(strategy, outer_dtype,
                                                self.state)
     self._anchors = {}  # id of a trainable variable -> its value at the last round.
@@ -113,10 +117,13 @@ class Averaging:
       if self.overlap:
         self.state.snapshot_rows = self._row_counter(
             "sync_groups_snapshot_rows")
+    if self._strategy.num_sync_groups > 1:
+      self.fragments.split(trainable)  # Checks the count once.
     if self.outer_optimizer is not None or self.low_bit:
       self._start_anchors(trainable)
     if self.overlap and self._strategy.num_sync_groups > 1:
-      self._overlapped_functions(list(trainable))
+      for part in self.fragments.split(trainable):
+        self._overlapped_functions(part)
 
   def _row_counter(self, name):
     """A count per replica, saved with every replica's (`ReplicaSum`)."""
@@ -163,8 +170,7 @@ class Averaging:
         if self.low_bit:
           self.low_bit.keep(self._anchors[id(v)], _copy_beside(
               _tf_variable(v), "sync_groups_residual", tf.zeros_like))
-      if self.outer_optimizer is not None and not self.outer_optimizer.built:
-        self.outer_optimizer.build(list(trainable))
+      self.fragments.build(self._outer, trainable)
 
   @contextlib.contextmanager
   def first_group_everywhere(self, variables):
@@ -202,16 +208,22 @@ class Averaging:
       _assign_pieces(v, value)
 
   def rounds_due(self, last_step, step):
-    """Whether a multiple of `average_every` lies in (last_step, step]."""
-    return step // self.average_every > last_step // self.average_every
+    """Whether a round of a fragment (of every weight: at a multiple of
+    `average_every`) falls at a step in (last_step, step]."""
+    return bool(self.fragments.due(last_step, step))
 
-  def scheduled_round(self, trainable, non_trainable=()):
-    """The round due after a step: `average`, or with `overlap` the
-    overlapped one."""
+  def scheduled_round(self, trainable, non_trainable=(), steps=None):
+    """The round due after the steps (last_step, step] (None: all
+    fragments'): `average` of the fragments due, or an overlapped one each;
+    returns the trainable weights it left equal on every replica."""
+    parts = self.fragments.due_parts(trainable, steps)
     if self.overlap and self._strategy.num_sync_groups > 1:
-      self._overlapped_round(list(trainable), _floats(non_trainable))
-    else:
-      self.average(trainable, non_trainable)
+      for part in parts:
+        self._overlapped_round(part, _floats(non_trainable))
+      return []
+    trainable = [v for part in parts for v in part]
+    self.average(trainable, non_trainable)
+    return trainable
 
   def average(self, trainable, non_trainable=()):
     """One round now: every replica of every group gets the mean (or the
@@ -289,7 +301,7 @@ class Averaging:
       anchor = self._anchors[id(v)]
       deltas.append(_delta(anchor, mean))
       _copy_components(anchor, weight)
-    self.outer_optimizer.apply_gradients(zip(deltas, trainable))
+    self.fragments.apply(self._outer, deltas, trainable)
     for v, weight in zip(trainable, variables):
       _copy_components(weight, self._anchors[id(v)])
 
@@ -309,12 +321,14 @@ class Averaging:
       exchange = exchange.get_concrete_function()
     self.state.exchange.start(tuple(id(v) for v in trainable),
                               functools.partial(self._in_scope, exchange))
+    self.fragments.started(trainable)
     self._count(snapshots, non_trainable)
 
   def _apply_pending(self, trainable):
     """Waits for the exchange in flight, if any, and applies it."""
     if not self.state.exchange.in_flight:
       return
+    trainable = self.fragments.pending(trainable)
     _, _, exchange, apply = self._overlapped_functions(trainable)
     means = self.state.exchange.take(
         tuple(id(v) for v in trainable),

@@ -458,6 +458,26 @@ class LowBitSyncGroupsTwoWorkersTest(SyncGroupsTwoWorkersTest):
 
 
 @pytest.mark.slow
+class FragmentedSyncGroupsTwoWorkersTest(SyncGroupsTwoWorkersTest):
+  """The same in Streaming DiLoCo's 2 fragments (the first kernel, the
+  rest), overlapped: each fragment's exchange between the workers runs in a
+  thread until the next fragment's round."""
+  OPTIONS = "@2_sync_groups_fragments"
+  LAUNCH = "fragments"
+  # The rest at steps 2, 6 and 10, the first kernel at 4, 8 and 12; the end
+  # of fit applies the last exchange and averages every weight at once.
+  ROUNDS_IN_FIT = 7
+
+  def test_weights_cross_between_workers_once_every_four_steps(self):
+    first_kernel, rest = 8 * 16, 16 + 16 * 3 + 3
+    for worker in self.workers:
+      result = worker["sync_groups_fit"]
+      self.assertEqual(result["rounds"], self.ROUNDS_IN_FIT)
+      self.assertEqual(result["bytes_averaged"],
+                       4 * (3 * rest + 3 * first_kernel + first_kernel + rest))
+
+
+@pytest.mark.slow
 class ShardedOptimizerStateTest(RunsOnWorkers, unittest.TestCase):
   """shard_optimizer_state=True on 2 workers x 2 equals one process with 4."""
   RUNS = ("custom_loop", "keras_fit", "keras_fit_steps_per_execution",
