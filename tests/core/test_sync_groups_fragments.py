@@ -29,42 +29,49 @@ STEPS = 9
 RTOL, ATOL = 1e-6, 1e-7
 
 
-def targets():
+def targets(sizes=SIZES):
   """Step s, replica r: the point replica r's step pulls each weight to."""
   rng = np.random.default_rng(0)
-  return rng.normal(size=(STEPS + 1, 4, sum(SIZES))).astype(np.float32)
+  return rng.normal(size=(STEPS + 1, 4, sum(sizes))).astype(np.float32)
 
 
 def nesterov():
   return keras.optimizers.SGD(0.7, momentum=0.9, nesterov=True)
 
 
-def grouped(fragments, average_every, outer_optimizer=None, overlap=False):
+def grouped(fragments, average_every, outer_optimizer=None, overlap=False,
+            outer_dtype=None):
   return topology.strategy_over(4, sync=rs.SyncGroups(
       groups=2, average_every=average_every, outer_optimizer=outer_optimizer,
-      overlap=overlap, fragments=fragments))
+      overlap=overlap, fragments=fragments, outer_dtype=outer_dtype))
 
 
-def reference(fragments, average_every, outer, overlap=False, steps=STEPS):
-  """Each step's weights of each replica, in NumPy: a list of [4, 10].
-  With `overlap`, a fragment's round snapshots it and the next round (of
-  any fragment) applies the snapshots' mean (or the outer step from it)
-  plus each replica's progress since."""
-  cuts = {1: [(0, 10)], 2: [(0, 3), (3, 10)], 3: [(0, 3), (3, 8), (8, 10)]}
-  cuts = cuts[fragments]
+def reference(fragments, average_every, outer, overlap=False, steps=STEPS,
+              sizes=SIZES, cuts=None, exchange=None):
+  """Each step's weights of each replica, in NumPy: a list of [4, 10]
+  (of `sizes`' sum). `cuts`: each fragment's (first, end) column, for
+  `SIZES` by default. With `overlap`, a fragment's round snapshots it and
+  the next round (of any fragment) applies the snapshots' mean (or the
+  outer step from it) plus each replica's progress since. `exchange(lo, hi,
+  anchor, w)`: a round's mean of columns lo:hi (None: the plain mean)."""
+  if cuts is None:
+    cuts = {1: [(0, 10)], 2: [(0, 3), (3, 10)],
+            3: [(0, 3), (3, 8), (8, 10)]}[fragments]
   offsets = [f * average_every // fragments for f in range(fragments)]
-  t = targets()
-  w = np.zeros((4, 10), np.float32)
-  anchor = np.zeros(10, np.float32)
-  momentum = np.zeros(10, np.float32)
+  t = targets(sizes)
+  w = np.zeros((4, sum(sizes)), np.float32)
+  anchor = np.zeros(sum(sizes), np.float32)
+  momentum = np.zeros(sum(sizes), np.float32)
 
   def round_of(lo, hi, mean=None):
-    mean = w[:, lo:hi].mean(axis=0) if mean is None else mean
+    if mean is None:
+      mean = (w[:, lo:hi].mean(axis=0) if exchange is None else
+              exchange(lo, hi, anchor, w))
     if outer:  # Keras's SGD(0.7, momentum=0.9, nesterov=True).
       g = anchor[lo:hi] - mean
       momentum[lo:hi] = 0.9 * momentum[lo:hi] - 0.7 * g
       mean = anchor[lo:hi] + 0.9 * momentum[lo:hi] - 0.7 * g
-      anchor[lo:hi] = mean
+    anchor[lo:hi] = mean
     w[:, lo:hi] = mean
 
   in_flight = []  # [(lo, hi, each replica's snapshot)]
@@ -99,20 +106,20 @@ class Loop:
   """The custom loop: weights a, b, c; replica r's step pulls them toward
   its targets, its group's replicas agreeing (the group's mean)."""
 
-  def __init__(self, strategy):
+  def __init__(self, strategy, sizes=SIZES):
     self.strategy = strategy
     with strategy.scope():
       self.weights = [tf.Variable(tf.zeros([n]), name=name,
                                   aggregation=tf.VariableAggregation.MEAN)
-                      for n, name in zip(SIZES, "abc")]
+                      for n, name in zip(sizes, "abcdefgh")]
       self.steps = tf.Variable(0, dtype=tf.int64)
-    all_targets = tf.constant(targets())
+    all_targets = tf.constant(targets(sizes))
 
     def replica_step():
       ctx = tf.distribute.get_replica_context()
       t = all_targets[tf.cast(self.steps, tf.int32) + 1,
                       ctx.replica_id_in_sync_group]
-      for w, part in zip(self.weights, tf.split(t, SIZES)):
+      for w, part in zip(self.weights, tf.split(t, sizes)):
         w.assign_sub(LR * (w - part))
 
     def step():
