@@ -4,7 +4,8 @@ A round's exchange between the sync groups (`rounds.Averaging`): each
 weight piece by piece (`variables.round_pieces`: a split weight's parts, a
 sharded one's shards), each on its own devices through the round ops among
 them (`topology.GroupedCommunicator.round_ops_on`), each replica weighted
-by the rows it trained on since the last round (`replica_weights`).
+by the rows it trained on since the last round (`replica_weights`); and
+each weight's pieces set to theirs (`assign_pieces`).
 """
 
 import tensorflow as tf
@@ -67,3 +68,23 @@ def replica_weights(strategy, rows):
   replicas = float(strategy.extended.num_replicas_in_all_groups)
   return [tf.where(total > 0, count * replicas / total, 1.0)
           for count, total in zip(per_replica.parts(counts), totals)]
+
+
+def assign_pieces(variable, means):
+  """Each of `variable`'s pieces (`variables.round_pieces`) set to its mean,
+  among `means`: a `Mirrored` (each component its device's) or a tensor
+  (every component)."""
+  for piece, mean in zip(variables_lib.round_pieces(variable), means):
+    values = per_replica.parts(mean)
+    for k, (component, _) in enumerate(piece):
+      component.assign(values[k] if len(values) == len(piece) else values[0])
+
+
+def tf_variable(variable):
+  """The distributed TF variable behind `variable` (a Keras one: its value)."""
+  return variable if isinstance(variable, tf.Variable) else variable.value
+
+
+def floats(variables):
+  """The float variables among `variables`: the ones a round averages."""
+  return [v for v in variables if tf_variable(v).dtype.is_floating]

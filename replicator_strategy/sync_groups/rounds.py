@@ -13,7 +13,11 @@ Keras optimizer as a gradient (DiLoCo; Douillard et al., 2023, arXiv:2311.08105)
 `keras.optimizers.SGD(1.0)` gives the mean again, DiLoCo's choice is
 `SGD(0.7, momentum=0.9, nesterov=True)`. Non-trainable float weights (batch
 norm's moving statistics) are averaged in every round; optimizer slots stay
-each group's own.
+each group's own. With `SyncGroups(fragments=F)` each round takes the
+fragments due (`fragments`), with `outer_dtype` it exchanges each group's
+change at that width (`quantized`); together, each fragment's round sends
+that fragment's change (Streaming DiLoCo with a low-bit exchange). Between
+rounds `first_group_everywhere` reads one model (`first_group`).
 
 `Averaging` is what the strategy holds; Keras's `fit` calls it after each
 step (`replicator_strategy.keras.sync_group_rounds`), a custom loop through
@@ -35,7 +39,6 @@ True
 [1.5, 1.5, 1.5, 1.5]
 """
 
-import contextlib
 import functools
 
 import tensorflow as tf
@@ -43,15 +46,11 @@ import tensorflow as tf
 from replicator_strategy import replica_context as replica_context_lib
 from replicator_strategy import variables as variables_lib
 from replicator_strategy.collectives import per_replica
+from replicator_strategy.sync_groups import first_group
 from replicator_strategy.sync_groups import fragments as fragments_lib
 from replicator_strategy.sync_groups import means as means_lib
 from replicator_strategy.sync_groups import quantized
 from replicator_strategy.sync_groups import state as state_lib
-
-
-def _tf_variable(variable):
-  """The distributed TF variable behind `variable` (a Keras one: its value)."""
-  return variable if isinstance(variable, tf.Variable) else variable.value
 
 
 class Averaging:
@@ -100,9 +99,9 @@ class Averaging:
                                                self.state)
     self._anchors = {}  # id of a trainable variable -> its value at the last round.
     self._rounds = {}  # ids of the variables -> the round's tf.function.
-    self._first_group = {}  # ids of the variables -> its tf.function.
-    # What passed between the groups: rounds, and the bytes of one
-    # replica's weights they averaged (each round's all-reduce input).
+    self._first_group = first_group.FirstGroup(strategy)
+    # What passed between the groups: rounds, and the bytes each sent
+    # (`quantized.bytes_sent`: float32 weights whole, low-bit changes).
     self.rounds = 0
     self.bytes_averaged = 0
 
@@ -164,48 +163,17 @@ class Averaging:
       return
     with self._strategy.scope():
       for v in new:
-        self._anchors[id(v)] = _copy_beside(_tf_variable(v),
+        self._anchors[id(v)] = _copy_beside(means_lib.tf_variable(v),
                                             "sync_groups_anchor")
         self.state.anchors.append(self._anchors[id(v)])
         if self.low_bit:
           self.low_bit.keep(self._anchors[id(v)], _copy_beside(
-              _tf_variable(v), "sync_groups_residual", tf.zeros_like))
+              means_lib.tf_variable(v), "sync_groups_residual", tf.zeros_like))
       self.fragments.build(self._outer, trainable)
 
-  @contextlib.contextmanager
   def first_group_everywhere(self, variables):
-    """While inside, every replica holds the first group's value of each
-    float variable among `variables` (what `get_weights` reads and a save
-    writes), so a prediction between rounds answers with one model; each
-    replica's own value after. Call it eagerly."""
-    variables = [_tf_variable(v) for v in _floats(variables)
-                 if isinstance(_tf_variable(v), tf.distribute.DistributedValues)]
-    if self._strategy.num_sync_groups == 1 or not variables:
-      yield
-      return
-    own = [variables_lib.local_reads(v) for v in variables]
-    key = tuple(id(v) for v in variables)
-    if key not in self._first_group:
-      self._first_group[key] = tf.function(
-          lambda: self._assign_first_group(variables), autograph=False)
-    self._in_scope(self._first_group[key])
-    try:
-      yield
-    finally:
-      for v, values in zip(variables, own):
-        for component, value in zip(v.values, values):
-          component.assign(value)
-
-  def _assign_first_group(self, variables):
-    # A sum in which only the first replica of all counts: it may lie on
-    # another worker.
-    first = self._strategy.extended.first_replica_id
-    sums = means_lib.reduce_pieces(
-        self._strategy, tf.distribute.ReduceOp.SUM, variables,
-        lambda value, replicas: value if first + replicas[0] == 0 else
-        tf.zeros_like(value))
-    for v, value in zip(variables, sums):
-      _assign_pieces(v, value)
+    """`first_group.FirstGroup.everywhere`: one model between rounds."""
+    return self._first_group.everywhere(variables)
 
   def rounds_due(self, last_step, step):
     """Whether a round of a fragment (of every weight: at a multiple of
@@ -219,7 +187,7 @@ class Averaging:
     parts = self.fragments.due_parts(trainable, steps)
     if self.overlap and self._strategy.num_sync_groups > 1:
       for part in parts:
-        self._overlapped_round(part, _floats(non_trainable))
+        self._overlapped_round(part, means_lib.floats(non_trainable))
       return []
     trainable = [v for part in parts for v in part]
     self.average(trainable, non_trainable)
@@ -233,7 +201,7 @@ class Averaging:
     if self._strategy.num_sync_groups == 1:
       return
     trainable = list(trainable)
-    non_trainable = _floats(non_trainable)
+    non_trainable = means_lib.floats(non_trainable)
     self._check_anchors(trainable)
     self._apply_pending(trainable)
     self._run_round(trainable, non_trainable, restart_rows=True)
@@ -253,7 +221,7 @@ class Averaging:
   def _count(self, trainable, non_trainable):
     self.rounds += 1
     self.bytes_averaged += quantized.bytes_sent(
-        self.low_bit, *([_tf_variable(v) for v in variables]
+        self.low_bit, *([means_lib.tf_variable(v) for v in variables]
                         for variables in (trainable, non_trainable)))
 
   def _check_anchors(self, trainable):
@@ -268,7 +236,7 @@ class Averaging:
             f"first step (Keras's fit does).")
 
   def _round(self, trainable, non_trainable, restart_rows):
-    variables = [_tf_variable(v) for v in trainable + non_trainable]
+    variables = [means_lib.tf_variable(v) for v in trainable + non_trainable]
     low_bit = len(trainable) if self.low_bit else 0
     means = means_lib.weighted(self._strategy, variables[low_bit:],
                                self.state.rows)
@@ -279,7 +247,7 @@ class Averaging:
           means_lib.replica_weights(self._strategy, self.state.rows)
       ) + means
     for v, mean in zip(variables[len(trainable):], means[len(trainable):]):
-      _assign_pieces(v, mean)
+      means_lib.assign_pieces(v, mean)
     self._step_to(trainable, means[:len(trainable)])
     if restart_rows:
       _restart(self.state.rows)
@@ -288,10 +256,10 @@ class Averaging:
     """Sets `trainable` to `means` (each a list of its pieces', each a tensor
     or a `Mirrored`), or, with an outer optimizer, to its step from them;
     keeps them as `old`."""
-    variables = [_tf_variable(v) for v in trainable]
+    variables = [means_lib.tf_variable(v) for v in trainable]
     if self.outer_optimizer is None:
       for v, mean in zip(variables, means):
-        _assign_pieces(v, mean)
+        means_lib.assign_pieces(v, mean)
       for v, weight in zip(trainable, variables):
         if id(v) in self._anchors:  # Each group's change counts from here.
           _copy_components(weight, self._anchors[id(v)])
@@ -344,7 +312,7 @@ class Averaging:
     `trainable`, made once."""
     key = tuple(id(v) for v in trainable)
     if key not in self._overlapped:
-      variables = [_tf_variable(v) for v in trainable]
+      variables = [means_lib.tf_variable(v) for v in trainable]
       with self._strategy.scope():
         snapshots = [_copy_beside(v, "sync_groups_snapshot")
                      for v in variables]
@@ -395,16 +363,6 @@ def _copy_components(source, target):
     component.assign(kept.read_value())
 
 
-def _assign_pieces(variable, means):
-  """Each of `variable`'s pieces (`variables.round_pieces`) set to its mean,
-  among `means`: a `Mirrored` (each component its device's) or a tensor
-  (every component)."""
-  for piece, mean in zip(variables_lib.round_pieces(variable), means):
-    values = per_replica.parts(mean)
-    for k, (component, _) in enumerate(piece):
-      component.assign(values[k] if len(values) == len(piece) else values[0])
-
-
 def _delta(anchor, means):
   """`old - mean` of the whole weight, from its anchor and its pieces'
   means (every replica agrees on both: the first one's is everyone's)."""
@@ -418,8 +376,3 @@ def _restart(rows):
   if rows is not None:
     for component in rows.values:
       component.assign(tf.zeros_like(component))
-
-
-def _floats(variables):
-  """The float variables among `variables`: the ones a round averages."""
-  return [v for v in variables if _tf_variable(v).dtype.is_floating]
