@@ -2,12 +2,13 @@
 
 With `ReplicatorStrategy(sync_groups=G > 1)`, `fit` adds to each epoch's
 logs `sync_rounds`, the averaging rounds this process ran during the epoch,
-and `sync_bytes`, the bytes of one replica's weights they averaged (each
-round's all-reduce input: `strategy.averaging.rounds` and `bytes_averaged`
-over the epoch). Every callback's `on_epoch_end` reads them, `History`
-keeps them, and Keras's epoch line shows them (at `verbose=1`, `"auto"` or
-2; nothing at 0). The round `fit` runs after its last epoch, to end with
-one model, is in no epoch's count (only in `strategy.averaging.rounds`).
+and `sync_bytes`, the bytes those rounds sent (one replica's float32
+weights a round, or with `outer_dtype` each group's low-bit change:
+`strategy.averaging.rounds` and `bytes_averaged` over the epoch). Every
+callback's `on_epoch_end` reads them, `History` keeps them, and Keras's
+epoch line shows them (at `verbose=1`, `"auto"` or 2; nothing at 0). The
+round `fit` runs after its last epoch, to end with one model, is in no
+epoch's count (only in `strategy.averaging.rounds`).
 
 >>> import keras
 >>> import numpy as np
