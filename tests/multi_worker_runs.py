@@ -65,6 +65,9 @@ STRATEGY_OPTIONS = {
     # Streaming DiLoCo's 2 fragments, overlapped.
     "2_sync_groups_fragments": {"sync": rs.SyncGroups(
         groups=2, average_every=4, fragments=2, overlap=True)},
+    # 2 fragments, each one's rounds sending its int8 changes.
+    "int8_fragments": {"sync": rs.SyncGroups(
+        groups=2, average_every=4, fragments=2, outer_dtype="int8")},
     "4_shards": {"variable_partitioner": (
         tf.distribute.experimental.partitioners.FixedShardsPartitioner(4))},
 }

@@ -478,6 +478,27 @@ class FragmentedSyncGroupsTwoWorkersTest(SyncGroupsTwoWorkersTest):
 
 
 @pytest.mark.slow
+class FragmentedLowBitSyncGroupsTwoWorkersTest(SyncGroupsTwoWorkersTest):
+  """The same in 2 fragments with int8 rounds (Streaming DiLoCo with int8):
+  each fragment's round all-gathers that fragment's int8 changes only."""
+  OPTIONS = "@int8_fragments"
+  LAUNCH = "low_bit"
+  # The rest at steps 2, 6 and 10, the first kernel at 4, 8 and 12; the end
+  # of fit averages the rest, which step 12 left apart.
+  ROUNDS_IN_FIT = 7
+
+  def test_weights_cross_between_workers_once_every_four_steps(self):
+    # In 2 chunks of int8 words and a scale each: the first kernel
+    # 2 x (16 + 1) words; the rest 2 x (2 + 1), 2 x (6 + 1) and 2 x (1 + 1).
+    first_kernel, rest = 4 * 34, 4 * (6 + 14 + 4)
+    for worker in self.workers:
+      result = worker["sync_groups_fit"]
+      self.assertEqual(result["rounds"], self.ROUNDS_IN_FIT)
+      self.assertEqual(result["bytes_averaged"],
+                       3 * first_kernel + 4 * rest)
+
+
+@pytest.mark.slow
 class ShardedOptimizerStateTest(RunsOnWorkers, unittest.TestCase):
   """shard_optimizer_state=True on 2 workers x 2 equals one process with 4."""
   RUNS = ("custom_loop", "keras_fit", "keras_fit_steps_per_execution",
