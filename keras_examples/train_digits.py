@@ -8,7 +8,8 @@ into `--replicas` logical devices, so the multi-replica path runs anywhere.
   python keras_examples/train_digits.py --replicas 4 --epochs 10
 
 With `--sync-groups 2 --average-every 8` the replicas train in two sync
-groups that average their weights every 8 steps (docs/sync-groups.md).
+groups that average their weights every 8 steps (docs/sync-groups.md);
+`--outer-dtype int8` sends each group's change at a round as int8.
 """
 
 import time
@@ -25,6 +26,10 @@ def add_sync_group_arguments(parser):
       "--average-every", type=int, default=8,
       help="with --sync-groups > 1, steps between averaging rounds "
       "(default: 8)")
+  parser.add_argument(
+      "--outer-dtype", choices=("bfloat16", "int8", "int4"), default=None,
+      help="with --sync-groups > 1, send each group's change at a round in "
+      "this width, with error feedback (default: the weights in float32)")
 
 
 def main():
@@ -41,8 +46,10 @@ def main():
   x_train, x_test, y_train, y_test = digits.load_data()
 
   strategy = replicator_strategy.ReplicatorStrategy(
-      sync_groups=args.sync_groups,
-      average_every=args.average_every if args.sync_groups > 1 else 1)
+      sync=replicator_strategy.SyncGroups(
+          groups=args.sync_groups,
+          average_every=args.average_every if args.sync_groups > 1 else 1,
+          outer_dtype=args.outer_dtype))
   print(strategy)  # the replicas, their devices and the all-reduce, first
   with strategy.scope():
     model = digits.build_model()

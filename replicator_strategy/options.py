@@ -12,7 +12,8 @@ records. The strategy keeps every option in one `StrategyOptions`, its
 >>> strategy = rs.ReplicatorStrategy(   # 4 replicas here
 ...     sync=rs.SyncGroups(groups=2, average_every=4))
 >>> of(strategy).sync
-SyncGroups(groups=2, average_every=4, outer_optimizer=None, overlap=False)
+SyncGroups(groups=2, average_every=4, outer_optimizer=None, overlap=False,
+           outer_dtype=None, fragments=1)
 >>> print(of(strategy).mesh)
 group 2 x batch 2
 >>> of(rs.ReplicatorStrategy(shard_optimizer_state=True)).sharding
@@ -99,16 +100,73 @@ class SyncGroups:
       round applies the change since the last round through (DiLoCo).
     overlap: a round's exchange runs beside the next steps and lands one
       round late (Streaming DiLoCo's overlap).
+    outer_dtype: None (a round exchanges float32), or "bfloat16", "int8" or
+      "int4": a round sends each group's change since the last round at
+      that width, with error feedback (`sync_groups.quantized`); with
+      `fragments`, each fragment's round sends that fragment's change.
+    fragments: Streaming DiLoCo's fragments: the trainable weights cut into
+      this many, each averaged every `average_every` steps at its own
+      offset, so a round every average_every / fragments steps averages
+      one (`replicator_strategy.sync_groups.fragments`); with `overlap`,
+      the next round applies each fragment's exchange. At most
+      `average_every`; 1: every weight in every round.
   """
 
   groups: int = 1
   average_every: int = 1
   outer_optimizer: typing.Any = None
   overlap: bool = False
+  outer_dtype: str | None = None
+  fragments: int = 1
 
   def __post_init__(self):
     _check_sync_groups(self.groups, self.average_every, self.outer_optimizer,
                        self.overlap)
+    _check_outer_dtype(self)
+    _check_fragments(self)
+
+
+def _check_outer_dtype(sync):
+  """Refuses an `outer_dtype` the rounds cannot send."""
+  if sync.outer_dtype is None:
+    return
+  # Here, not above: it imports the variables, which import these options.
+  from replicator_strategy.sync_groups import quantized  # pylint: disable=g-import-not-at-top
+  quantized.wire(sync.outer_dtype)  # Checks the name.
+  if sync.groups == 1:
+    raise ValueError(
+        f"`outer_dtype` sets what sync groups' averaging rounds send, but "
+        f"sync_groups=1 has no rounds. Received: outer_dtype="
+        f"{sync.outer_dtype!r}. Pass groups > 1, or leave outer_dtype out.")
+  if sync.overlap:
+    raise NotImplementedError(
+        f"A low-bit outer exchange with an overlapped round is not supported "
+        f"yet. Received: outer_dtype={sync.outer_dtype!r}, overlap=True. Pass "
+        f"overlap=False, or leave outer_dtype out (float32 rounds).")
+
+
+def _check_fragments(sync):
+  """Refuses a `fragments` count the rounds cannot keep."""
+  fragments = sync.fragments
+  if (isinstance(fragments, bool) or
+      not isinstance(fragments, numbers.Integral) or fragments < 1):
+    raise ValueError(
+        f"Expected `fragments` to be an int of at least 1. Received: "
+        f"fragments={fragments!r}. Pass how many parts the trainable weights "
+        f"are cut into, each averaged on its own schedule (1: all at once).")
+  if fragments == 1:
+    return
+  if sync.groups == 1:
+    raise ValueError(
+        f"`fragments` staggers sync groups' averaging rounds, but "
+        f"sync_groups=1 has no rounds. Received: fragments={fragments}. Pass "
+        f"groups > 1, or leave fragments out.")
+  if fragments > sync.average_every:
+    raise ValueError(
+        f"Expected `fragments` to be at most `average_every`: each fragment "
+        f"has its round at its own step of every average_every. Received: "
+        f"fragments={fragments}, average_every={sync.average_every}. Pass "
+        f"fragments <= {sync.average_every}, or a larger average_every.")
 
 
 def _check_sync_groups(sync_groups, average_every, outer_optimizer,

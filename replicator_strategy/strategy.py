@@ -171,7 +171,8 @@ class ReplicatorStrategy(tf.distribute.Strategy):
     super().__init__(extended_lib.ReplicatorExtended(
         self, options, all_reduce, cluster, timeout_seconds))
     self.averaging = rounds.Averaging(
-        self, sync.average_every, sync.outer_optimizer, overlap=sync.overlap)
+        self, sync.average_every, sync.outer_optimizer, overlap=sync.overlap,
+        outer_dtype=sync.outer_dtype, fragments=sync.fragments)
     for hook in CREATION_HOOKS:
       hook(self)
 
@@ -240,14 +241,16 @@ class ReplicatorStrategy(tf.distribute.Strategy):
     first step (step 0: with an outer optimizer, the weights' values then
     are the first round's `old`), then after each step. With
     `overlap_averaging`, a round applies the previous round's exchange and
-    starts its own; `average_sync_groups` then ends with one model."""
+    starts its own; `average_sync_groups` then ends with one model. With
+    `SyncGroups(fragments=F)`, a round at each step a fragment is due
+    averages that fragment only (`sync_groups.fragments`)."""
     step = int(tf.convert_to_tensor(step))  # Also a (Keras) variable.
     self.averaging.start(trainable_variables)
     if not (self.num_sync_groups > 1 and
             self.averaging.rounds_due(step - 1, step) and step > 0):
       return False
     self.averaging.scheduled_round(trainable_variables,
-                                   non_trainable_variables)
+                                   non_trainable_variables, (step - 1, step))
     return True
 
   def logical_device_for_variables(self, logical_device_id):

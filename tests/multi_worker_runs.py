@@ -60,6 +60,15 @@ STRATEGY_OPTIONS = {
     "2_sync_groups": {"sync_groups": 2, "average_every": 4},
     "4_sync_groups": {"sync_groups": 4, "average_every": 4},  # 2 per worker.
     "overlap": {"overlap_averaging": True},
+    # A group per worker, its rounds sending int8 changes.
+    "int8_rounds": {"sync": rs.SyncGroups(groups=2, average_every=4,
+                                          outer_dtype="int8")},
+    # Streaming DiLoCo's 2 fragments, overlapped.
+    "2_sync_groups_fragments": {"sync": rs.SyncGroups(
+        groups=2, average_every=4, fragments=2, overlap=True)},
+    # 2 fragments, each one's rounds sending its int8 changes.
+    "int8_fragments": {"sync": rs.SyncGroups(
+        groups=2, average_every=4, fragments=2, outer_dtype="int8")},
     "4_shards": {"variable_partitioner": (
         tf.distribute.experimental.partitioners.FixedShardsPartitioner(4))},
 }

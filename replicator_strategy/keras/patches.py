@@ -51,6 +51,7 @@ from replicator_strategy.keras import replica_loss
 from replicator_strategy.keras import sharded_optimizer
 from replicator_strategy.keras import sharded_weights
 from replicator_strategy.keras import sync_group_rounds
+from replicator_strategy.keras import sync_round_logs
 
 @dataclasses.dataclass(frozen=True)
 class Patch:
@@ -213,8 +214,12 @@ PATCHES = (
     Patch(_MODEL, "make_train_function",
           sync_group_rounds.rounds_after_steps,
           _GROUPS + ": averaging rounds every average_every steps"),
+    # fit, outer to inner: rounds_in_epoch_logs, last_round. Either order
+    # counts the same: fit's last round comes after the last epoch's logs.
     Patch(_MODEL, "fit", sync_group_rounds.last_round,
           _GROUPS + " and the last step did not average"),
+    Patch(_MODEL, "fit", sync_round_logs.rounds_in_epoch_logs,
+          _GROUPS + ": each epoch's logs count its averaging rounds"),
     *(Patch(_MODEL, name, sync_group_rounds.with_one_model,
             _GROUPS + ": answered by the first group's weights")
       for name in ("predict", "evaluate", "predict_on_batch",

@@ -15,6 +15,10 @@ Called between rounds (a custom loop's, or a callback's), `predict`,
 weights, which `get_weights()` and `save()` return; `fit`'s own validation
 runs on each group's.
 
+With fragments (`SyncGroups(fragments=F)`) a round averages the fragments
+due at the steps a call passed, and `fit`'s last round the weights its last
+step left apart (the fragments not averaged then).
+
 A `BackupAndRestore` backup, taken between rounds, holds one value per
 weight (its `.weights.h5` file); beside it a `tf.train.Checkpoint` of the
 model, its optimizer and the rounds' state (`strategy.sync_groups_state`:
@@ -51,8 +55,9 @@ from replicator_strategy.keras import global_results
 
 @dataclasses.dataclass
 class _Rounds:
-  """One model's training under sync groups: whether its last step averaged."""
-  last_step_averaged: bool = True
+  """One model's training under sync groups: the ids of the weights its
+  last step left apart (None: none, before any step)."""
+  apart: set | None = None
 
 
 _rounds = weakref.WeakKeyDictionary()  # model -> _Rounds
@@ -67,17 +72,17 @@ def _grouped(model):
           strategy.num_sync_groups > 1)
 
 
-def _average(model, scheduled):
-  """A round: the one due after a step (`scheduled`), or one that ends with
-  every replica equal."""
+def _apart_after(model, steps):
+  """The round due after the steps (last_step, step] of `steps`, if any;
+  then notes the weights left apart."""
   averaging = model.distribute_strategy.averaging
-  if scheduled:
-    averaging.scheduled_round(model.trainable_weights,
-                              model.non_trainable_weights)
-  else:
-    averaging.average(model.trainable_weights, model.non_trainable_weights)
-  # An overlapped round leaves its exchange in flight.
-  _rounds[model].last_step_averaged = not (scheduled and averaging.overlap)
+  equal = []
+  if averaging.rounds_due(*steps):
+    # Every round averages the non-trainable weights at once.
+    equal = model.non_trainable_weights + averaging.scheduled_round(
+        model.trainable_weights, model.non_trainable_weights, steps)
+  equal = {id(v) for v in equal}
+  _rounds[model].apart = {id(v) for v in model.weights if id(v) not in equal}
 
 
 def rows_counted(make_function):
@@ -112,7 +117,7 @@ def rounds_after_steps(make_train_function):
     if (not _grouped(self) or train_function is None or
         getattr(train_function, "counts_sync_group_rounds", False)):
       return built
-    rounds = _rounds.setdefault(self, _Rounds())
+    _rounds.setdefault(self, _Rounds())
     averaging = self.distribute_strategy.averaging
 
     def with_rounds(*args, **kwargs):
@@ -120,10 +125,8 @@ def rounds_after_steps(make_train_function):
       before = int(self.optimizer.iterations.numpy())
       logs = train_function(*args, **kwargs)
       after = int(self.optimizer.iterations.numpy())
-      if averaging.rounds_due(before, after):
-        _average(self, scheduled=True)
-      elif after != before:
-        rounds.last_step_averaged = False
+      if after != before:
+        _apart_after(self, (before, after))
       return logs
 
     with_rounds.counts_sync_group_rounds = True
@@ -134,14 +137,17 @@ def rounds_after_steps(make_train_function):
 
 
 def last_round(fit):
-  """Keras's `fit`, then a round if its last step did not average."""
+  """Keras's `fit`, then a round of the weights its last step left apart."""
 
   @functools.wraps(fit)
   def wrapper(self, *args, **kwargs):
     history = fit(self, *args, **kwargs)
     rounds = _rounds.get(self)
-    if _grouped(self) and rounds is not None and not rounds.last_step_averaged:
-      _average(self, scheduled=False)
+    if _grouped(self) and rounds is not None and rounds.apart:
+      self.distribute_strategy.averaging.average(
+          [v for v in self.trainable_weights if id(v) in rounds.apart],
+          self.non_trainable_weights)
+      rounds.apart = None
     return history
 
   return wrapper

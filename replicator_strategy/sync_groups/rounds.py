@@ -13,7 +13,11 @@ Keras optimizer as a gradient (DiLoCo; Douillard et al., 2023, arXiv:2311.08105)
 `keras.optimizers.SGD(1.0)` gives the mean again, DiLoCo's choice is
 `SGD(0.7, momentum=0.9, nesterov=True)`. Non-trainable float weights (batch
 norm's moving statistics) are averaged in every round; optimizer slots stay
-each group's own.
+each group's own. With `SyncGroups(fragments=F)` each round takes the
+fragments due (`fragments`), with `outer_dtype` it exchanges each group's
+change at that width (`quantized`); together, each fragment's round sends
+that fragment's change (Streaming DiLoCo with a low-bit exchange). Between
+rounds `first_group_everywhere` reads one model (`first_group`).
 
 `Averaging` is what the strategy holds; Keras's `fit` calls it after each
 step (`replicator_strategy.keras.sync_group_rounds`), a custom loop through
@@ -35,7 +39,6 @@ True
 [1.5, 1.5, 1.5, 1.5]
 """
 
-import contextlib
 import functools
 
 import tensorflow as tf
@@ -43,12 +46,11 @@ import tensorflow as tf
 from replicator_strategy import replica_context as replica_context_lib
 from replicator_strategy import variables as variables_lib
 from replicator_strategy.collectives import per_replica
+from replicator_strategy.sync_groups import first_group
+from replicator_strategy.sync_groups import fragments as fragments_lib
+from replicator_strategy.sync_groups import means as means_lib
+from replicator_strategy.sync_groups import quantized
 from replicator_strategy.sync_groups import state as state_lib
-
-
-def _tf_variable(variable):
-  """The distributed TF variable behind `variable` (a Keras one: its value)."""
-  return variable if isinstance(variable, tf.Variable) else variable.value
 
 
 class Averaging:
@@ -70,28 +72,36 @@ class Averaging:
   last round (`count_rows`), so a group that trained on more rows counts
   more; with none counted (a custom loop that does not count), equally.
 
+  `outer_dtype`: None, or the width a round sends each group's change of
+  the trainable weights at (`low_bit`, a `quantized.LowBitExchange`).
+
+  `fragments`: how many of Streaming DiLoCo's (`fragments.Fragments`); a
+  fragment's round sends its weights only (at `outer_dtype`, each weight
+  with its own residual).
+
   `state`: what a checkpoint keeps of it (`state.SyncGroupsState`).
   """
 
   def __init__(self, strategy, average_every, outer_optimizer=None,
-               overlap=False):
+               overlap=False, outer_dtype=None, fragments=1):
     self._strategy = strategy
     self.average_every = average_every
     self.overlap = overlap
     # ids of the trainable variables -> their snapshots and the functions of
     # an overlapped round.
     self._overlapped = {}
-    self.outer_optimizer = None
-    if outer_optimizer is not None:
-      with strategy.scope():
-        self.outer_optimizer = type(outer_optimizer).from_config(
-            outer_optimizer.get_config())
-    self.state = state_lib.SyncGroupsState(self.outer_optimizer)
+    self.fragments = fragments_lib.Fragments(fragments, average_every, overlap)
+    self._outer = fragments_lib.outer_copies(strategy, outer_optimizer, fragments)
+    self.outer_optimizer = self._outer[0] if self._outer else None
+    self.state = state_lib.SyncGroupsState(
+        self.outer_optimizer, self._outer[1:], self.fragments.in_flight)
+    self.low_bit = quantized.LowBitExchange.of(strategy, outer_dtype,
+                                               self.state)
     self._anchors = {}  # id of a trainable variable -> its value at the last round.
     self._rounds = {}  # ids of the variables -> the round's tf.function.
-    self._first_group = {}  # ids of the variables -> its tf.function.
-    # What passed between the groups: rounds, and the bytes of one
-    # replica's weights they averaged (each round's all-reduce input).
+    self._first_group = first_group.FirstGroup(strategy)
+    # What passed between the groups: rounds, and the bytes each sent
+    # (`quantized.bytes_sent`: float32 weights whole, low-bit changes).
     self.rounds = 0
     self.bytes_averaged = 0
 
@@ -106,10 +116,13 @@ class Averaging:
       if self.overlap:
         self.state.snapshot_rows = self._row_counter(
             "sync_groups_snapshot_rows")
-    if self.outer_optimizer is not None:
+    if self._strategy.num_sync_groups > 1:
+      self.fragments.split(trainable)  # Checks the count once.
+    if self.outer_optimizer is not None or self.low_bit:
       self._start_anchors(trainable)
     if self.overlap and self._strategy.num_sync_groups > 1:
-      self._overlapped_functions(list(trainable))
+      for part in self.fragments.split(trainable):
+        self._overlapped_functions(part)
 
   def _row_counter(self, name):
     """A count per replica, saved with every replica's (`ReplicaSum`)."""
@@ -150,58 +163,35 @@ class Averaging:
       return
     with self._strategy.scope():
       for v in new:
-        self._anchors[id(v)] = _copy_beside(_tf_variable(v),
+        self._anchors[id(v)] = _copy_beside(means_lib.tf_variable(v),
                                             "sync_groups_anchor")
         self.state.anchors.append(self._anchors[id(v)])
-      if not self.outer_optimizer.built:
-        self.outer_optimizer.build(list(trainable))
+        if self.low_bit:
+          self.low_bit.keep(self._anchors[id(v)], _copy_beside(
+              means_lib.tf_variable(v), "sync_groups_residual", tf.zeros_like))
+      self.fragments.build(self._outer, trainable)
 
-  @contextlib.contextmanager
   def first_group_everywhere(self, variables):
-    """While inside, every replica holds the first group's value of each
-    float variable among `variables` (what `get_weights` reads and a save
-    writes), so a prediction between rounds answers with one model; each
-    replica's own value after. Call it eagerly."""
-    variables = [_tf_variable(v) for v in _floats(variables)
-                 if isinstance(_tf_variable(v), tf.distribute.DistributedValues)]
-    if self._strategy.num_sync_groups == 1 or not variables:
-      yield
-      return
-    own = [variables_lib.local_reads(v) for v in variables]
-    key = tuple(id(v) for v in variables)
-    if key not in self._first_group:
-      self._first_group[key] = tf.function(
-          lambda: self._assign_first_group(variables), autograph=False)
-    self._in_scope(self._first_group[key])
-    try:
-      yield
-    finally:
-      for v, values in zip(variables, own):
-        for component, value in zip(v.values, values):
-          component.assign(value)
-
-  def _assign_first_group(self, variables):
-    # A sum in which only the first replica of all counts: it may lie on
-    # another worker.
-    first = self._strategy.extended.first_replica_id
-    sums = self._reduce_pieces(tf.distribute.ReduceOp.SUM, variables,
-                               lambda value, replicas: value if
-                               first + replicas[0] == 0 else
-                               tf.zeros_like(value))
-    for v, value in zip(variables, sums):
-      _assign_pieces(v, value)
+    """`first_group.FirstGroup.everywhere`: one model between rounds."""
+    return self._first_group.everywhere(variables)
 
   def rounds_due(self, last_step, step):
-    """Whether a multiple of `average_every` lies in (last_step, step]."""
-    return step // self.average_every > last_step // self.average_every
+    """Whether a round of a fragment (of every weight: at a multiple of
+    `average_every`) falls at a step in (last_step, step]."""
+    return bool(self.fragments.due(last_step, step))
 
-  def scheduled_round(self, trainable, non_trainable=()):
-    """The round due after a step: `average`, or with `overlap` the
-    overlapped one."""
+  def scheduled_round(self, trainable, non_trainable=(), steps=None):
+    """The round due after the steps (last_step, step] (None: all
+    fragments'): `average` of the fragments due, or an overlapped one each;
+    returns the trainable weights it left equal on every replica."""
+    parts = self.fragments.due_parts(trainable, steps)
     if self.overlap and self._strategy.num_sync_groups > 1:
-      self._overlapped_round(list(trainable), _floats(non_trainable))
-    else:
-      self.average(trainable, non_trainable)
+      for part in parts:
+        self._overlapped_round(part, means_lib.floats(non_trainable))
+      return []
+    trainable = [v for part in parts for v in part]
+    self.average(trainable, non_trainable)
+    return trainable
 
   def average(self, trainable, non_trainable=()):
     """One round now: every replica of every group gets the mean (or the
@@ -211,11 +201,11 @@ class Averaging:
     if self._strategy.num_sync_groups == 1:
       return
     trainable = list(trainable)
-    non_trainable = _floats(non_trainable)
+    non_trainable = means_lib.floats(non_trainable)
     self._check_anchors(trainable)
     self._apply_pending(trainable)
     self._run_round(trainable, non_trainable, restart_rows=True)
-    self._count(trainable + non_trainable)
+    self._count(trainable, non_trainable)
 
   def _run_round(self, trainable, non_trainable, restart_rows):
     """The round of `trainable` and `non_trainable`, weighted by the rows
@@ -228,27 +218,36 @@ class Averaging:
     with self._strategy.scope():
       self._rounds[key]()
 
-  def _count(self, variables):
+  def _count(self, trainable, non_trainable):
     self.rounds += 1
-    self.bytes_averaged += sum(
-        _tf_variable(v).shape.num_elements() * _tf_variable(v).dtype.size
-        for v in variables)
+    self.bytes_averaged += quantized.bytes_sent(
+        self.low_bit, *([means_lib.tf_variable(v) for v in variables]
+                        for variables in (trainable, non_trainable)))
 
   def _check_anchors(self, trainable):
-    if self.outer_optimizer is not None:
+    if self.outer_optimizer is not None or self.low_bit:
       missing = [v.name for v in trainable if id(v) not in self._anchors]
       if missing:
         raise ValueError(
-            f"With an `outer_optimizer`, the weights' values before the first "
-            f"round are kept, but these weights were not given before "
-            f"training: {missing}. Call strategy.sync_groups_step(0, "
-            f"trainable_variables) before the first step (Keras's fit does).")
+            f"With an `outer_optimizer` or `outer_dtype`, the weights' values "
+            f"before the first round are kept, but these weights were not "
+            f"given before training: {missing}. Call "
+            f"strategy.sync_groups_step(0, trainable_variables) before the "
+            f"first step (Keras's fit does).")
 
   def _round(self, trainable, non_trainable, restart_rows):
-    variables = [_tf_variable(v) for v in trainable + non_trainable]
-    means = self._means(variables, self.state.rows)
+    variables = [means_lib.tf_variable(v) for v in trainable + non_trainable]
+    low_bit = len(trainable) if self.low_bit else 0
+    means = means_lib.weighted(self._strategy, variables[low_bit:],
+                               self.state.rows)
+    if self.low_bit:  # The trainable weights' changes, at its width.
+      means = self.low_bit.means(
+          self._strategy.extended.communicator, variables[:low_bit],
+          [self._anchors[id(v)] for v in trainable],
+          means_lib.replica_weights(self._strategy, self.state.rows)
+      ) + means
     for v, mean in zip(variables[len(trainable):], means[len(trainable):]):
-      _assign_pieces(v, mean)
+      means_lib.assign_pieces(v, mean)
     self._step_to(trainable, means[:len(trainable)])
     if restart_rows:
       _restart(self.state.rows)
@@ -257,17 +256,20 @@ class Averaging:
     """Sets `trainable` to `means` (each a list of its pieces', each a tensor
     or a `Mirrored`), or, with an outer optimizer, to its step from them;
     keeps them as `old`."""
-    variables = [_tf_variable(v) for v in trainable]
+    variables = [means_lib.tf_variable(v) for v in trainable]
     if self.outer_optimizer is None:
       for v, mean in zip(variables, means):
-        _assign_pieces(v, mean)
+        means_lib.assign_pieces(v, mean)
+      for v, weight in zip(trainable, variables):
+        if id(v) in self._anchors:  # Each group's change counts from here.
+          _copy_components(weight, self._anchors[id(v)])
       return
     deltas = []
     for v, weight, mean in zip(trainable, variables, means):
       anchor = self._anchors[id(v)]
       deltas.append(_delta(anchor, mean))
       _copy_components(anchor, weight)
-    self.outer_optimizer.apply_gradients(zip(deltas, trainable))
+    self.fragments.apply(self._outer, deltas, trainable)
     for v, weight in zip(trainable, variables):
       _copy_components(weight, self._anchors[id(v)])
 
@@ -287,12 +289,14 @@ class Averaging:
       exchange = exchange.get_concrete_function()
     self.state.exchange.start(tuple(id(v) for v in trainable),
                               functools.partial(self._in_scope, exchange))
-    self._count(snapshots + non_trainable)
+    self.fragments.started(trainable)
+    self._count(snapshots, non_trainable)
 
   def _apply_pending(self, trainable):
     """Waits for the exchange in flight, if any, and applies it."""
     if not self.state.exchange.in_flight:
       return
+    trainable = self.fragments.pending(trainable)
     _, _, exchange, apply = self._overlapped_functions(trainable)
     means = self.state.exchange.take(
         tuple(id(v) for v in trainable),
@@ -308,7 +312,7 @@ class Averaging:
     `trainable`, made once."""
     key = tuple(id(v) for v in trainable)
     if key not in self._overlapped:
-      variables = [_tf_variable(v) for v in trainable]
+      variables = [means_lib.tf_variable(v) for v in trainable]
       with self._strategy.scope():
         snapshots = [_copy_beside(v, "sync_groups_snapshot")
                      for v in variables]
@@ -325,8 +329,9 @@ class Averaging:
 
       def exchange():
         # Every replica agrees on each mean: the first part is everyone's.
-        return [[per_replica.parts(piece)[0] for piece in mean] for mean in
-                self._means(snapshots, self.state.snapshot_rows)]
+        return [[per_replica.parts(piece)[0] for piece in mean]
+                for mean in means_lib.weighted(self._strategy, snapshots,
+                                               self.state.snapshot_rows)]
 
       def apply(means):
         progress = [[c.read_value() - s.read_value()
@@ -342,62 +347,13 @@ class Averaging:
                        for f in (take_snapshots, exchange, apply)))
     return self._overlapped[key]
 
-  def _means(self, variables, rows):
-    """Each variable's mean over every replica of every group, piece by
-    piece (`variables.round_pieces`, a `Mirrored` each), each replica
-    weighted by its part of `rows` (None, or none counted: equally)."""
-    if not variables:
-      return []
-    scale = lambda value, replicas: value
-    if rows is not None:
-      scales = self._row_scales(self._strategy.extended.communicator.round_ops,
-                                rows)
 
-      def scale(value, replicas):
-        # A replica of no rows counts for nothing, whatever its weights hold.
-        weight = tf.add_n([scales[r] for r in replicas]) / len(replicas)
-        return tf.math.multiply_no_nan(value, tf.cast(weight, value.dtype))
-
-    return self._reduce_pieces(tf.distribute.ReduceOp.MEAN, variables, scale)
-
-  def _reduce_pieces(self, reduce_op, variables, value_of):
-    """Each variable's pieces (`variables.round_pieces`), each component's
-    value `value_of(its value, the local replicas it stands for)`, reduced
-    over every replica of every group on the pieces' devices: per variable,
-    a `Mirrored` per piece."""
-    communicator = self._strategy.extended.communicator
-    pieces = [variables_lib.round_pieces(v) for v in variables]
-    batches = {}  # The pieces' all-reduce -> [(variable, piece, value)].
-    for i, variable_pieces in enumerate(pieces):
-      for j, piece in enumerate(variable_pieces):
-        devices = [component.device for component, _ in piece]
-        value = per_replica.make(devices, lambda k, piece=piece: value_of(
-            piece[k][0].read_value(), piece[k][1]))
-        batches.setdefault(communicator.round_ops_on(devices), []).append(
-            (i, j, value))
-    reduced = [[None] * len(p) for p in pieces]
-    for ops, batch in batches.items():
-      results = ops.batch_reduce(reduce_op, [(v, v) for _, _, v in batch])
-      for (i, j, _), result in zip(batch, results):
-        reduced[i][j] = result
-    return reduced
-
-  def _row_scales(self, ops, rows):
-    """Each local replica's rows times the replicas, over every replica's
-    rows: exactly 1 for each when all counted as many, or none counted."""
-    counts = per_replica.wrap(variables_lib.local_reads(rows))
-    totals = per_replica.parts(
-        ops.reduce(tf.distribute.ReduceOp.SUM, counts, counts))
-    replicas = float(self._strategy.extended.num_replicas_in_all_groups)
-    return [tf.where(total > 0, count * replicas / total, 1.0)
-            for count, total in zip(per_replica.parts(counts), totals)]
-
-
-def _copy_beside(variable, name):
-  """A new variable of `variable`'s value, on its devices and split or
-  sharded as it is (in the strategy's scope)."""
+def _copy_beside(variable, name, value_of=lambda value: value):
+  """A new variable of `value_of(variable's value)`, on its devices and
+  split or sharded as it is (in the strategy's scope)."""
   with tf.distribute.get_strategy().extended.colocate_vars_with(variable):
-    return tf.Variable(variable.read_value, trainable=False, name=name)
+    return tf.Variable(lambda: value_of(variable.read_value()),
+                       trainable=False, name=name)
 
 
 def _copy_components(source, target):
@@ -405,16 +361,6 @@ def _copy_components(source, target):
   `_copy_beside`)."""
   for kept, component in zip(source.values, target.values):
     component.assign(kept.read_value())
-
-
-def _assign_pieces(variable, means):
-  """Each of `variable`'s pieces (`variables.round_pieces`) set to its mean,
-  among `means`: a `Mirrored` (each component its device's) or a tensor
-  (every component)."""
-  for piece, mean in zip(variables_lib.round_pieces(variable), means):
-    values = per_replica.parts(mean)
-    for k, (component, _) in enumerate(piece):
-      component.assign(values[k] if len(values) == len(piece) else values[0])
 
 
 def _delta(anchor, means):
@@ -430,8 +376,3 @@ def _restart(rows):
   if rows is not None:
     for component in rows.values:
       component.assign(tf.zeros_like(component))
-
-
-def _floats(variables):
-  """The float variables among `variables`: the ones a round averages."""
-  return [v for v in variables if _tf_variable(v).dtype.is_floating]

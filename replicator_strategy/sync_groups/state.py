@@ -17,9 +17,16 @@ class SyncGroupsState(tf.Module):
   run restored between rounds goes on exactly as it would have. It holds
   the outer optimizer's copy (`outer_optimizer`, with its momentum and
   iterations), the trainable weights' values at the last round (`anchors`,
-  with an outer optimizer), each replica's rows since then (`rows`) and,
-  with overlap, the snapshots of the round in flight (`snapshots`, and their
-  rows, `snapshot_rows`) and whether it is (`exchange`). Anchors, snapshots
+  with an outer optimizer or `outer_dtype`), each replica's rows since then
+  (`rows`) and, with overlap, the snapshots of the round in flight
+  (`snapshots`, and their rows, `snapshot_rows`) and whether it is
+  (`exchange`), and with
+  `outer_dtype` each group's residuals of its last low-bit exchange
+  (`residuals`, error feedback). With fragments each fragment's anchors and
+  residuals are among `anchors` and `residuals`, and fragments 1 ... F-1
+  have their own outer optimizers (`fragment_outer_optimizers`; the first's
+  is `outer_optimizer`); with overlap, which fragment's exchange is in
+  flight is `fragments_in_flight`. Anchors, residuals, snapshots
   and the outer optimizer's slots are made before the first step
   (`strategy.sync_groups_step(0, trainable_variables)`, or Keras's `fit`);
   a checkpoint read before that is restored into them as they are made,
@@ -50,11 +57,18 @@ class SyncGroupsState(tf.Module):
   2
   """
 
-  def __init__(self, outer_optimizer):
+  def __init__(self, outer_optimizer, fragment_outer_optimizers=(),
+               fragments_in_flight=None):
     super().__init__(name="sync_groups")
     self.outer_optimizer = outer_optimizer
+    # One fragment saves as before.
+    if fragment_outer_optimizers:
+      self.fragment_outer_optimizers = list(fragment_outer_optimizers)
+    if fragments_in_flight is not None:
+      self.fragments_in_flight = fragments_in_flight
     self.anchors = []
     self.snapshots = []
+    self.residuals = []
     self.rows = None
     self.snapshot_rows = None
     self.exchange = overlap.ExchangeInFlight()

@@ -451,6 +451,65 @@ class OverlappedSyncGroupsTwoWorkersTest(SyncGroupsTwoWorkersTest):
 
 
 @pytest.mark.slow
+class LowBitSyncGroupsTwoWorkersTest(SyncGroupsTwoWorkersTest):
+  """The same with `outer_dtype="int8"`: each round all-gathers each group's
+  change as int8 packed into int32 words, between the workers."""
+  OPTIONS = "@int8_rounds"
+  LAUNCH = "low_bit"
+
+  def test_weights_cross_between_workers_once_every_four_steps(self):
+    # Each weight of the 8-16-3 model in 2 chunks (one per replica of a
+    # group) of int8 words and a float32 scale: the kernels 2 x (16 + 1) and
+    # 2 x (6 + 1) words, the biases 2 x (2 + 1) and 2 x (1 + 1).
+    for worker in self.workers:
+      result = worker["sync_groups_fit"]
+      self.assertEqual(result["rounds"], self.ROUNDS_IN_FIT)
+      self.assertEqual(result["bytes_averaged"],
+                       self.ROUNDS_IN_FIT * 4 * (34 + 14 + 6 + 4))
+
+
+@pytest.mark.slow
+class FragmentedSyncGroupsTwoWorkersTest(SyncGroupsTwoWorkersTest):
+  """The same in Streaming DiLoCo's 2 fragments (the first kernel, the
+  rest), overlapped: each fragment's exchange between the workers runs in a
+  thread until the next fragment's round."""
+  OPTIONS = "@2_sync_groups_fragments"
+  LAUNCH = "fragments"
+  # The rest at steps 2, 6 and 10, the first kernel at 4, 8 and 12; the end
+  # of fit applies the last exchange and averages every weight at once.
+  ROUNDS_IN_FIT = 7
+
+  def test_weights_cross_between_workers_once_every_four_steps(self):
+    first_kernel, rest = 8 * 16, 16 + 16 * 3 + 3
+    for worker in self.workers:
+      result = worker["sync_groups_fit"]
+      self.assertEqual(result["rounds"], self.ROUNDS_IN_FIT)
+      self.assertEqual(result["bytes_averaged"],
+                       4 * (3 * rest + 3 * first_kernel + first_kernel + rest))
+
+
+@pytest.mark.slow
+class FragmentedLowBitSyncGroupsTwoWorkersTest(SyncGroupsTwoWorkersTest):
+  """The same in 2 fragments with int8 rounds (Streaming DiLoCo with int8):
+  each fragment's round all-gathers that fragment's int8 changes only."""
+  OPTIONS = "@int8_fragments"
+  LAUNCH = "low_bit"
+  # The rest at steps 2, 6 and 10, the first kernel at 4, 8 and 12; the end
+  # of fit averages the rest, which step 12 left apart.
+  ROUNDS_IN_FIT = 7
+
+  def test_weights_cross_between_workers_once_every_four_steps(self):
+    # In 2 chunks of int8 words and a scale each: the first kernel
+    # 2 x (16 + 1) words; the rest 2 x (2 + 1), 2 x (6 + 1) and 2 x (1 + 1).
+    first_kernel, rest = 4 * 34, 4 * (6 + 14 + 4)
+    for worker in self.workers:
+      result = worker["sync_groups_fit"]
+      self.assertEqual(result["rounds"], self.ROUNDS_IN_FIT)
+      self.assertEqual(result["bytes_averaged"],
+                       3 * first_kernel + 4 * rest)
+
+
+@pytest.mark.slow
 class ShardedOptimizerStateTest(RunsOnWorkers, unittest.TestCase):
   """shard_optimizer_state=True on 2 workers x 2 equals one process with 4."""
   RUNS = ("custom_loop", "keras_fit", "keras_fit_steps_per_execution",

@@ -70,6 +70,7 @@ LAYERING = {
     (keras.Model, "test_on_batch"): ["with_one_model", "split_on_batch"],
     (keras.Model, "predict_on_batch"): ["with_one_model", "split_on_batch"],
     (keras.Model, "_make_function"): ["rows_counted", "compiled_per_replica"],
+    (keras.Model, "fit"): ["rounds_in_epoch_logs", "last_round"],
     (keras.optimizers.Optimizer, "_all_reduce_sum_gradients"): [
         "gather_for_clipping", "split_in_parts", "slices_as_on_one_device",
         "skip_if_reduced", "compressed_on_the_wire"],
