@@ -6,7 +6,8 @@ the launcher, once per link rate (`replicator-launch --link-rate`: the
 workers' loopback shaped into one simulated link), in each of the `VARIANTS`:
 synchronous, local SGD (2 sync groups, a group per worker, averaging every 8
 steps; also with the round's exchange overlapped with the next steps) and
-DiLoCo (every 32 steps, an outer Nesterov step). Each variant
+DiLoCo (every 32 steps, an outer Nesterov step), and Streaming DiLoCo (the
+same, in 4 fragments each sent as int8). Each variant
 reports its step time, the bytes that cross between the workers, its final
 accuracy and the training time it takes to come within 0.5 points of the
 synchronous run's final accuracy at the same rate.
@@ -44,9 +45,8 @@ def _diloco_outer():
   return keras.optimizers.SGD(0.7, momentum=0.9, nesterov=True)
 
 
-# Name: the strategy's `rs.SyncGroups`, made afresh for each run. One more row
-# is one more entry, e.g. Streaming DiLoCo with an int8 outer exchange once
-# `rs.SyncGroups` has fragments and a low-bit exchange.
+# Name: the strategy's `rs.SyncGroups`, made afresh for each run; one more
+# row is one more entry.
 VARIANTS = {
     "synchronous": rs.SyncGroups,
     "local SGD, H=8": lambda: rs.SyncGroups(groups=2, average_every=8),
@@ -54,6 +54,9 @@ VARIANTS = {
         groups=2, average_every=8, overlap=True),
     "DiLoCo, H=32": lambda: rs.SyncGroups(groups=2, average_every=32,
                                           outer_optimizer=_diloco_outer()),
+    "streaming, H=32, F=4, int8": lambda: rs.SyncGroups(
+        groups=2, average_every=32, outer_optimizer=_diloco_outer(),
+        fragments=4, outer_dtype="int8"),
 }
 
 
@@ -208,7 +211,7 @@ def links_table(options, rows):
            "workers x 2: step ms (median of epochs), seconds and steps to "
            "synchronous accuracy - 0.5 points, final accuracy, MB between "
            "workers",
-           f"{'rate':>9} {'variant':23} {'ms':>7} {'/sync':>6} {'/unl':>6} "
+           f"{'rate':>9} {'variant':30} {'ms':>7} {'/sync':>6} {'/unl':>6} "
            f"{'to acc s':>8} {'/sync':>6} {'/unl':>6} {'steps':>6} {'acc':>6} "
            f"{'MB':>8}"]
   for r in rows:
@@ -216,7 +219,7 @@ def links_table(options, rows):
     unlimited = by.get(("unlimited", r["variant"]), r)
     to_acc = r["seconds_to_sync_accuracy"]
     lines.append(
-        f"{r['rate']:>9} {r['variant']:23} {r['ms']:>7.1f} "
+        f"{r['rate']:>9} {r['variant']:30} {r['ms']:>7.1f} "
         f"{_ratio(r['ms'], sync['ms'])} {_ratio(r['ms'], unlimited['ms'])} "
         f"{'never' if to_acc is None else f'{to_acc:.1f}':>8} "
         f"{_ratio(to_acc, sync['seconds_to_sync_accuracy'])} "
@@ -229,5 +232,5 @@ def links_table(options, rows):
 SECTION = section.Section(
     name="links",
     measures="digits to synchronous accuracy on 2 workers x 2 over "
-    "simulated links (unlimited, 1gbit, 100mbit): sync, local SGD, DiLoCo",
+    "simulated links (unlimited, 1gbit, 100mbit): sync, local SGD, DiLoCo, streaming",
     fresh=links_rows, child=links_child, table=links_table)
