@@ -5,10 +5,10 @@ split as keras_examples/digits.py splits them) on 2 workers x 2 devices under
 the launcher, once per link rate (`replicator-launch --link-rate`: the
 workers' loopback shaped into one simulated link), in each of the `VARIANTS`:
 synchronous, local SGD (2 sync groups, a group per worker, averaging every 8
-steps; also with the round's exchange overlapped with the next steps) and
-DiLoCo (every 32 steps, an outer Nesterov step), and Streaming DiLoCo (the
-same, in 4 fragments each sent as int8). Each variant
-reports its step time, the bytes that cross between the workers, its final
+steps; also with the round's exchange overlapped with the next steps, and
+with each group's change sent as int8), DiLoCo (every 32 steps, an outer
+Nesterov step) and Streaming DiLoCo (the same in 4 fragments, each sent as
+int8). Each variant reports its step time, the bytes that cross between the workers, its final
 accuracy and the training time it takes to come within 0.5 points of the
 synchronous run's final accuracy at the same rate.
 
@@ -52,6 +52,8 @@ VARIANTS = {
     "local SGD, H=8": lambda: rs.SyncGroups(groups=2, average_every=8),
     "local SGD, H=8, overlap": lambda: rs.SyncGroups(
         groups=2, average_every=8, overlap=True),
+    "local SGD, H=8, int8": lambda: rs.SyncGroups(
+        groups=2, average_every=8, outer_dtype="int8"),
     "DiLoCo, H=32": lambda: rs.SyncGroups(groups=2, average_every=32,
                                           outer_optimizer=_diloco_outer()),
     "streaming, H=32, F=4, int8": lambda: rs.SyncGroups(

@@ -125,7 +125,8 @@ class BenchmarkSmokeTest(unittest.TestCase):
       self.assertLess(by_variant[f"2 groups, H=8{overlap}"], sync_bytes)
     links = {r["variant"]: r for r in results["links"]}
     self.assertEqual(list(links), ["synchronous", "local SGD, H=8",
-                                   "local SGD, H=8, overlap", "DiLoCo, H=32",
+                                   "local SGD, H=8, overlap",
+                                   "local SGD, H=8, int8", "DiLoCo, H=32",
                                    "streaming, H=32, F=4, int8"])
     for row in links.values():
       self.assertEqual(row["rate"], "unlimited")  # --quick: no link shaped.
