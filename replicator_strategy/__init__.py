@@ -38,6 +38,8 @@ _PUBLIC = {
     "SyncGroups": "replicator_strategy.options",
     "local_devices": "replicator_strategy.devices",
     "split_cpu": "replicator_strategy.devices",
+    "use_for_keras_distribution":
+        "replicator_strategy.keras.distribution_strategy",
 }
 __all__ = sorted(_PUBLIC)
 
@@ -82,11 +84,13 @@ def _load():
   _loading = True
   try:
     check_tensorflow()
-    keras_patches = importlib.import_module("replicator_strategy.keras").patches
+    keras_integration = importlib.import_module("replicator_strategy.keras")
     for name, module in _PUBLIC.items():
       globals()[name] = getattr(importlib.import_module(module), name)
-    importlib.import_module("replicator_strategy.strategy").CREATION_HOOKS.append(
-        keras_patches.hold)
+    strategy = importlib.import_module("replicator_strategy.strategy")
+    strategy.CREATION_HOOKS.append(keras_integration.patches.hold)
+    strategy.SCOPE_HOOKS.append(
+        keras_integration.distribution_strategy.scope_hook)
   finally:
     _loading = False
 

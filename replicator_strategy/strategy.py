@@ -37,6 +37,10 @@ MAX_TIMEOUT_SECONDS = 10**9
 # adds the Keras patches' `hold` (they stay in place while a strategy lives),
 # so this module does not import replicator_strategy.keras.
 CREATION_HOOKS = []
+# Each is called as hook(strategy, scope) by `ReplicatorStrategy.scope()` and
+# returns the scope to hand out (the loader adds the Keras distribution's
+# check of a scope opened while `keras.distribution` has one set).
+SCOPE_HOOKS = []
 
 
 class ReplicatorStrategy(tf.distribute.Strategy):
@@ -175,6 +179,13 @@ class ReplicatorStrategy(tf.distribute.Strategy):
         outer_dtype=sync.outer_dtype, fragments=sync.fragments)
     for hook in CREATION_HOOKS:
       hook(self)
+
+  def scope(self):
+    """The strategy's scope: `with strategy.scope():` builds models for it."""
+    scope = super().scope()
+    for hook in SCOPE_HOOKS:
+      scope = hook(self, scope)
+    return scope
 
   @property
   def shard_optimizer_state(self):

@@ -19,11 +19,14 @@
   group's state in `BackupAndRestore` backups.
 - `step_context`: what the wrappers of one optimizer step tell each other
   (whether its gradients are summed over the replicas already).
+- `distribution_strategy`: `keras.distribution.set_distribution` served by
+  a ReplicatorStrategy (TF's default), `use_for_keras_distribution()`.
 - `_internal`: Keras's private names, behind a Keras version check.
 
 Nothing outside `keras/` imports it but the package's lazy loader, which
 hands `patches.hold` to the strategy's constructor
-(`strategy.CREATION_HOOKS`): the core and the other subpackages never
+(`strategy.CREATION_HOOKS`) and `distribution_strategy.scope_hook` to its
+`scope()` (`strategy.SCOPE_HOOKS`): the core and the other subpackages never
 depend on it.
 
 >>> import replicator_strategy as rs

@@ -44,6 +44,7 @@ check_keras_version()
 # pylint: disable=g-import-not-at-top,unused-import
 from keras.src.backend.tensorflow import random as tf_random  # Its draws.
 from keras.src.backend.tensorflow import trainer as tf_trainer
+from keras.src.distribution import distribution_lib  # Distribution.scope's set_distribution.
 from keras.src.layers.convolutional.base_conv import BaseConv
 from keras.src.layers.convolutional.base_conv_transpose import BaseConvTranspose
 from keras.src.layers.convolutional.base_depthwise_conv import BaseDepthwiseConv
@@ -57,6 +58,11 @@ from keras.src.trainers import data_adapters  # Which data fit takes.
 from keras.src.trainers.data_adapters import data_adapter_utils  # class_weight as sample weights.
 from keras.src.trainers import trainer
 # pylint: enable=g-import-not-at-top,unused-import
+
+
+def layout_map(model_parallel):
+  """The `LayoutMap` a `keras.distribution.ModelParallel` was made with."""
+  return model_parallel._layout_map  # pylint: disable=protected-access
 
 
 def multi_worker_concat(value, strategy):

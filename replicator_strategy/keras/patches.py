@@ -40,6 +40,7 @@ from replicator_strategy.keras import accumulators
 from replicator_strategy.keras import batches
 from replicator_strategy.keras import chief_writes
 from replicator_strategy.keras import compiled_steps
+from replicator_strategy.keras import distribution_strategy
 from replicator_strategy.keras import empty_replicas
 from replicator_strategy.keras import global_results
 from replicator_strategy.keras import gradient_exchange
@@ -78,6 +79,8 @@ _ROWS = "a ReplicatorStrategy replica (of several) runs the layer on a batch"
 _NO_ROWS = ("a ReplicatorStrategy replica (of several) runs the layer (a "
             "batch normalization: not synchronized) on a batch not known to "
             "have rows")
+_DISTRIBUTION = ("a keras.distribution DataParallel or ModelParallel is set: "
+                 "a ReplicatorStrategy serves it, TensorFlow's default")
 _IN_ROW_LAYER = ("in a random layer's call that _ROWS marked, for draws of "
                  "rank 1 or more")
 
@@ -249,6 +252,12 @@ PATCHES = (
     Patch(_BACKUP, "on_train_batch_end", preemption_saves.stopping_when_told,
           _PREEMPTIBLE),
     Patch(_BACKUP, "on_train_end", preemption_saves.watched, _PREEMPTIBLE),
+    # Distribution.scope() calls the first; users the second (the same
+    # function, bound in keras.distribution's namespace).
+    Patch(ki.distribution_lib, "set_distribution",
+          distribution_strategy.served_by_a_strategy, _DISTRIBUTION),
+    Patch(keras.distribution, "set_distribution",
+          distribution_strategy.served_by_a_strategy, _DISTRIBUTION),
     Patch(ki.tf_random, "uniform", random_layers.uniform_rows, _IN_ROW_LAYER),
     Patch(ki.tf_random, "normal", random_layers.normal_rows, _IN_ROW_LAYER),
     Patch(ki.tf_random, "dropout", random_layers.dropout_mask_rows,
