@@ -229,11 +229,11 @@ def _check_opened(strategy):
   if current is served_by and current is _default:
     if not tf.executing_eagerly():
       raise ValueError(
-          f"A function traced for {strategy!r} runs while "
-          f"keras.distribution has {describe(distribution)} set, which "
-          f"{served_by!r} serves. Build and train the model under one of "
-          f"them: open the strategy's scope eagerly before training, or "
-          f"build the model under the distribution.")
+          f"A function traced for {strategy!r} runs while keras.distribution "
+          f"has {describe(distribution)} set, which {served_by!r} serves. "
+          f"The strategy matches the distribution: open its scope before "
+          f"training (`with strategy.scope(): model.fit(...)`), and it "
+          f"serves the distribution from then on.")
     _set_default(strategy)
   _strategies[distribution] = strategy
 

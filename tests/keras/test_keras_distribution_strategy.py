@@ -230,6 +230,24 @@ class ScopeRuleTest(DistributionTestCase):
     self.assertIn("DataParallel(mesh of shape (4,)", message)
     self.assertIs(current(), made)
 
+  def test_a_matching_strategy_traced_while_another_serves_says_what_to_do(self):
+    strategy = rs.ReplicatorStrategy(mesh=keras.distribution.DeviceMesh(
+        (4,), ("batch",), devices()))
+    keras.distribution.set_distribution(keras.distribution.DataParallel())
+    made = current()
+
+    @tf.function
+    def step():
+      return strategy.run(lambda: tf.constant(1.0))
+
+    with self.assertRaisesRegex(ValueError, "open its scope before training"):
+      step()
+    self.assertIs(current(), made)
+    with strategy.scope():
+      pass
+    self.assertIs(current(), strategy)
+    self.assertEqual(len(strategy.experimental_local_results(step())), 4)
+
   def test_a_model_parallel_matches_a_strategy_of_its_layout_map_only(self):
     layout_map = megatron_layout_map(mesh_2_by_2())
     strategy = rs.ReplicatorStrategy(layout_map=layout_map)
@@ -260,16 +278,18 @@ class NoDistributionTest(DistributionTestCase):
 
   def test_strategies_train_as_before_and_leave_no_default(self):
     x, y = np.ones((8, 3)), np.ones((8, 1))
-    for strategy, kind in ((rs.ReplicatorStrategy(devices=devices(2)),
-                            "MirroredVariable"),
-                           (tf.distribute.MirroredStrategy(devices(2)),
-                            "MirroredVariable")):
+    for strategy in (rs.ReplicatorStrategy(devices=devices(2)),
+                     tf.distribute.MirroredStrategy(devices(2))):
       with strategy.scope():
         model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
         model.compile("sgd", "mse")
       model.fit(x, y, batch_size=4, verbose=0)
       self.assertIs(model.distribute_strategy, strategy)
-      self.assertEqual(type(model.layers[0].kernel.value).__name__, kind)
+      kernel = model.layers[0].kernel.value
+      self.assertIsInstance(kernel, tf.distribute.DistributedValues)
+      if isinstance(strategy, tf.distribute.MirroredStrategy):
+        self.assertEqual(type(kernel).__module__,
+                         "tensorflow.python.distribute.values")
       self.assertIsNone(current())
       self.assertIs(tf.distribute.get_strategy(),
                     tf.distribute.get_strategy())  # TF's default, unchanged.
