@@ -153,8 +153,33 @@ class ExamplesTest(unittest.TestCase):
     accuracy = float(done.stdout.rsplit("test accuracy:", 1)[1].split()[0])
     self.assertGreater(accuracy, 0.5)  # 3 epochs; chance is 0.1.
 
+  @pytest.mark.slow
+  def test_keras_distribution_trains_the_same_data_or_model_parallel(self):
+    reports = {}
+    for flags in (["--replicas", "4"],
+                  ["--replicas", "2", "--model-parallel", "2"]):
+      done = subprocess.run(
+          [sys.executable, str(EXAMPLES / "keras_distribution_digits.py"),
+           "--epochs", "3", *flags], capture_output=True, text=True,
+          timeout=300, check=False,
+          env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
+      self.assertEqual(done.returncode, 0, done.stderr[-3000:])
+      lines = done.stdout.splitlines()
+      self.assertRegex(lines[0], r"^ReplicatorStrategy\(\d replicas: ")
+      self.assertRegex(lines[-1], r"^wall time: \d+\.\d s$")
+      reports[flags[1]] = (lines[1], float(
+          done.stdout.rsplit("test accuracy:", 1)[1].split()[0]))
+    copies = ", ".join(f"(32, 128) on CPU:{i}" for i in range(4))
+    parts = ", ".join(f"(32, 64) on CPU:{i}" for i in range(4))
+    self.assertEqual(reports["4"][0], f"up/kernel (32, 128), held as {copies}")
+    self.assertEqual(reports["2"][0], f"up/kernel (32, 128), held as {parts}")
+    self.assertGreater(reports["4"][1], 0.5)  # 3 epochs; chance is 0.1.
+    # The same global batches and seed: the same model, up to float sums.
+    self.assertAlmostEqual(reports["4"][1], reports["2"][1], delta=0.01)
+
   @parameterized.expand(["train_digits.py", "custom_loop_digits.py",
-                         "transformer_digits.py", "resnet_digits.py",
+                         "transformer_digits.py", "keras_distribution_digits.py",
+                         "resnet_digits.py",
                          "sngan_digits.py", "d4pg.py"])
   def test_help_answers_without_importing_tensorflow(self, script):
     # -X importtime lists every module imported, on stderr.
