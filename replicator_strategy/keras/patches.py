@@ -55,11 +55,17 @@ from replicator_strategy.keras import sync_round_logs
 
 @dataclasses.dataclass(frozen=True)
 class Patch:
-  """`owner.name` replaced by `wrap(original)`, acting only `when`."""
+  """`owner.name` replaced by `wrap(original)`, acting only `when`.
+
+  With `adds=True` the owner lacks `name` as shipped: `wrap` itself is set
+  there, and uninstall deletes it again (a Keras that defines it keeps its
+  own).
+  """
   owner: Any
   name: str
-  wrap: Callable[[Callable], Callable]
+  wrap: Callable
   when: str
+  adds: bool = False
 
 
 _MODEL = keras.Model
@@ -262,6 +268,7 @@ PATCHES = (
                         _NO_ROWS) for layer in empty_replicas.GUARDED_LAYERS)
 
 _originals = []  # (owner, name, what it was), in the order applied.
+_ABSENT = object()  # What an added attribute was: nothing.
 _lock = threading.RLock()  # Finalizers run in whichever thread collects.
 _changing = False  # A finalizer run amid a change leaves it to finish.
 _alive = 0  # ReplicatorStrategy objects alive that `hold` was given.
@@ -333,12 +340,21 @@ def _apply_or_remove():
     wanted = _alive > 0 if _pinned is None else _pinned
     if wanted and not _originals:
       for patch in PATCHES:
+        if patch.adds:
+          if hasattr(patch.owner, patch.name):
+            continue
+          _originals.append((patch.owner, patch.name, _ABSENT))
+          setattr(patch.owner, patch.name, patch.wrap)
+          continue
         original = getattr(patch.owner, patch.name)
         _originals.append((patch.owner, patch.name, original))
         setattr(patch.owner, patch.name, patch.wrap(original))
     elif not wanted:
       while _originals:
         owner, name, original = _originals.pop()
-        setattr(owner, name, original)
+        if original is _ABSENT:
+          delattr(owner, name)
+        else:
+          setattr(owner, name, original)
   finally:
     _changing = False
