@@ -40,6 +40,7 @@ from replicator_strategy.keras import accumulators
 from replicator_strategy.keras import batches
 from replicator_strategy.keras import chief_writes
 from replicator_strategy.keras import compiled_steps
+from replicator_strategy.keras import distribution_backend
 from replicator_strategy.keras import empty_replicas
 from replicator_strategy.keras import global_results
 from replicator_strategy.keras import gradient_exchange
@@ -255,6 +256,16 @@ PATCHES = (
     Patch(_BACKUP, "on_train_batch_end", preemption_saves.stopping_when_told,
           _PREEMPTIBLE),
     Patch(_BACKUP, "on_train_end", preemption_saves.watched, _PREEMPTIBLE),
+    *(Patch(ki.tf_distribution_lib, name,
+            getattr(distribution_backend, name),
+            "keras.distribution calls it (Keras's TF backend lacks it)",
+            adds=True) for name in distribution_backend.ADDED),
+    Patch(ki.tf_distribution_lib, "_to_backend_mesh",
+          distribution_backend.to_backend_mesh,
+          "DeviceMesh.backend_mesh: the strategy's mesh, not DTensor's"),
+    Patch(ki.tf_distribution_lib, "_to_backend_layout",
+          distribution_backend.to_backend_layout,
+          "TensorLayout.backend_layout: that mesh and the axes"),
     Patch(ki.tf_random, "uniform", random_layers.uniform_rows, _IN_ROW_LAYER),
     Patch(ki.tf_random, "normal", random_layers.normal_rows, _IN_ROW_LAYER),
     Patch(ki.tf_random, "dropout", random_layers.dropout_mask_rows,
