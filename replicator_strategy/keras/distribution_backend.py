@@ -166,7 +166,7 @@ def _roles():
                                            options.mesh.roles)}
 
 
-def _unapplied(tensor, axes):
+def unapplied(tensor, axes):
   """Why a replica cannot apply `axes` to `tensor` (a `<path>/output`), or
   None where the strategy applies it (the output_layouts row splits)."""
   roles = _roles() or {}
@@ -198,15 +198,22 @@ def distribute_tensor(tensor, layout):
   # replicas' calls apply the layout.
   inside = options_lib.of() is not None or isinstance(
       tf.distribute.get_replica_context(), replica_context.ReplicaContext)
-  why = (_unapplied(tensor, axes) if inside else
+  why = (unapplied(tensor, axes) if inside else
          "no ReplicatorStrategy is in use (its replicas apply layouts)")
-  if why is not None and (axes, why) not in _warned:
-    _warned.add((axes, why))
-    warnings.warn(
-        f"keras.distribution asked for the layout {axes} of a tensor, which "
-        f"ReplicatorStrategy leaves as it is on TensorFlow: {why}. The values "
-        f"are the same; only where they live differs.", stacklevel=3)
+  if why is not None:
+    warn_unapplied(axes, why)
   return tensor
+
+
+def warn_unapplied(axes, why):
+  """Warns, once per layout, that the tensor layout `axes` is not applied."""
+  if (axes, why) in _warned:
+    return
+  _warned.add((axes, why))
+  warnings.warn(
+      f"keras.distribution asked for the layout {axes} of a tensor, which "
+      f"ReplicatorStrategy leaves as it is on TensorFlow: {why}. The values "
+      f"are the same; only where they live differs.", stacklevel=4)
 
 
 def distribute_variable(value, layout):

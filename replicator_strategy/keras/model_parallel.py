@@ -14,7 +14,9 @@
   the ids in its rows and the parts are summed;
 - `output_layouts`: a layer whose `<path>/output` key the layout map has
   returns its output in parts along the dimension the layout splits, one
-  part per logical device, for a row-parallel layer after it.
+  part per logical device, for a row-parallel layer after it; a layout it
+  cannot apply (the model axis on the rows, dimension 0) is left out, with
+  the warning `distribution_backend.distribute_tensor` gives.
 """
 
 import functools
@@ -25,6 +27,7 @@ import tensorflow as tf
 from replicator_strategy import options as options_lib
 from replicator_strategy import replica_context
 from replicator_strategy.keras import _internal as ki
+from replicator_strategy.keras import distribution_backend
 from replicator_strategy.model_parallel import layouts
 from replicator_strategy.model_parallel import megatron
 from replicator_strategy.model_parallel import split_variables
@@ -197,8 +200,15 @@ def output_layouts(layer_call):
     if (model_layouts is None or not isinstance(outputs, tf.Tensor) or
         not isinstance(ctx, replica_context.ReplicaContext)):
       return outputs
-    axis = model_layouts.split_axis(f"{self.path}/output",
-                                    outputs.shape.as_list())
+    path = f"{self.path}/output"
+    layout = model_layouts.layout_map[path]
+    if layout is None:
+      return outputs
+    why = distribution_backend.unapplied(outputs, tuple(layout.axes))
+    if why is not None:  # Left as it is, as keras.distribution is told.
+      distribution_backend.warn_unapplied(tuple(layout.axes), why)
+      return outputs
+    axis = model_layouts.split_axis(path, outputs.shape.as_list())
     if axis is None:
       return outputs
     logical = ctx.strategy.extended.logical_devices

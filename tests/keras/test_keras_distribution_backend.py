@@ -222,11 +222,14 @@ class DistributeTensorTest(unittest.TestCase):
           self.assertEqual(len(messages), 1, messages)
           self.assertRegex(messages[0], why)
 
-  def test_a_model_parallel_model_with_output_keys_trains_as_one_device(self):
+  def _trains_as_one_device(self, d1_output):
+    """A Megatron pair trained under ModelParallel, `.*d1/output` laid out
+    as `d1_output` and `.*d2/output` by rows; the calls of distribute_tensor
+    and the warnings of keras.distribution, after it trained as one device."""
     layout_map = keras.distribution.LayoutMap(_mesh())
     layout_map[".*d1/kernel"] = (None, "model")
     layout_map[".*d1/bias"] = ("model",)
-    layout_map[".*d1/output"] = (None, "model")
+    layout_map[".*d1/output"] = d1_output
     layout_map[".*d2/kernel"] = ("model", None)
     layout_map[".*d2/output"] = ("data", None)
     rng = np.random.default_rng(0)
@@ -245,6 +248,7 @@ class DistributeTensorTest(unittest.TestCase):
       return model, history.history["loss"]
 
     one_model, one_loss = train()
+    one_predicted = one_model(x[:6])
     strategy = rs.ReplicatorStrategy(layout_map=layout_map,
                                      batch_dim_name="data")
     keras.distribution.set_distribution(keras.distribution.ModelParallel(
@@ -256,15 +260,30 @@ class DistributeTensorTest(unittest.TestCase):
       warnings.simplefilter("always")
       with strategy.scope():
         model, loss = train()
-    paths = {layout.axes for (_, layout), _ in called.call_args_list}
-    self.assertEqual(paths, {(None, "model"), ("data", None)})
-    self.assertEqual([str(w.message) for w in caught
-                      if "keras.distribution" in str(w.message)], [])
+      # Rows not known when traced: a split of them could not be cut.
+      step = tf.function(lambda x: strategy.run(model, (x,)),
+                         input_signature=[tf.TensorSpec([None, 8])])
+      for part in strategy.experimental_local_results(step(x[:6])):
+        np.testing.assert_allclose(part, one_predicted, rtol=1e-5, atol=1e-6)
     self.assertIsInstance(ki.backend_variable(model.layers[0].kernel),
                           split_variables.SplitVariable)
     np.testing.assert_allclose(loss, one_loss, rtol=1e-5)
     for got, want in zip(model.get_weights(), one_model.get_weights()):
       np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    return ({layout.axes for (_, layout), _ in called.call_args_list},
+            [str(w.message) for w in caught
+             if "keras.distribution" in str(w.message)])
+
+  def test_a_model_parallel_model_with_output_keys_trains_as_one_device(self):
+    layouts, warned = self._trains_as_one_device((None, "model"))
+    self.assertEqual(layouts, {(None, "model"), ("data", None)})
+    self.assertEqual(warned, [])
+
+  def test_the_model_axis_on_the_rows_is_warned_of_and_left_out(self):
+    layouts, warned = self._trains_as_one_device(("model", None))
+    self.assertEqual(layouts, {("model", None), ("data", None)})
+    self.assertEqual(len(warned), 1, warned)
+    self.assertRegex(warned[0], r"layout \('model', None\).*dimension 0")
 
 
 class DistributeVariableTest(unittest.TestCase):
