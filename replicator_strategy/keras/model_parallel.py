@@ -77,6 +77,13 @@ def _matmul(x, kernel):
   return tf.tensordot(x, kernel, axes=1)
 
 
+# Keras's activations that act on each value alone, so on each part.
+_ELEMENTWISE = frozenset(keras.activations.get(name) for name in (
+    "linear", "relu", "relu6", "leaky_relu", "elu", "selu", "celu", "gelu",
+    "silu", "mish", "tanh", "sigmoid", "hard_sigmoid", "hard_silu",
+    "softplus", "softsign", "exponential", "squareplus"))
+
+
 def _split_kind(equation, kernel_axis):
   """("column", output axis) or ("row", input axis) for an einsum whose
   kernel is split along `kernel_axis`; axes count from the end."""
@@ -104,6 +111,10 @@ def _parallel(layer, inputs, equation, product, bias_letters):
   kind, axis = _split_kind(equation, kernel.axis)
   kernel_parts = _cast_parts(kernel.read_parts(local), dtype, devices)
   if kind == "column":
+    # An activation over the features (softmax) needs them all: applied to
+    # the assembled output, not to each device's part.
+    activation = layer.activation or keras.activations.linear
+    per_part = activation in _ELEMENTWISE
     bias_parts = None
     if layer.bias is not None:
       bias = split_variable(layer.bias)
@@ -119,12 +130,13 @@ def _parallel(layer, inputs, equation, product, bias_letters):
       y = product(x, w)
       if bias:
         y = y + bias[0]
-      return y if layer.activation is None else layer.activation(y)
+      return activation(y) if per_part else y
 
     outputs = megatron.column_parallel(
         part, inputs, kernel_parts, devices,
         None if bias_parts is None else [(b,) for b in bias_parts])
-    return megatron.assembled(outputs, devices, axis)
+    whole = megatron.assembled(outputs, devices, axis)
+    return whole if per_part else activation(whole)
   x = megatron.row_parallel(
       product, megatron.split(inputs, k, axis, devices), kernel_parts, devices)
   if layer.bias is not None:
