@@ -291,9 +291,9 @@ def to_backend_layout(to_backend_layout_of_keras):
   def wrapper(tensor_layout):
     if tensor_layout.device_mesh is None:
       raise ValueError(
-          f"Cannot make the backend layout of {tensor_layout}: it has no "
-          f"device mesh. Give it one (TensorLayout(axes, device_mesh)) or "
-          f"put it in a LayoutMap.")
+          f"Cannot create sharding when device mesh is not set for "
+          f"TensorLayout. Received: {tensor_layout}. Give it one "
+          f"(TensorLayout(axes, device_mesh)) or put it in a LayoutMap.")
     return BackendLayout(tensor_layout.device_mesh.backend_mesh,
                          tuple(tensor_layout.axes))
 

@@ -85,16 +85,6 @@ class ProcessesTest(unittest.TestCase):
     self.assertEqual((BACKEND.num_processes(), BACKEND.process_id()), (3, 1))
 
 
-class DeviceCountTest(unittest.TestCase):
-
-  def test_counts_what_list_devices_names(self):
-    self.assertEqual(keras.distribution.get_device_count(), 4)
-    self.assertEqual(keras.distribution.get_device_count("cpu"), 4)
-    self.assertEqual(keras.distribution.get_device_count("CPU"), 4)
-    self.assertEqual(keras.distribution.get_device_count("gpu"),
-                     len(keras.distribution.list_devices("gpu")))
-
-
 class InitializeTest(unittest.TestCase):
 
   def setUp(self):
@@ -317,38 +307,7 @@ class DistributeVariableTest(unittest.TestCase):
     self.assertEqual(len(strategy.experimental_local_results(variable)), 2)
 
 
-class DistributeDataInputTest(unittest.TestCase):
-
-  def test_each_replica_takes_its_contiguous_rows(self):
-    strategy = rs.ReplicatorStrategy()  # The 4 logical CPUs.
-    batch = np.arange(24, dtype=np.float32).reshape(8, 3)
-    with strategy.scope():
-      out = BACKEND.distribute_data_input(batch, _layout(("data", None)),
-                                          "data")
-    parts = strategy.experimental_local_results(out)
-    self.assertEqual(len(parts), 4)
-    for i, part in enumerate(parts):
-      np.testing.assert_array_equal(part, batch[2 * i:2 * i + 2])
-      self.assertEqual(tf.DeviceSpec.from_string(part.device).device_index, i)
-
-
 class BackendMeshTest(unittest.TestCase):
-
-  def test_the_strategy_mesh_of_a_device_mesh(self):
-    mesh = _mesh()
-    self.assertEqual(str(mesh.backend_mesh), "data (batch) 2 x model 2")
-    self.assertEqual(mesh.backend_mesh.roles, ("batch", "model"))
-    flat = keras.distribution.DeviceMesh((4,), ("x",),
-                                         keras.distribution.list_devices())
-    self.assertEqual(flat.backend_mesh.roles, ("batch",))
-    named = keras.distribution.DeviceMesh(
-        (2, 2), ("model", "batch"), keras.distribution.list_devices())
-    self.assertEqual(named.backend_mesh.axis_names, ("batch", "model"))
-    layout = _layout(("data", None), mesh).backend_layout
-    self.assertIs(layout.mesh, mesh.backend_mesh)
-    self.assertEqual(layout.axes, ("data", None))
-    with self.assertRaisesRegex(ValueError, "has no device mesh"):
-      _ = keras.distribution.TensorLayout(("data", None)).backend_layout
 
   def test_keras_own_needs_dtensor_set_up(self):
     mesh = _mesh()
