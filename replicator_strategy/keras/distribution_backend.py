@@ -242,6 +242,8 @@ def distribute_data_input(per_process_batch, layout, batch_dim_name):
   """The per-process batch as the current strategy distributes it: each of
   this worker's replicas takes its contiguous part of the rows."""
   del layout, batch_dim_name  # The strategy's replicas are the batch axis.
+  if not tf.distribute.has_strategy():  # One device: the batch as it is.
+    return tf.nest.map_structure(tf.convert_to_tensor, per_process_batch)
   strategy = tf.distribute.get_strategy()
   extended = strategy.extended
   local = len(extended.worker_devices)

@@ -313,3 +313,6 @@ class TensorflowDistributionLibTest(unittest.TestCase):
       np.testing.assert_array_equal(shard, per_process_batch[3 * i:][:3])
       self.assertEqual(tf.DeviceSpec.from_string(shard.device).device_index,
                        i)
+    # Without a strategy, one device's batch.
+    np.testing.assert_array_equal(BACKEND.distribute_data_input(
+        per_process_batch, layout, "batch"), per_process_batch)

@@ -5,7 +5,8 @@ it gives them into Keras's `KERAS_DISTRIBUTION_*` variables (as a JAX
 launch script sets them) and unset it; `keras.distribution.initialize()`
 then writes the cluster back for TensorFlow, and `rs.ReplicatorStrategy()`
 made afterwards trains over both workers (2 logical CPUs each) as one
-process with 4 replicas does. Bounded by the launcher's timeout, which stops
+process with 4 replicas does, and `distribute_data_input` hands each
+worker's replicas that worker's rows. Bounded by the launcher's timeout, which stops
 every worker.
 """
 
@@ -14,6 +15,7 @@ import sys
 import tempfile
 import unittest
 
+import numpy as np
 import pytest
 
 import test_multi_worker
@@ -45,13 +47,19 @@ distribution = keras.distribution.DataParallel(
     devices=["cpu:0", "cpu:1"], auto_shard_dataset=False)
 
 import multi_worker_runs
+import numpy as np
+index = strategy.extended.cluster.worker_index
+with strategy.scope():
+  rows = backend.distribute_data_input(
+      np.arange(8).reshape(4, 2) + 100 * index, None, "batch")
 results = {
+    "data_input": [p.numpy().tolist()
+                   for p in strategy.experimental_local_results(rows)],
     "tf_config_written": json.loads(os.environ["TF_CONFIG"]) == cluster,
     "workers": strategy.extended.cluster.num_workers,
     "process": [distribution.num_processes, backend.process_id()],
     "keras_fit": multi_worker_runs.keras_fit(strategy),
 }
-index = strategy.extended.cluster.worker_index
 pathlib.Path(sys.argv[2], f"worker_{index}.json").write_text(
     json.dumps(results))
 """
@@ -72,6 +80,9 @@ class InitializeTwoWorkersTest(unittest.TestCase):
         self.assertTrue(worker["tf_config_written"])
         self.assertEqual(worker["workers"], 2)
         self.assertEqual(worker["process"], [2, index])
+        # distribute_data_input: this worker's rows, 2 to each of its replicas.
+        rows = (np.arange(8).reshape(4, 2) + 100 * index).tolist()
+        self.assertEqual(worker["data_input"], [rows[:2], rows[2:]])
         test_multi_worker.assert_close_nested(
             self, worker["keras_fit"], reference)
 
