@@ -58,10 +58,10 @@ import warnings
 import tensorflow as tf
 
 from replicator_strategy import _tf_internal as tfi
+from replicator_strategy import global_batch_input
 from replicator_strategy import mesh as mesh_lib
 from replicator_strategy import options as options_lib
 from replicator_strategy import replica_context
-from replicator_strategy import global_batch_input
 from replicator_strategy.cluster import config as cluster_lib
 from replicator_strategy.keras import _internal as ki
 from replicator_strategy.model_parallel import layouts as layouts_lib
@@ -170,7 +170,7 @@ def unapplied(tensor, axes):
   """Why a replica cannot apply `axes` to `tensor` (a `<path>/output`), or
   None where the strategy applies it (the output_layouts row splits)."""
   roles = _roles() or {}
-  shape = tensor.shape
+  shape = tf.TensorShape(getattr(tensor, "shape", None))
   if shape.rank is not None and shape.rank != len(axes):
     return f"it has {len(axes)} dimension(s), the tensor {shape.rank}"
   for dim, axis in enumerate(axes):
@@ -198,10 +198,11 @@ def distribute_tensor(tensor, layout):
   # replicas' calls apply the layout.
   inside = options_lib.of() is not None or isinstance(
       tf.distribute.get_replica_context(), replica_context.ReplicaContext)
-  why = (unapplied(tensor, axes) if inside else
-         "no ReplicatorStrategy is in use (its replicas apply layouts)")
-  if why is not None:
-    warn_unapplied(axes, why)
+  for leaf in tf.nest.flatten(tensor):  # A layer's outputs, each.
+    why = (unapplied(leaf, axes) if inside else
+           "no ReplicatorStrategy is in use (its replicas apply layouts)")
+    if why is not None:
+      warn_unapplied(axes, why)
   return tensor
 
 

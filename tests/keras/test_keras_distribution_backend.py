@@ -179,6 +179,9 @@ class DistributeTensorTest(unittest.TestCase):
       for _ in range(2):
         self.assertIs(keras.distribution.distribute_tensor(
             x, _layout(("data", None))), x)
+      outputs = {"a": x, "b": (x, x)}  # A layer's several outputs.
+      self.assertIs(keras.distribution.distribute_tensor(
+          outputs, _layout(("data", None))), outputs)
     self.assertEqual(len(caught), 1)
     self.assertRegex(str(caught[0].message),
                      r"layout \('data', None\).*no ReplicatorStrategy")
