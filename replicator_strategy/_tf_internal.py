@@ -418,6 +418,12 @@ def owned_by(tf_object, name):
   return owned
 
 
+def runtime_started():
+  """Whether TF's runtime has started (its devices made): a cluster can no
+  longer be joined."""
+  return context.context()._initialized  # pylint: disable=protected-access
+
+
 def _held_by_graph(op):
   """Moves the registry's hold on `op`'s custom gradient (named by the
   `_gradient_op_type` attribute custom_gradient gave `op`) to `op.graph`."""

@@ -198,7 +198,8 @@ class ReplicatorExtended(tfi.StrategyExtendedV1):
     keras_variable = layouts.variable_being_created()
     if keras_variable is None:
       return None, None
-    return self.model_layouts.placement(*keras_variable)
+    return (layouts.placement_given() or
+            self.model_layouts.placement(*keras_variable))
 
   def _validate_colocate_with_variable(self, colocate_with_variable):
     _utils.validate_colocate_distributed_variable(colocate_with_variable, self)

@@ -14,7 +14,9 @@
   the ids in its rows and the parts are summed;
 - `output_layouts`: a layer whose `<path>/output` key the layout map has
   returns its output in parts along the dimension the layout splits, one
-  part per logical device, for a row-parallel layer after it.
+  part per logical device, for a row-parallel layer after it; a layout it
+  cannot apply (the model axis on the rows, dimension 0) is left out, with
+  the warning `distribution_backend.distribute_tensor` gives.
 """
 
 import functools
@@ -25,6 +27,7 @@ import tensorflow as tf
 from replicator_strategy import options as options_lib
 from replicator_strategy import replica_context
 from replicator_strategy.keras import _internal as ki
+from replicator_strategy.keras import distribution_backend
 from replicator_strategy.model_parallel import layouts
 from replicator_strategy.model_parallel import megatron
 from replicator_strategy.model_parallel import split_variables
@@ -74,6 +77,13 @@ def _matmul(x, kernel):
   return tf.tensordot(x, kernel, axes=1)
 
 
+# Keras's activations that act on each value alone, so on each part.
+_ELEMENTWISE = frozenset(keras.activations.get(name) for name in (
+    "linear", "relu", "relu6", "leaky_relu", "elu", "selu", "celu", "gelu",
+    "silu", "mish", "tanh", "sigmoid", "hard_sigmoid", "hard_silu",
+    "softplus", "softsign", "exponential", "squareplus"))
+
+
 def _split_kind(equation, kernel_axis):
   """("column", output axis) or ("row", input axis) for an einsum whose
   kernel is split along `kernel_axis`; axes count from the end."""
@@ -101,6 +111,10 @@ def _parallel(layer, inputs, equation, product, bias_letters):
   kind, axis = _split_kind(equation, kernel.axis)
   kernel_parts = _cast_parts(kernel.read_parts(local), dtype, devices)
   if kind == "column":
+    # An activation over the features (softmax) needs them all: applied to
+    # the assembled output, not to each device's part.
+    activation = layer.activation or keras.activations.linear
+    per_part = activation in _ELEMENTWISE
     bias_parts = None
     if layer.bias is not None:
       bias = split_variable(layer.bias)
@@ -116,12 +130,13 @@ def _parallel(layer, inputs, equation, product, bias_letters):
       y = product(x, w)
       if bias:
         y = y + bias[0]
-      return y if layer.activation is None else layer.activation(y)
+      return activation(y) if per_part else y
 
     outputs = megatron.column_parallel(
         part, inputs, kernel_parts, devices,
         None if bias_parts is None else [(b,) for b in bias_parts])
-    return megatron.assembled(outputs, devices, axis)
+    whole = megatron.assembled(outputs, devices, axis)
+    return whole if per_part else activation(whole)
   x = megatron.row_parallel(
       product, megatron.split(inputs, k, axis, devices), kernel_parts, devices)
   if layer.bias is not None:
@@ -197,8 +212,15 @@ def output_layouts(layer_call):
     if (model_layouts is None or not isinstance(outputs, tf.Tensor) or
         not isinstance(ctx, replica_context.ReplicaContext)):
       return outputs
-    axis = model_layouts.split_axis(f"{self.path}/output",
-                                    outputs.shape.as_list())
+    path = f"{self.path}/output"
+    layout = model_layouts.layout_map[path]
+    if layout is None:
+      return outputs
+    why = distribution_backend.unapplied(outputs, tuple(layout.axes))
+    if why is not None:  # Left as it is, as keras.distribution is told.
+      distribution_backend.warn_unapplied(tuple(layout.axes), why)
+      return outputs
+    axis = model_layouts.split_axis(path, outputs.shape.as_list())
     if axis is None:
       return outputs
     logical = ctx.strategy.extended.logical_devices

@@ -40,6 +40,7 @@ from replicator_strategy.keras import accumulators
 from replicator_strategy.keras import batches
 from replicator_strategy.keras import chief_writes
 from replicator_strategy.keras import compiled_steps
+from replicator_strategy.keras import distribution_backend
 from replicator_strategy.keras import distribution_strategy
 from replicator_strategy.keras import empty_replicas
 from replicator_strategy.keras import global_results
@@ -56,11 +57,17 @@ from replicator_strategy.keras import sync_round_logs
 
 @dataclasses.dataclass(frozen=True)
 class Patch:
-  """`owner.name` replaced by `wrap(original)`, acting only `when`."""
+  """`owner.name` replaced by `wrap(original)`, acting only `when`.
+
+  With `adds=True` the owner lacks `name` as shipped: `wrap` itself is set
+  there, and uninstall deletes it again (a Keras that defines it keeps its
+  own).
+  """
   owner: Any
   name: str
-  wrap: Callable[[Callable], Callable]
+  wrap: Callable
   when: str
+  adds: bool = False
 
 
 _MODEL = keras.Model
@@ -258,6 +265,16 @@ PATCHES = (
           distribution_strategy.served_by_a_strategy, _DISTRIBUTION),
     Patch(keras.distribution, "set_distribution",
           distribution_strategy.served_by_a_strategy, _DISTRIBUTION),
+    *(Patch(ki.tf_distribution_lib, name,
+            getattr(distribution_backend, name),
+            "keras.distribution calls it (Keras's TF backend lacks it)",
+            adds=True) for name in distribution_backend.ADDED),
+    Patch(ki.tf_distribution_lib, "_to_backend_mesh",
+          distribution_backend.to_backend_mesh,
+          "DeviceMesh.backend_mesh: the strategy's mesh, not DTensor's"),
+    Patch(ki.tf_distribution_lib, "_to_backend_layout",
+          distribution_backend.to_backend_layout,
+          "TensorLayout.backend_layout: that mesh and the axes"),
     Patch(ki.tf_random, "uniform", random_layers.uniform_rows, _IN_ROW_LAYER),
     Patch(ki.tf_random, "normal", random_layers.normal_rows, _IN_ROW_LAYER),
     Patch(ki.tf_random, "dropout", random_layers.dropout_mask_rows,
@@ -271,6 +288,7 @@ PATCHES = (
                         _NO_ROWS) for layer in empty_replicas.GUARDED_LAYERS)
 
 _originals = []  # (owner, name, what it was), in the order applied.
+_ABSENT = object()  # What an added attribute was: nothing.
 _lock = threading.RLock()  # Finalizers run in whichever thread collects.
 _changing = False  # A finalizer run amid a change leaves it to finish.
 _alive = 0  # ReplicatorStrategy objects alive that `hold` was given.
@@ -342,12 +360,21 @@ def _apply_or_remove():
     wanted = _alive > 0 if _pinned is None else _pinned
     if wanted and not _originals:
       for patch in PATCHES:
+        if patch.adds:
+          if hasattr(patch.owner, patch.name):
+            continue
+          _originals.append((patch.owner, patch.name, _ABSENT))
+          setattr(patch.owner, patch.name, patch.wrap)
+          continue
         original = getattr(patch.owner, patch.name)
         _originals.append((patch.owner, patch.name, original))
         setattr(patch.owner, patch.name, patch.wrap(original))
     elif not wanted:
       while _originals:
         owner, name, original = _originals.pop()
-        setattr(owner, name, original)
+        if original is _ABSENT:
+          delattr(owner, name)
+        else:
+          setattr(owner, name, original)
   finally:
     _changing = False

@@ -39,10 +39,11 @@ _creating = threading.local()  # .variable: (path, shape) being created.
 
 
 @contextlib.contextmanager
-def creating(path, shape):
-  """Marks the variable created inside as a Keras variable's (`path`)."""
+def creating(path, shape, placement=None):
+  """Marks the variable created inside as a Keras variable's (`path`);
+  `placement` (split, sharded dimensions) in place of the layout map's."""
   previous = getattr(_creating, "variable", None)
-  _creating.variable = (path, tuple(shape))
+  _creating.variable = (path, tuple(shape), placement)
   try:
     yield
   finally:
@@ -51,7 +52,14 @@ def creating(path, shape):
 
 def variable_being_created():
   """(path, shape) of the Keras variable being created, or None."""
-  return getattr(_creating, "variable", None)
+  variable = getattr(_creating, "variable", None)
+  return variable and variable[:2]
+
+
+def placement_given():
+  """The placement `creating` was given for the variable, or None."""
+  variable = getattr(_creating, "variable", None)
+  return variable and variable[2]
 
 
 class ModelLayouts:
@@ -102,7 +110,11 @@ class ModelLayouts:
       return None, None
     self.matched_keys.update(
         key for key in self.layout_map if self.layout_map[key] is layout)
-    axes = tuple(layout.axes)
+    return self.axes_placement(path, layout.axes, shape)
+
+  def axes_placement(self, path, axes, shape):
+    """`placement` for a layout's `axes` (the layout of `path`)."""
+    axes = tuple(axes)
     shape = tuple(shape)
     if len(axes) != len(shape):
       raise ValueError(

@@ -37,13 +37,16 @@ TESTS = pathlib.Path(__file__).resolve().parent.parent
 LAUNCH_TIMEOUT = 480  # A shared launch runs for minutes on a loaded machine.
 
 
-def launch_workers(runs, out, num_workers=2, env=None, launch_args=()):
-  """Runs `runs` on `num_workers` workers writing to `out`; (status, output)."""
+def launch_workers(runs, out, num_workers=2, env=None, launch_args=(),
+                   command=None):
+  """Runs `runs` on `num_workers` workers writing to `out` (or each worker
+  runs `command`); (status, output)."""
+  command = command or (sys.executable, str(TESTS / "multi_worker_main.py"),
+                        ",".join(runs), str(out))
   done = subprocess.run(
       [sys.executable, "-m", "replicator_strategy.cli.launch", "--workers",
        str(num_workers), "--timeout", str(LAUNCH_TIMEOUT), *launch_args, "--",
-       sys.executable, str(TESTS / "multi_worker_main.py"), ",".join(runs),
-       str(out)],
+       *command],
       capture_output=True, text=True, timeout=LAUNCH_TIMEOUT + 30,
       check=False, env={**os.environ, **(env or {})})
   return done.returncode, done.stdout[-6000:] + done.stderr[-3000:]

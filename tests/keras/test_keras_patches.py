@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import types
 import unittest
 from unittest import mock
 
@@ -27,9 +28,12 @@ class PatchTableTest(unittest.TestCase):
   def test_uninstall_puts_back_every_keras_function_and_install_reapplies(self):
     patched = {(p.owner, p.name): getattr(p.owner, p.name)
                for p in keras_patches.PATCHES}
+    added = {(p.owner, p.name) for p in keras_patches.PATCHES if p.adds}
     try:
       keras_patches.uninstall()
-      shipped = {key: getattr(*key) for key in patched}
+      for owner, name in added:  # What Keras lacks is gone again.
+        self.assertFalse(hasattr(owner, name), name)
+      shipped = {key: getattr(*key) for key in patched if key not in added}
       for (owner, name), function in shipped.items():
         with self.subTest(name):
           self.assertIsNot(function, patched[(owner, name)])
@@ -42,7 +46,7 @@ class PatchTableTest(unittest.TestCase):
       keras_patches.install()
     reapplied = {key: getattr(*key) for key in patched}
     for key, function in reapplied.items():
-      self.assertIsNot(function, shipped[key])
+      self.assertIsNot(function, shipped.get(key))
     keras_patches.install()  # Once only: a second call wraps nothing again.
     for key, function in reapplied.items():
       self.assertIs(getattr(*key), function)
@@ -62,6 +66,45 @@ class PatchTableTest(unittest.TestCase):
     finally:
       keras_patches.install()
     self.assertEqual(len(model.predict_on_batch(np.ones((4, 2)))), 4)
+
+
+class AddedAttributeTest(unittest.TestCase):
+  """A row with `adds=True` gives an owner a name it lacks, for as long as
+  the patches are in place."""
+
+  def setUp(self):
+    super().setUp()
+    self.owner = types.ModuleType("shipped")
+    self.owner.kept = "Keras's own"
+    self.shipped = dict(vars(self.owner))
+
+  def _installed_with(self, table):
+    keras_patches.uninstall()
+    self.addCleanup(keras_patches.install)
+    patcher = mock.patch.object(keras_patches, "PATCHES", table)
+    patcher.start()
+    self.addCleanup(patcher.stop)
+    self.addCleanup(keras_patches.uninstall)  # Runs first: the table's own.
+    keras_patches.install()
+
+  def test_uninstall_deletes_what_install_added(self):
+    def added():
+      return "ours"
+
+    self._installed_with((keras_patches.Patch(
+        self.owner, "added", added, "always", adds=True),))
+    self.assertIs(self.owner.added, added)
+    keras_patches.uninstall()
+    self.assertEqual(vars(self.owner), self.shipped)
+    keras_patches.install()
+    self.assertIs(self.owner.added, added)
+
+  def test_a_name_the_owner_has_is_left_as_shipped(self):
+    self._installed_with((keras_patches.Patch(
+        self.owner, "kept", lambda: "ours", "always", adds=True),))
+    self.assertEqual(self.owner.kept, "Keras's own")
+    keras_patches.uninstall()
+    self.assertEqual(vars(self.owner), self.shipped)
 
 
 # Each method the table wraps more than once: its wrappers, outer to inner,

@@ -448,6 +448,26 @@ class OutputLayoutTest(unittest.TestCase):
     self.assertEqual(len(splits), 2)
 
 
+class ActivationTest(unittest.TestCase):
+
+  def test_a_softmax_over_split_features_sees_them_all(self):
+    layout_map = keras.distribution.LayoutMap(mesh(2))
+    layout_map[".*head/kernel"] = (None, "model")  # Column-parallel.
+    layout_map[".*head/bias"] = ("model",)
+    strategy = rs.ReplicatorStrategy(layout_map=layout_map)
+    with strategy.scope():
+      model = keras.Sequential([
+          keras.Input((FEATURES,)),
+          keras.layers.Dense(OUT, activation="softmax", name="head")])
+    x = tf.constant(data()[0][:BATCH])
+    logits = (x.numpy() @ model.layers[0].kernel.numpy() +
+              model.layers[0].bias.numpy())
+    want = np.exp(logits) / np.exp(logits).sum(-1, keepdims=True)
+    step = tf.function(lambda x: strategy.run(model, (x,)))
+    for part in strategy.experimental_local_results(step(x)):
+      np.testing.assert_allclose(part.numpy(), want, rtol=1e-5, atol=1e-6)
+
+
 class WarningsTest(unittest.TestCase):
 
   def test_a_key_matching_no_variable_is_warned_at_the_first_run(self):
