@@ -52,6 +52,7 @@ from keras.src.layers.convolutional.base_depthwise_conv import BaseDepthwiseConv
 from keras.src.layers.convolutional.base_separable_conv import BaseSeparableConv
 from keras.src.layers.pooling.base_pooling import BasePooling
 from keras.src.layers.regularization.spatial_dropout import BaseSpatialDropout
+from keras.src.backend.common import global_state  # Where the distribution set is kept.
 from keras.src.losses import loss  # Where Keras scales losses.
 from keras.src.optimizers.base_optimizer import clip_by_global_norm  # Its global_clipnorm.
 from keras.src.saving import saving_lib  # The H5 store of weights files.

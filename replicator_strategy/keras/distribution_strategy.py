@@ -15,6 +15,8 @@ so a script written the JAX way trains on every device with no `scope()`:
   all of them; the results are those of one device either way.
 - `ModelParallel`: `ReplicatorStrategy(layout_map=..., batch_dim_name=...)`:
   the layout map's kernels split over the model axis.
+- another `Distribution` (the base class, a subclass of neither): recorded
+  by Keras, served by nothing, with a warning once per class.
 
 Setting the same distribution again reuses its strategy; setting None
 undoes it, another replaces it; `with distribution.scope():` restores what
@@ -49,6 +51,7 @@ False
 
 import functools
 import threading
+import warnings
 import weakref
 
 import keras
@@ -62,6 +65,7 @@ from replicator_strategy.model_parallel import layouts as layouts_lib
 
 _strategies = weakref.WeakKeyDictionary()  # Distribution -> its strategy.
 _default = None  # The strategy this module made TF's default, if any.
+_warned = set()  # Distribution classes warned of as not served.
 _local = threading.local()  # .open: scopes open; .pending; .setting.
 
 
@@ -102,6 +106,30 @@ def served_by_a_strategy(set_distribution):
     strategy = _strategy_to_serve(value)  # Refused before anything changes.
     set_distribution(value)
     _served(value, strategy)
+
+  return wrapper
+
+
+def input_left_to_the_strategy(get_data_adapter):
+  """Keras's `get_data_adapter` with a distribution a ReplicatorStrategy
+  serves: the input left to the strategy, which splits each global batch
+  over every worker's replicas itself. Keras would cut it per process first
+  (`Distribution.distribute_dataset`), so each step would train on a part
+  of a part, and it refuses NumPy input across processes, which the
+  strategy takes."""
+
+  @functools.wraps(get_data_adapter)
+  def wrapper(*args, **kwargs):
+    distribution = keras.distribution.distribution()
+    if distribution is None or distribution not in _strategies:
+      return get_data_adapter(*args, **kwargs)
+    ki.global_state.set_global_attribute(
+        ki.distribution_lib.GLOBAL_ATTRIBUTE_NAME, None)
+    try:
+      return get_data_adapter(*args, **kwargs)
+    finally:
+      ki.global_state.set_global_attribute(
+          ki.distribution_lib.GLOBAL_ATTRIBUTE_NAME, distribution)
 
   return wrapper
 
@@ -295,14 +323,27 @@ def _made_for(distribution):
             (len(devices),), [distribution.batch_dim_name], devices),
         axis_roles={"batch": distribution.batch_dim_name})
   else:
-    raise ValueError(
-        f"Expected a keras.distribution.DataParallel or ModelParallel (or "
-        f"None) on TensorFlow. Received: {describe(distribution)}.")
+    _warn_unserved(distribution)
+    return None
   try:
     return make()
   except (ValueError, NotImplementedError) as e:
     raise ValueError(
         f"{describe(distribution)} cannot run on TensorFlow: {e}") from None
+
+
+def _warn_unserved(distribution):
+  """Another kind of Distribution: Keras records it, nothing serves it."""
+  kind = type(distribution)
+  if kind in _warned:
+    return
+  _warned.add(kind)
+  warnings.warn(
+      f"keras.distribution.set_distribution({describe(distribution)}): only "
+      f"a DataParallel or a ModelParallel (or a subclass) is served by a "
+      f"ReplicatorStrategy on TensorFlow, so nothing is distributed while it "
+      f"is set. Use one of those, or ReplicatorStrategy(...) directly.",
+      stacklevel=4)
 
 
 def describe(distribution):

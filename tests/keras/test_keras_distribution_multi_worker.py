@@ -3,11 +3,13 @@
 Two workers on 127.0.0.1, started by the launcher, each turn the TF_CONFIG
 it gives them into Keras's `KERAS_DISTRIBUTION_*` variables (as a JAX
 launch script sets them) and unset it; `keras.distribution.initialize()`
-then writes the cluster back for TensorFlow, and `rs.ReplicatorStrategy()`
-made afterwards trains over both workers (2 logical CPUs each) as one
-process with 4 replicas does, and `distribute_data_input` hands each
-worker's replicas that worker's rows. Bounded by the launcher's timeout, which stops
-every worker.
+then writes the cluster back for TensorFlow, and the ReplicatorStrategy that
+`set_distribution(DataParallel(...))` makes afterwards spans both workers (2
+logical CPUs each): `fit` on NumPy input (which Keras alone refuses across
+processes) and on a `tf.data` dataset of global batches trains as one
+process with 4 replicas does, and
+`distribute_data_input` hands each worker's replicas that worker's rows.
+Bounded by the launcher's timeout, which stops every worker.
 """
 
 import pathlib
@@ -38,13 +40,14 @@ os.environ["KERAS_DISTRIBUTION_PROCESS_ID"] = str(cluster["task"]["index"])
 
 import replicator_strategy as rs
 rs.split_cpu(2)
-rs.keras.install()
+rs.use_for_keras_distribution()
 import keras
+import tensorflow as tf
 from keras.src.backend import distribution_lib as backend
 keras.distribution.initialize()
-strategy = rs.ReplicatorStrategy(timeout_seconds=300)
-distribution = keras.distribution.DataParallel(
-    devices=["cpu:0", "cpu:1"], auto_shard_dataset=False)
+distribution = keras.distribution.DataParallel(devices=["cpu:0", "cpu:1"])
+keras.distribution.set_distribution(distribution)
+strategy = tf.distribute.get_strategy()
 
 import multi_worker_runs
 import numpy as np
@@ -60,6 +63,14 @@ results = {
     "process": [distribution.num_processes, backend.process_id()],
     "keras_fit": multi_worker_runs.keras_fit(strategy),
 }
+# The same rows as a tf.data dataset of global batches: split once, by the
+# strategy (Keras alone would cut each worker's part again).
+x, y = multi_worker_runs.data()
+model = multi_worker_runs._model(
+    strategy, lambda: keras.optimizers.Adam(0.01), loss="mse")
+model.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(
+    multi_worker_runs.GLOBAL_BATCH), epochs=3, verbose=0)
+results["dataset_fit"] = multi_worker_runs._weights(model)
 pathlib.Path(sys.argv[2], f"worker_{index}.json").write_text(
     json.dumps(results))
 """
@@ -85,6 +96,8 @@ class InitializeTwoWorkersTest(unittest.TestCase):
         self.assertEqual(worker["data_input"], [rows[:2], rows[2:]])
         test_multi_worker.assert_close_nested(
             self, worker["keras_fit"], reference)
+        test_multi_worker.assert_close_nested(
+            self, worker["dataset_fit"], reference["weights"])
 
 
 if __name__ == "__main__":

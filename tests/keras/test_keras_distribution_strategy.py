@@ -13,6 +13,7 @@ before, and uninstalling puts `set_distribution` back as shipped.
 import unittest
 
 import keras
+from keras.src.distribution import distribution_lib
 import numpy as np
 import tensorflow as tf
 
@@ -133,6 +134,17 @@ class SetDistributionTest(DistributionTestCase):
     finally:
       rs.use_for_keras_distribution()
     self.assertEqual(current().num_replicas_in_sync, 4)
+
+
+  def test_another_kind_of_distribution_is_recorded_and_warned_of(self):
+    # Keras's base class (not public), as its own tests set it.
+    base = distribution_lib.Distribution(mesh_2_by_2())
+    with self.assertWarnsRegex(UserWarning, "only a DataParallel or a "
+                               "ModelParallel .* nothing is distributed"):
+      with base.scope():
+        self.assertIs(keras.distribution.distribution(), base)
+        self.assertIsNone(current())
+    self.assertIsNone(keras.distribution.distribution())
 
 
 class RefusedDistributionTest(DistributionTestCase):
