@@ -29,6 +29,7 @@ tensorflow_logs.quiet_unless_asked()
 
 # Public name -> the module that defines it.
 _PUBLIC = {
+    "Pipeline": "replicator_strategy.options",
     "PreemptionCheckpoint": "replicator_strategy.cluster.preemption_checkpoint",
     "ReduceOp": "replicator_strategy.collectives.reduce_op",
     "ReplicaContext": "replicator_strategy.replica_context",

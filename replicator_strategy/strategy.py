@@ -147,7 +147,7 @@ class ReplicatorStrategy(tf.distribute.Strategy):
                layout_map=None, batch_dim_name=None, sync_groups=1,
                average_every=1, outer_optimizer=None,
                overlap_averaging=False, *, mesh=None, sharding=None, sync=None,
-               axis_roles=None):
+               axis_roles=None, pipeline=None):
     _check_timeout(timeout_seconds)
     compression_lib.wire_dtype(gradient_compression)  # Checks the name.
     sharding = options_lib.record(sharding, options_lib.Sharding, "sharding",
@@ -166,12 +166,18 @@ class ReplicatorStrategy(tf.distribute.Strategy):
       worker_runtime.start(cluster, timeout_seconds)
     model_layouts = (layouts.ModelLayouts(layout_map, batch_dim_name)
                      if layout_map is not None else None)
-    the_mesh, sync = mesh_lib.build(
+    if pipeline is not None and not isinstance(pipeline, options_lib.Pipeline):
+      raise ValueError(
+          f"Expected `pipeline` to be None or a replicator_strategy.Pipeline, "
+          f"such as rs.Pipeline(stages=2, microbatches=4). Received: "
+          f"pipeline={pipeline!r}.")
+    the_mesh, sync, pipeline = mesh_lib.build(
         mesh, axis_roles, batch_dim_name, devices, devices_per_replica,
-        model_layouts, sync, cluster.num_workers if cluster else 1)
+        model_layouts, sync, cluster.num_workers if cluster else 1, pipeline)
     options = options_lib.StrategyOptions(
         mesh=the_mesh, sharding=sharding, sync=sync,
-        gradient_compression=gradient_compression, layouts=model_layouts)
+        gradient_compression=gradient_compression, layouts=model_layouts,
+        pipeline=pipeline)
     super().__init__(extended_lib.ReplicatorExtended(
         self, options, all_reduce, cluster, timeout_seconds))
     self.averaging = rounds.Averaging(
