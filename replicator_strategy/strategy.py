@@ -270,6 +270,15 @@ class ReplicatorStrategy(tf.distribute.Strategy):
                                    non_trainable_variables, (step - 1, step))
     return True
 
+  def pipeline_stages(self, model):
+    """`model` cut into the stages of `ReplicatorStrategy(pipeline=...)`,
+    each stage's variables moved to its devices (once: Keras's `fit`,
+    `evaluate` and `predict` do it first otherwise); `pipeline.stages.Stage`s.
+    """
+    # Here, not above: the stages import Keras.
+    from replicator_strategy.pipeline import model_stages  # pylint: disable=g-import-not-at-top
+    return model_stages.stages_of(self, model)
+
   def logical_device_for_variables(self, logical_device_id):
     """Variables created inside live on each replica's `logical_device_id`.
 

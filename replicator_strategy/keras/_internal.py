@@ -115,6 +115,20 @@ def backend_variable(variable):
   return variable._value  # pylint: disable=protected-access
 
 
+def set_backend_variable(variable, value):
+  """Makes the Keras `variable` hold the backend variable `value` instead:
+  every layer and optimizer list that holds `variable` then reads `value`."""
+  variable._value = value  # pylint: disable=protected-access
+
+
+def reindex_weights(optimizer):
+  """Has a built `optimizer` find its weights again after their backend
+  variables changed (`set_backend_variable`): it keys them by those."""
+  optimizer._trainable_variables_indices = {  # pylint: disable=protected-access
+      optimizer._var_key(v): i  # pylint: disable=protected-access
+      for i, v in enumerate(optimizer_weights(optimizer))}
+
+
 def embeddings_variable(embedding):
   """An `Embedding` layer's table variable as it holds it (before LoRA or
   int4 unpacking), or None before it is built."""
