@@ -1,2 +1,13 @@
-"""Pipeline parallelism: a replica's model cut into stages, one per device of
-the mesh's "stage" axis (`ReplicatorStrategy(pipeline=rs.Pipeline(...))`)."""
+"""Pipeline parallelism: a model cut into stages, run over micro-batches.
+
+- `stages`: a model's layer calls cut into `Stage`s (balanced by parameter
+  count, or at named layers), every tensor that crosses a cut carried.
+- `balance`: where the cuts fall for stages of even cost.
+- `schedules` and `executor`: the order each device runs its forwards and
+  backwards in, and one replica's step run through it.
+- `placement` and `model_stages`: a strategy's stages, each stage's
+  variables on its devices (`ReplicatorStrategy(pipeline=...)`).
+
+The Keras model is read into calls by `replicator_strategy.keras.model_stages`
+(`split_model`).
+"""
