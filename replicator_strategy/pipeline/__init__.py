@@ -10,4 +10,7 @@
 
 The Keras model is read into calls by `replicator_strategy.keras.model_stages`
 (`split_model`).
+
+May import: `replicator_strategy._tf_internal`, `options`, `keras._internal`
+(to give a Keras variable its moved value) and its own modules.
 """
