@@ -27,6 +27,7 @@ import typing
 import tensorflow as tf
 
 from replicator_strategy import mesh as mesh_lib
+from replicator_strategy.pipeline import schedules
 
 # What `Sharding(weights=BATCH)` names: every trainable weight cut over the
 # batch axis, along its first dimension, a shard per replica.
@@ -209,8 +210,7 @@ def _check_sync_groups(sync_groups, average_every, outer_optimizer,
           f"or leave {name} out.")
 
 
-# The schedules `Pipeline(schedule=...)` names (`pipeline.schedules`).
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1")
+SCHEDULES = schedules.NAMES  # What `Pipeline(schedule=...)` names.
 
 
 @dataclasses.dataclass(frozen=True)

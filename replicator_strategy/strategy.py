@@ -276,8 +276,8 @@ class ReplicatorStrategy(tf.distribute.Strategy):
     `evaluate` and `predict` do it first otherwise); `pipeline.stages.Stage`s.
     """
     # Here, not above: the stages import Keras.
-    from replicator_strategy.pipeline import model_stages  # pylint: disable=g-import-not-at-top
-    return model_stages.stages_of(self, model)
+    from replicator_strategy.pipeline import placed_stages  # pylint: disable=g-import-not-at-top
+    return placed_stages.stages_of(self, model)
 
   def logical_device_for_variables(self, logical_device_id):
     """Variables created inside live on each replica's `logical_device_id`.

@@ -5,7 +5,7 @@
 - `balance`: where the cuts fall for stages of even cost.
 - `schedules` and `executor`: the order each device runs its forwards and
   backwards in, and one replica's step run through it.
-- `placement` and `model_stages`: a strategy's stages, each stage's
+- `placement` and `placed_stages`: a strategy's stages, each stage's
   variables on its devices (`ReplicatorStrategy(pipeline=...)`).
 
 The Keras model is read into calls by `replicator_strategy.keras.model_stages`

@@ -2,7 +2,7 @@
 
 A Keras model makes its weights when it is built, on each replica's first
 device, before anyone knows where the model is cut. When a pipeline first
-sees the model (`pipeline.keras_steps.stages_of`), every variable of stage s
+sees the model (`pipeline.placed_stages.stages_of`), every variable of stage s
 is made again on each replica's stage-s device with the value it holds, and
 the Keras variable is given it: layers, the optimizer's lists and saves hold
 the Keras variable, so they read the new one. An optimizer built before

@@ -13,9 +13,7 @@ import keras
 import numpy as np
 
 import replicator_strategy as rs
-import stand_ins
 
-stand_ins.install()
 
 
 def mlp():

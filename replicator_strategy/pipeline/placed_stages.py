@@ -2,7 +2,7 @@
 
 The first time a pipeline sees a model (its first `fit`, `evaluate` or
 `predict`, or `strategy.pipeline_stages(model)`), the model is cut into the
-strategy's stages (`pipeline.stages.split_model`) and each stage's variables
+strategy's stages (`keras.model_stages.split_model`) and each stage's variables
 move to its devices (`pipeline.placement`); later calls get the same stages.
 
 >>> import keras
@@ -43,9 +43,9 @@ def stages_of(strategy, model):
         f"Expected a ReplicatorStrategy with a pipeline, such as "
         f"ReplicatorStrategy(pipeline=rs.Pipeline(stages=2)). Received: "
         f"{strategy!r}.")
-  # Here, not above: the split is Keras's business, loaded with the model.
-  from replicator_strategy.pipeline import stages as stages_lib  # pylint: disable=g-import-not-at-top
-  stages = stages_lib.split_model(model, pipeline.cuts, pipeline.split)
+  # Here, not above: the split reads Keras's graph, loaded with the model.
+  from replicator_strategy.keras import model_stages  # pylint: disable=g-import-not-at-top
+  stages = model_stages.split_model(model, pipeline.cuts, pipeline.split)
   placement.place(strategy, stages, getattr(model, "optimizer", None))
   _CUT[model] = (weakref.ref(strategy), stages)
   return stages
