@@ -92,6 +92,8 @@ def _load():
     strategy.CREATION_HOOKS.append(keras_integration.patches.hold)
     strategy.SCOPE_HOOKS.append(
         keras_integration.distribution_strategy.scope_hook)
+    strategy.PIPELINE_STAGES.append(
+        keras_integration.stage_placement.stages_of)
   finally:
     _loading = False
 

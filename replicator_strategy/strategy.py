@@ -37,6 +37,9 @@ MAX_TIMEOUT_SECONDS = 10**9
 # adds the Keras patches' `hold` (they stay in place while a strategy lives),
 # so this module does not import replicator_strategy.keras.
 CREATION_HOOKS = []
+# Holds the function that cuts a Keras model into a strategy's pipeline
+# stages and places them (the loader adds `keras.stage_placement.stages_of`).
+PIPELINE_STAGES = []
 # Each is called as hook(strategy, scope) by `ReplicatorStrategy.scope()` and
 # returns the scope to hand out (the loader adds the Keras distribution's
 # check of a scope opened while `keras.distribution` has one set).
@@ -271,13 +274,11 @@ class ReplicatorStrategy(tf.distribute.Strategy):
     return True
 
   def pipeline_stages(self, model):
-    """`model` cut into the stages of `ReplicatorStrategy(pipeline=...)`,
-    each stage's variables moved to its devices (once: Keras's `fit`,
-    `evaluate` and `predict` do it first otherwise); `pipeline.stages.Stage`s.
-    """
-    # Here, not above: the stages import Keras.
-    from replicator_strategy.pipeline import placed_stages  # pylint: disable=g-import-not-at-top
-    return placed_stages.stages_of(self, model)
+    """The Keras `model` cut into the stages of `ReplicatorStrategy(
+    pipeline=...)`, each stage's variables moved to its devices (once:
+    Keras's `fit`, `evaluate` and `predict` do it first otherwise); a tuple
+    of `pipeline.stages.Stage`s."""
+    return PIPELINE_STAGES[0](self, model)
 
   def logical_device_for_variables(self, logical_device_id):
     """Variables created inside live on each replica's `logical_device_id`.

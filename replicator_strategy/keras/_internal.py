@@ -131,6 +131,17 @@ def reindex_weights(optimizer):
       for i, v in enumerate(optimizer_weights(optimizer))}
 
 
+def loss_tracker(model):
+  """The metric Keras's own steps add each batch's loss to (the "loss" log)."""
+  return model._loss_tracker  # pylint: disable=protected-access
+
+
+def compute_loss(model, **kwargs):
+  """`model`'s loss as Keras's own steps compute it (`Model._compute_loss`,
+  with every wrapper `PATCHES` put around it)."""
+  return model._compute_loss(**kwargs)  # pylint: disable=protected-access
+
+
 def embeddings_variable(embedding):
   """An `Embedding` layer's table variable as it holds it (before LoRA or
   int4 unpacking), or None before it is built."""

@@ -5,12 +5,10 @@
 - `balance`: where the cuts fall for stages of even cost.
 - `schedules` and `executor`: the order each device runs its forwards and
   backwards in, and one replica's step run through it.
-- `placement` and `placed_stages`: a strategy's stages, each stage's
-  variables on its devices (`ReplicatorStrategy(pipeline=...)`).
 
 The Keras model is read into calls by `replicator_strategy.keras.model_stages`
-(`split_model`).
+(`split_model`), its stages placed on a strategy's devices by
+`keras.stage_placement` and `fit`'s step run by `keras.pipeline_steps`.
 
-May import: `replicator_strategy._tf_internal`, `options`, `keras._internal`
-(to give a Keras variable its moved value) and its own modules.
+May import: `replicator_strategy._tf_internal` and its own modules.
 """

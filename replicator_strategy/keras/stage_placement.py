@@ -1,28 +1,74 @@
-"""Each stage's variables on its stage's devices, moved there once.
+"""A Keras model's pipeline stages, each stage's variables on its devices.
 
 A Keras model makes its weights when it is built, on each replica's first
-device, before anyone knows where the model is cut. When a pipeline first
-sees the model (`pipeline.placed_stages.stages_of`), every variable of stage s
-is made again on each replica's stage-s device with the value it holds, and
-the Keras variable is given it: layers, the optimizer's lists and saves hold
+device, before anyone knows where the model is cut. The first time a
+pipeline sees the model (its first `fit`, `evaluate` or `predict`, or
+`strategy.pipeline_stages(model)`), `stages_of` cuts it into the strategy's
+stages (`model_stages.split_model`) and makes every variable of stage s
+again on each replica's stage-s device, with the value it holds, and gives
+the Keras variable the new one: layers, the optimizer's lists and saves hold
 the Keras variable, so they read the new one. An optimizer built before
-gets its slots moved with their weights.
+gets its slots moved with their weights. Later calls get the same stages.
 
 >>> import keras
 >>> import replicator_strategy as rs
 >>> strategy = rs.ReplicatorStrategy(pipeline=rs.Pipeline(stages=2))
 >>> with strategy.scope():
-...   dense = keras.layers.Dense(2)
-...   dense.build((None, 3))
->>> move(strategy, dense.kernel, logical_device=1)
->>> [c.device[-5:] for c in dense.kernel.value.values]
+...   model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8),
+...                             keras.layers.Dense(2)])
+>>> stages = stages_of(strategy, model)
+>>> [c.device[-5:] for c in stages[1].variables[0].value.values]
 ['CPU:1', 'CPU:3']
 """
+
+import weakref
 
 import tensorflow as tf
 
 from replicator_strategy import _tf_internal as tfi
+from replicator_strategy import options as options_lib
 from replicator_strategy.keras import _internal as ki
+from replicator_strategy.keras import model_stages
+
+# Model -> (a weak reference to the strategy, its stages).
+_CUT = weakref.WeakKeyDictionary()
+
+
+def pipeline_of(strategy):
+  """`strategy`'s `Pipeline` when it has one, else None."""
+  options = options_lib.of(strategy)
+  return options.pipeline if options is not None else None
+
+
+def stages_of(strategy, model):
+  """`model`'s stages under `strategy`'s pipeline, each stage's variables
+  (and the slots of an optimizer already built) on its devices."""
+  cut = _CUT.get(model)
+  if cut is not None and cut[0]() is strategy:
+    return cut[1]
+  pipeline = pipeline_of(strategy)
+  if pipeline is None:
+    raise ValueError(
+        f"Expected a ReplicatorStrategy with a pipeline, such as "
+        f"ReplicatorStrategy(pipeline=rs.Pipeline(stages=2)). Received: "
+        f"{strategy!r}.")
+  stages = model_stages.split_model(model, pipeline.cuts, pipeline.split)
+  place(strategy, stages, getattr(model, "optimizer", None))
+  _CUT[model] = (weakref.ref(strategy), stages)
+  return stages
+
+
+def placed(strategy, model):
+  """`model`'s stages as `stages_of` cut and placed them: in a step traced
+  in a replica, where no variable may be made."""
+  cut = _CUT.get(model)
+  if cut is None or cut[0]() is not strategy:
+    raise ValueError(
+        f"The pipeline has not placed model {model.name!r}'s stages on their "
+        f"devices yet, which a traced step cannot do. Call "
+        f"strategy.pipeline_stages(model) once, eagerly, before the step "
+        f"(Keras's fit, evaluate and predict do).")
+  return cut[1]
 
 
 def stage_logical_device(strategy, stage_index):
