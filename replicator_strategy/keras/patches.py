@@ -238,6 +238,14 @@ PATCHES = (
                    "test_on_batch")),
     Patch(_MODEL, "train_step", pipeline_steps.pipelined_train_step,
           _PIPELINE + ": a replica's step through the schedule"),
+    # predict_step, outer to inner: forward_through_stages,
+    # predict_step_per_device; Layer.__call__: stage_by_stage_call,
+    # output_layouts. Either order works: a pipeline has no layout map.
+    *(Patch(_MODEL, name, pipeline_steps.forward_through_stages,
+            _PIPELINE + ": the model's call run stage by stage")
+      for name in ("test_step", "predict_step")),
+    Patch(keras.Layer, "__call__", pipeline_steps.stage_by_stage_call,
+          _PIPELINE + ": the model a replica's test or predict step calls"),
     # make_train_function, outer to inner: stages_placed_first,
     # rounds_after_steps (sync groups, above); make_predict_function:
     # stages_placed_first, predict_compiled_per_device. Outermost, the

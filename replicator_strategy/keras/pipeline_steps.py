@@ -9,13 +9,16 @@ schedule's forwards and backwards on the stages' devices
 (`pipeline.executor.run`); the gradients, summed over the micro-batches,
 are applied once, as Keras's step applies the whole batch's, and the
 metrics see the model's outputs for the whole batch. One step is one
-device's step on the same batch.
+device's step on the same batch. `evaluate` and `predict` run Keras's own
+steps, the model's call stage by stage, each on its device
+(`forward_through_stages`, `stage_by_stage_call`).
 
 The loss must be a mean over the rows (Keras's default reduction); a model
 with regularization losses (`model.losses`) is refused for now.
 """
 
 import functools
+import threading
 
 import keras
 import tensorflow as tf
@@ -23,6 +26,11 @@ import tensorflow as tf
 from replicator_strategy.keras import _internal as ki
 from replicator_strategy.keras import stage_placement
 from replicator_strategy.pipeline import schedules
+from replicator_strategy.pipeline import stages as stages_lib
+
+# The model whose call runs stage by stage now, its stages and their
+# devices; each replica runs in its own thread.
+_forward = threading.local()
 
 
 def stages_placed_first(make_function):
@@ -53,6 +61,61 @@ def pipelined_train_step(train_step):
   return wrapper
 
 
+def forward_through_stages(step):
+  """`Model.test_step` or `predict_step`, in a replica of a pipeline: Keras's
+  own, the model's call run stage by stage (`stage_by_stage_call`)."""
+
+  @functools.wraps(step)
+  def wrapper(self, data):
+    strategy = tf.distribute.get_strategy()
+    if (stage_placement.pipeline_of(strategy) is None or
+        tf.distribute.in_cross_replica_context()):
+      return step(self, data)
+    stages = stage_placement.placed(strategy, self)
+    previous = getattr(_forward, "call", None)
+    _forward.call = (self, stages, _stage_devices(strategy, stages))
+    try:
+      return step(self, data)
+    finally:
+      _forward.call = previous
+
+  return wrapper
+
+
+def stage_by_stage_call(layer_call):
+  """`Layer.__call__`: the model `forward_through_stages` marked, run stage by
+  stage, each stage's ops on its device of this replica."""
+
+  @functools.wraps(layer_call)
+  def wrapper(self, *args, **kwargs):
+    marked = getattr(_forward, "call", None)
+    if marked is None or marked[0] is not self:
+      return layer_call(self, *args, **kwargs)
+    _, stages, devices = marked
+    _forward.call = None  # The stages' own layer calls are Keras's.
+    try:
+      tensors = stages_lib.model_inputs(stages, args[0])
+      for stage, device in zip(stages, devices):
+        with tf.device(device):
+          tensors = stage(tensors, training=kwargs.get("training"))
+      outputs = stages[-1].graph.outputs
+      return stages[-1].graph.pack(
+          [tensors[stages_lib.output_name(i)] for i in range(len(outputs))])
+    finally:
+      _forward.call = marked
+
+  return wrapper
+
+
+def _stage_devices(strategy, stages):
+  """Each of `stages`' device in this replica: stage j on the pipeline's
+  device j % S (an interleaved schedule's stages wrap around)."""
+  local = tf.distribute.get_replica_context().local_index
+  devices = [d[0] for d in
+             strategy.extended.logical_devices.stage_devices(local)]
+  return [devices[j % len(devices)] for j in range(len(stages))]
+
+
 def _train_step(model, strategy, pipeline, data):
   # Local import: the executor imports nothing of Keras, but loads with it.
   from replicator_strategy.pipeline import executor  # pylint: disable=g-import-not-at-top
@@ -64,9 +127,6 @@ def _train_step(model, strategy, pipeline, data):
         f"{len(model.losses)} of them. Remove the regularizers, or train "
         f"without `pipeline=`.")
   x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-  local = tf.distribute.get_replica_context().local_index
-  devices = [d[0] for d in
-             strategy.extended.logical_devices.stage_devices(local)]
   plan = schedules.schedule(pipeline.schedule, pipeline.stages,
                             pipeline.microbatches, pipeline.virtual)
 
@@ -74,7 +134,8 @@ def _train_step(model, strategy, pipeline, data):
     return ki.compute_loss(model, x=None, y=y, y_pred=y_pred,
                            sample_weight=sample_weight, training=True)
 
-  step = executor.run(plan, stages, devices, x, y, micro_loss,
+  step = executor.run(plan, stages, _stage_devices(strategy, stages), x, y,
+                      micro_loss,
                       sample_weight=sample_weight, training=True)
   rows = tf.shape(tf.nest.flatten(x)[0])[0]
   ki.loss_tracker(model).update_state(

@@ -118,6 +118,9 @@ LAYERING = {
                                            "rounds_after_steps"],
     (keras.Model, "make_predict_function"): ["stages_placed_first",
                                              "predict_compiled_per_device"],
+    (keras.Model, "predict_step"): ["forward_through_stages",
+                                    "predict_step_per_device"],
+    (keras.Layer, "__call__"): ["stage_by_stage_call", "output_layouts"],
     (keras.optimizers.Optimizer, "_all_reduce_sum_gradients"): [
         "gather_for_clipping", "split_in_parts", "slices_as_on_one_device",
         "skip_if_reduced", "compressed_on_the_wire"],

@@ -113,6 +113,33 @@ class PipelineFitTest(parameterized.TestCase):
         ("dense_0", "CPU:2"): 4, ("dense_1", "CPU:2"): 4,
         ("dense_2", "CPU:3"): 4, ("dense_3", "CPU:3"): 4})
 
+  def test_evaluate_and_predict_run_stage_by_stage(self):
+    x, y = data()
+    one = mlp()
+    one.set_weights(initial_weights())
+    one.compile(loss="mse", metrics=["mae"])
+    TracedDense.calls.clear()
+    strategy = rs.ReplicatorStrategy(
+        pipeline=rs.Pipeline(stages=2, microbatches=2))
+    with strategy.scope():
+      model = mlp(TracedDense)
+      model.set_weights(initial_weights())
+      model.compile(loss="mse", metrics=["mae"])
+    np.testing.assert_allclose(model.evaluate(x, y, batch_size=BATCH,
+                                              verbose=0),
+                               one.evaluate(x, y, batch_size=BATCH, verbose=0),
+                               rtol=1e-5)
+    np.testing.assert_allclose(model.predict(x, batch_size=BATCH, verbose=0),
+                               one.predict(x, batch_size=BATCH, verbose=0),
+                               rtol=1e-5, atol=1e-6)
+    traced = {k: n for k, n in TracedDense.calls.items() if k[1]}
+    # evaluate's step and predict's, once a replica, each layer on its stage.
+    self.assertEqual(traced, {
+        ("dense_0", "CPU:0"): 2, ("dense_1", "CPU:0"): 2,
+        ("dense_2", "CPU:1"): 2, ("dense_3", "CPU:1"): 2,
+        ("dense_0", "CPU:2"): 2, ("dense_1", "CPU:2"): 2,
+        ("dense_2", "CPU:3"): 2, ("dense_3", "CPU:3"): 2})
+
   def test_regularization_losses_are_refused(self):
     strategy = rs.ReplicatorStrategy(pipeline=rs.Pipeline(stages=2))
     with strategy.scope():
