@@ -66,7 +66,8 @@ def run(plan, stages, stage_devices, x, y, loss_fn, sample_weight=None,
     stages: the `Stage`s, in the model's order.
     stage_devices: a device per pipeline device (`len(plan)`), or per stage.
     x, y, sample_weight: the batch (nests of tensors; `x`'s flat i-th tensor
-      is the stages' "input:i"). Cut into `plan.microbatches` micro-batches
+      is the stages' "input:i", or `x` maps those names to tensors, as
+      `stages.model_inputs` gives them). Cut into `plan.microbatches` micro-batches
       of `N // M` or `N // M + 1` rows, the larger first.
     loss_fn: `(y, y_pred, sample_weight) -> scalar`, the micro-batch's mean
       loss; `y_pred` is the tensor "output:0", or the list of "output:i".
@@ -110,15 +111,16 @@ class _Run:
   def split_batch(self, x, y, sample_weight):
     """Cuts x (on its first consumer's device), y and the weights (on the
     last stage's) into micro-batches."""
-    flat_x = tf.nest.flatten(x)
+    named = x if isinstance(x, dict) and all(
+        str(k).startswith("input:") for k in x) else {
+            f"input:{i}": t for i, t in enumerate(tf.nest.flatten(x))}
     m_count = self.plan.microbatches
-    rows = tf.shape(flat_x[0])[0]
+    rows = tf.shape(next(iter(named.values())))[0]
     sizes = rows // m_count + tf.cast(tf.range(m_count) < rows % m_count,
                                       rows.dtype)
     cut = lambda t: tf.split(t, sizes, num=m_count)
     self.inputs = {}
-    for i, tensor in enumerate(flat_x):
-      name = f"input:{i}"
+    for name, tensor in named.items():
       users = [j for j, s in enumerate(self.stages) if name in s.inputs]
       with tf.device(self.devices[users[0] if users else 0]):
         self.inputs[name] = cut(tensor)

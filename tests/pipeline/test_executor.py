@@ -8,7 +8,8 @@ carried through a middle one), with sample weights: the loss, gradients
 and outputs equal one device's on the whole batch (rtol 1e-5), eagerly and
 inside `tf.function`; the traced graph places each stage's ops on its
 device and orders each device's actions as the schedule says. The stages
-here are stand-ins for `stages.split_model`'s. `training=True` is passed
+are stand-ins, and `keras.model_stages.split_model`'s cut of a Functional
+model with two inputs and residuals. `training=True` is passed
 (the layers have no dropout: equal random draws on one device and in a
 pipeline are the integration's to test).
 """
@@ -21,8 +22,10 @@ import numpy as np
 from parameterized import parameterized
 import tensorflow as tf
 
+from replicator_strategy.keras import model_stages
 from replicator_strategy.pipeline import executor
 from replicator_strategy.pipeline import schedules
+from replicator_strategy.pipeline import stages as stages_lib
 
 ROWS, FEATURES, WIDTH = 10, 5, 6
 DEVICES = [f"/device:CPU:{i}" for i in range(4)]
@@ -121,6 +124,19 @@ def build(stages, x):
     tensors.update(stage(tensors, training=True))
 
 
+def residual_model():
+  """8 Dense layers, a residual around every pair, two inputs."""
+  keras.utils.set_random_seed(3)
+  x = keras.Input((FEATURES,))
+  extra = keras.Input((1,))
+  h = keras.layers.Dense(WIDTH, activation="tanh")(x)
+  for _ in range(3):
+    inner = keras.layers.Dense(WIDTH, activation="tanh")(h)
+    h = h + keras.layers.Dense(WIDTH, activation="tanh")(inner)
+  h = keras.layers.Dense(2)(h) * extra
+  return keras.Model([x, extra], h)
+
+
 class ExecutorTest(unittest.TestCase):
 
   def assert_step_equals_one_device(self, model, name, s, v, m, compiled=False,
@@ -157,6 +173,30 @@ class ExecutorTest(unittest.TestCase):
   @parameterized.expand([(name, name, v) for name, v in SCHEDULES])
   def test_in_tf_function(self, _, name, v):
     self.assert_step_equals_one_device(skip, name, 4, v, 3, compiled=True)
+
+  @parameterized.expand([
+      (f"{name}_{s}stages", name, s, v)
+      for (name, v), s in itertools.product(SCHEDULES, (2, 4))])
+  def test_split_model_equals_the_model(self, _, name, s, v):
+    model = residual_model()
+    stages = model_stages.split_model(model, s * v)
+    self.assertEqual(len(stages), s * v)
+    x, y, w = batch()
+    inputs = [x, x[:, :1] + 1.0]
+    plan = schedules.schedule(name, s, 3, v)
+    step = executor.run(plan, stages, DEVICES[:s],
+                        stages_lib.model_inputs(stages, inputs), y, loss_fn,
+                        sample_weight=w)
+    with tf.GradientTape() as tape:
+      outputs = model(inputs, training=True)
+      loss = loss_fn(y, outputs, w)
+    grads = tape.gradient(loss, executor.variables(stages))
+    self.assertCountEqual([v.path for v in executor.variables(stages)],
+                          [v.path for v in model.trainable_variables])
+    np.testing.assert_allclose(step.loss, loss, rtol=1e-5)
+    np.testing.assert_allclose(step.outputs, outputs, rtol=1e-5, atol=1e-7)
+    for got, want in zip(step.gradients, grads):
+      np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
 
   def test_fewer_rows_than_microbatches(self):
     self.assert_step_equals_one_device(mlp, "1f1b", 2, 1, 4, rows=3)
