@@ -198,6 +198,31 @@ class ExecutorTest(unittest.TestCase):
     for got, want in zip(step.gradients, grads):
       np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
 
+  @parameterized.expand([("1f1b",), ("zb_h1",)])
+  def test_token_ids_and_an_embedding(self, name):
+    # Integer inputs take no gradient; the table's gradient is sparse
+    # (IndexedSlices), summed over the micro-batches as such.
+    keras.utils.set_random_seed(4)
+    ids = keras.Input((3,), dtype="int32")
+    h = keras.layers.Embedding(7, WIDTH)(ids)
+    h = keras.layers.Dense(WIDTH, activation="tanh")(h)
+    model = keras.Model(ids, keras.layers.Dense(2)(h[:, 0]))
+    stages = model_stages.split_model(model, 2)
+    x = tf.constant(np.random.default_rng(0).integers(0, 7, (ROWS, 3)))
+    _, y, w = batch()
+    step = tf.function(lambda x, y, w: executor.run(
+        schedules.schedule(name, 2, 3), stages, DEVICES[:2], x, y, loss_fn,
+        sample_weight=w))(x, y, w)
+    with tf.GradientTape() as tape:
+      loss = loss_fn(y, model(x, training=True), w)
+    grads = tape.gradient(loss, executor.variables(stages))
+    self.assertIsInstance(step.gradients[0], tf.IndexedSlices)
+    np.testing.assert_allclose(step.loss, loss, rtol=1e-5)
+    for got, want in zip(step.gradients, grads):
+      np.testing.assert_allclose(tf.convert_to_tensor(got),
+                                 tf.convert_to_tensor(want), rtol=1e-5,
+                                 atol=1e-7)
+
   def test_fewer_rows_than_microbatches(self):
     self.assert_step_equals_one_device(mlp, "1f1b", 2, 1, 4, rows=3)
     self.assert_step_equals_one_device(mlp, "zb_h1", 2, 1, 4, rows=3,
