@@ -3,12 +3,12 @@
 - `stages`: a model's layer calls cut into `Stage`s (balanced by parameter
   count, or at named layers), every tensor that crosses a cut carried.
 - `balance`: where the cuts fall for stages of even cost.
-- `schedules` and `executor`: the order each device runs its forwards and
-  backwards in, and one replica's step run through it.
+- `schedules`: the order of each device's forwards and backwards over the
+  micro-batches (GPipe, 1F1B, interleaved 1F1B, ZB-H1), their bubble.
+- `executor`: one replica's training step run through a schedule.
 
-The Keras model is read into calls by `replicator_strategy.keras.model_stages`
+May import: `replicator_strategy._tf_internal` and its own modules. The Keras
+model is read into calls by `replicator_strategy.keras.model_stages`
 (`split_model`), its stages placed on a strategy's devices by
 `keras.stage_placement` and `fit`'s step run by `keras.pipeline_steps`.
-
-May import: `replicator_strategy._tf_internal` and its own modules.
 """

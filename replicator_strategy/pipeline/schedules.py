@@ -275,15 +275,23 @@ def bubble_fraction(plan, cost=None):
   return (total - sum(placed.busy(d) for d in range(len(plan)))) / total
 
 
-def peak_in_flight(plan):
-  """Per device, the most (stage, micro-batch) activations it holds at once:
-  from an F until the backward that frees them (W if split, else B)."""
+def peak_in_flight(plan, sizes=None):
+  """Per device, the most activations it holds at once: a (stage,
+  micro-batch)'s from its F until the backward that frees them (W if split,
+  else B).
+
+  Args:
+    plan: a `Schedule`.
+    sizes: per stage, what one micro-batch's activations of it take (bytes,
+      say); by default 1 each, so the peak counts (stage, micro-batch) pairs.
+  """
+  sizes = sizes or [1] * plan.stages
   last = "W" if plan.split_backward else "B"
   peaks = []
   for actions in plan:
     held = peak = 0
     for a in actions:
-      held += (a.kind == "F") - (a.kind == last)
+      held += sizes[a.stage] * ((a.kind == "F") - (a.kind == last))
       peak = max(peak, held)
     peaks.append(peak)
   return tuple(peaks)

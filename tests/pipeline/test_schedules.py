@@ -7,7 +7,7 @@ forward as long as a whole backward: (S-1)/(M+S-1) for GPipe and 1F1B,
 (S-1)/(vM+S-1) for interleaved 1F1B (the bubble time divided by v), and with
 F, B and W equally long, ZB-H1's at most half of 1F1B's (M >= S). Memory:
 1F1B's device s holds min(S - s, M) micro-batches, GPipe's M; ZB-H1's at
-most 1F1B's peak, min(S, M).
+most 1F1B's peak, min(S, M); in bytes, given each stage's per micro-batch.
 """
 
 import itertools
@@ -126,6 +126,22 @@ class MemoryTest(unittest.TestCase):
         self.assertLessEqual(
             max(schedules.peak_in_flight(schedules.schedule("zb_h1", s, m))),
             min(s, m))
+
+  def test_peak_activation_bytes(self):
+    # Stage j's activations take 10 ** j bytes a micro-batch.
+    for s, m in GRID:
+      sizes = [10 ** j for j in range(s)]
+      with self.subTest(stages=s, microbatches=m):
+        self.assertEqual(
+            schedules.peak_in_flight(schedules.schedule("1f1b", s, m), sizes),
+            tuple(min(s - d, m) * 10 ** d for d in range(s)))
+        self.assertEqual(
+            schedules.peak_in_flight(schedules.schedule("gpipe", s, m), sizes),
+            tuple(m * 10 ** d for d in range(s)))
+    # Interleaved: device 0 of 2 holds stages 0 and 2.
+    plan = schedules.schedule("interleaved_1f1b", 2, 1, 2)
+    self.assertEqual(schedules.peak_in_flight(plan, [1, 10, 100, 1000]),
+                     (101, 1010))
 
   def test_zb_h1_defers_w(self):
     plan = schedules.schedule("zb_h1", 4, 8)
