@@ -134,8 +134,8 @@ def _train_step(model, strategy, pipeline, data):
     return ki.compute_loss(model, x=None, y=y, y_pred=y_pred,
                            sample_weight=sample_weight, training=True)
 
-  step = executor.run(plan, stages, _stage_devices(strategy, stages), x, y,
-                      micro_loss,
+  step = executor.run(plan, stages, _stage_devices(strategy, stages),
+                      stages_lib.model_inputs(stages, x), y, micro_loss,
                       sample_weight=sample_weight, training=True)
   rows = tf.shape(tf.nest.flatten(x)[0])[0]
   ki.loss_tracker(model).update_state(
