@@ -174,6 +174,11 @@ class ReplicatorStrategy(tf.distribute.Strategy):
           f"Expected `pipeline` to be None or a replicator_strategy.Pipeline, "
           f"such as rs.Pipeline(stages=2, microbatches=4). Received: "
           f"pipeline={pipeline!r}.")
+    if pipeline is not None and sharding != options_lib.Sharding():
+      raise NotImplementedError(
+          f"A pipeline with sharded optimizer state or weights is not "
+          f"supported yet. Received: pipeline={pipeline!r} and "
+          f"sharding={sharding!r}. Pass one of them.")
     the_mesh, sync, pipeline = mesh_lib.build(
         mesh, axis_roles, batch_dim_name, devices, devices_per_replica,
         model_layouts, sync, cluster.num_workers if cluster else 1, pipeline)

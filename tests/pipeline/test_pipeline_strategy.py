@@ -65,6 +65,18 @@ class PipelineOptionsTest(unittest.TestCase):
                                 r"replicator_strategy.Pipeline.*pipeline=2"):
       rs.ReplicatorStrategy(pipeline=2)
 
+  def test_what_does_not_compose_yet(self):
+    pipeline = rs.Pipeline(stages=2)
+    layout_map = keras.distribution.LayoutMap(
+        device_mesh((2, 2), ("batch", "model")))
+    for kwargs in (dict(shard_optimizer_state=True),
+                   dict(sharding=rs.Sharding(weights="batch")),
+                   dict(layout_map=layout_map)):
+      with self.subTest(list(kwargs)), self.assertRaisesRegex(
+          NotImplementedError, r"A pipeline with .* not supported yet. "
+          r"Received: pipeline=Pipeline\(stages=2"):
+        rs.ReplicatorStrategy(pipeline=pipeline, **kwargs)
+
   def test_a_mesh_whose_stages_disagree(self):
     with self.assertRaisesRegex(ValueError, r"The mesh has 2 stage\(s\).*but "
                                 r"pipeline stages=4"):
