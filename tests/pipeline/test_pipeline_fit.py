@@ -14,6 +14,7 @@ import unittest
 
 import keras
 import numpy as np
+import tensorflow as tf
 from absl.testing import parameterized
 
 import replicator_strategy as rs
@@ -139,6 +140,35 @@ class PipelineFitTest(parameterized.TestCase):
         ("dense_2", "CPU:1"): 2, ("dense_3", "CPU:1"): 2,
         ("dense_0", "CPU:2"): 2, ("dense_1", "CPU:2"): 2,
         ("dense_2", "CPU:3"): 2, ("dense_3", "CPU:3"): 2})
+
+  def test_a_custom_loop_runs_the_pipelined_train_step(self):
+    strategy = rs.ReplicatorStrategy(
+        pipeline=rs.Pipeline(stages=2, microbatches=2))
+    with strategy.scope():
+      model = mlp()
+      model.set_weights(initial_weights())
+      model.compile(keras.optimizers.Adam(0.01), "mse", metrics=["mae"])
+    strategy.pipeline_stages(model)  # Eagerly, before the step is traced.
+    batches = strategy.experimental_distribute_dataset(
+        tf.data.Dataset.from_tensor_slices(data()).batch(BATCH))
+
+    @tf.function
+    def step(batch):
+      return strategy.run(model.train_step, args=(batch,))
+
+    for batch in batches:
+      step(batch)
+    for a, b in zip(model.get_weights(), self.weights):
+      np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+  def test_a_step_traced_before_the_stages_are_placed(self):
+    strategy = rs.ReplicatorStrategy(pipeline=rs.Pipeline(stages=2))
+    with strategy.scope():
+      model = mlp()
+      model.compile("sgd", "mse")
+    with self.assertRaisesRegex(ValueError, r"has not placed model .* Call "
+                                r"strategy.pipeline_stages\(model\) once"):
+      strategy.run(tf.function(model.train_step), args=(data(),))
 
   def test_regularization_losses_are_refused(self):
     strategy = rs.ReplicatorStrategy(pipeline=rs.Pipeline(stages=2))
