@@ -14,7 +14,8 @@ steps, the model's call stage by stage, each on its device
 (`forward_through_stages`, `stage_by_stage_call`).
 
 The loss must be a mean over the rows (Keras's default reduction); a model
-with regularization losses (`model.losses`) is refused for now.
+with regularization losses (`model.losses`) or a `LossScaleOptimizer` is
+refused for now.
 """
 
 import functools
@@ -126,6 +127,12 @@ def _train_step(model, strategy, pipeline, data):
         f"across its stages yet. Received: model {model.name!r} with "
         f"{len(model.losses)} of them. Remove the regularizers, or train "
         f"without `pipeline=`.")
+  if isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer):
+    raise NotImplementedError(
+        f"A pipeline does not scale its micro-batches' losses for a "
+        f"LossScaleOptimizer yet. Received: model {model.name!r} compiled "
+        f"with {type(model.optimizer).__name__} (mixed_float16 makes one). "
+        f"Use a float32 or bfloat16 policy, or train without `pipeline=`.")
   x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
   plan = schedules.schedule(pipeline.schedule, pipeline.stages,
                             pipeline.microbatches, pipeline.virtual)
