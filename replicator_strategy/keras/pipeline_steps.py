@@ -53,11 +53,10 @@ def pipelined_train_step(train_step):
 
   @functools.wraps(train_step)
   def wrapper(self, data):
-    strategy = tf.distribute.get_strategy()
-    pipeline = stage_placement.pipeline_of(strategy)
-    if pipeline is None or tf.distribute.in_cross_replica_context():
+    here = _pipeline_replica()
+    if here is None:
       return train_step(self, data)
-    return _train_step(self, strategy, pipeline, data)
+    return _train_step(self, *here, data)
 
   return wrapper
 
@@ -68,10 +67,10 @@ def forward_through_stages(step):
 
   @functools.wraps(step)
   def wrapper(self, data):
-    strategy = tf.distribute.get_strategy()
-    if (stage_placement.pipeline_of(strategy) is None or
-        tf.distribute.in_cross_replica_context()):
+    here = _pipeline_replica()
+    if here is None:
       return step(self, data)
+    strategy = here[0]
     stages = stage_placement.placed(strategy, self)
     previous = getattr(_forward, "call", None)
     _forward.call = (self, stages, _stage_devices(strategy, stages))
@@ -106,6 +105,16 @@ def stage_by_stage_call(layer_call):
       _forward.call = marked
 
   return wrapper
+
+
+def _pipeline_replica():
+  """(the strategy, its `Pipeline`) in a replica of a pipeline strategy,
+  else None."""
+  strategy = tf.distribute.get_strategy()
+  pipeline = stage_placement.pipeline_of(strategy)
+  if pipeline is None or tf.distribute.in_cross_replica_context():
+    return None
+  return strategy, pipeline
 
 
 def _stage_devices(strategy, stages):
