@@ -22,26 +22,44 @@ import functools
 import keras
 
 from replicator_strategy.keras import _internal
+from replicator_strategy.pipeline import balance as balance_lib
 from replicator_strategy.pipeline import stages as stages_lib
 
 _MASK = "/mask"
+BALANCES = ("params", "time")
 
 
-def split_model(model, stages, split=None):
+def split_model(model, stages, split=None, balance="params", sample=None):
   """`model` cut into `stages` consecutive `pipeline.stages.Stage`s.
 
   Args:
     model: a built Keras Functional or Sequential model.
     stages: how many stages (an int >= 1).
-    split: None (the cuts balance the stages' parameter counts, see
-      `pipeline.balance`), or the name of the first layer of each stage
-      after the first (`stages` - 1 names, in call order).
+    split: None (cut where `balance` says), or the name of the first layer
+      of each stage after the first (`stages` - 1 names, in call order).
+    balance: what the cuts even out (the rule is `pipeline.balance`'s):
+      "params", the stages' parameter counts, or "time", their layers'
+      forward times measured on `sample`.
+    sample: a batch of the model's input, for `balance="time"`.
 
   Returns:
     A tuple of Stages; running them in order (`pipeline.stages.
     model_outputs`) computes what `model(x, training=...)` does.
   """
-  return stages_lib.cut(layer_graph(model), stages, split)
+  if balance not in BALANCES:
+    raise ValueError(
+        f"Expected `balance` to be one of {BALANCES}. Received: "
+        f"balance={balance!r}.")
+  if balance == "time" and sample is None:
+    raise ValueError(
+        "balance='time' measures each layer's forward time on a sample "
+        "batch. Received: sample=None. Pass sample=<a batch of the model's "
+        "input> (a few rows as in training), or balance='params'.")
+  graph = layer_graph(model)
+  costs = None
+  if balance == "time" and split is None:
+    costs = balance_lib.timed_costs(graph.calls, graph.feed(sample))
+  return stages_lib.cut(graph, stages, split, costs)
 
 
 def _functional_graph(model):

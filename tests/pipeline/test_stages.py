@@ -194,6 +194,51 @@ class BalancedCutsTest(unittest.TestCase):
       self.assertEqual([s.params for s in stages], [624, 548])
 
 
+class Slow(layers.Layer):
+  """No weights, much work: parameter counts miss its cost, time does not."""
+
+  def call(self, x):
+    for _ in range(100):
+      x = keras.ops.tanh(x)
+    return x
+
+
+class TimeBalanceTest(unittest.TestCase):
+
+  def test_a_slow_layer_without_weights_gets_a_stage_of_its_own(self):
+    keras.utils.set_random_seed(6)
+    model = keras.Sequential(
+        [keras.Input((8,)), Slow(name="slow")] +
+        [layers.Dense(8, name=f"dense_{i}") for i in range(3)])
+    x = np.ones((4, 8), "float32")
+    by_params = split_model(model, 2)
+    self.assertEqual([layer.name for layer in by_params[0].layers],
+                     ["slow", "dense_0", "dense_1"])
+    by_time = split_model(model, 2, balance="time", sample=x)
+    self.assertEqual([layer.name for layer in by_time[0].layers], ["slow"])
+    assert_exactly_equal(self, stages_lib.model_outputs(by_time, x), model(x))
+
+  def test_bad_balance(self):
+    with self.assertRaisesRegex(ValueError, r"`balance` to be one of "
+                                r"\('params', 'time'\).*balance='flops'"):
+      split_model(mlp(), 2, balance="flops")
+    with self.assertRaisesRegex(ValueError, r"sample=None. Pass sample="):
+      split_model(mlp(), 2, balance="time")
+
+
+class DescribeTest(unittest.TestCase):
+
+  def test_each_stage_its_layers_params_and_tensors(self):
+    text = stages_lib.describe(split_model(mlp(), 2))
+    self.assertEqual(text.splitlines(), [
+        "stage 0: 4 layers (block_0, block_1, block_2, block_3), 624 params",
+        "  in:  input:0",
+        "  out: block_3:0:0",
+        "stage 1: 4 layers (block_4, block_5, block_6, block_7), 548 params",
+        "  in:  block_3:0:0",
+        "  out: output:0"])
+
+
 class NamedSplitTest(unittest.TestCase):
 
   def test_cuts_before_the_named_layers(self):
@@ -280,6 +325,28 @@ class RefusedTest(unittest.TestCase):
       self.assertEqual(len(holding), 1)
       assert_exactly_equal(self, stages_lib.model_outputs(stages, x), model(x))
     self.assert_refused(r"at most 3", model, 4)
+
+  def test_layers_tying_weights_stay_in_one_stage(self):
+
+    class Tied(layers.Layer):
+      """The transpose of a Dense layer's kernel: its weight too."""
+
+      def __init__(self, dense, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = dense
+
+      def call(self, x):
+        return keras.ops.matmul(x, keras.ops.transpose(self.dense.kernel))
+
+    keras.utils.set_random_seed(7)
+    inputs = keras.Input((4,))
+    encode = layers.Dense(6, name="encode")
+    h = layers.Dense(6, name="middle")(encode(inputs))
+    model = keras.Model(inputs, Tied(encode, name="decode")(h))
+    self.assert_refused(r"sharing weights \(encode, decode: calls 0\.\.2.*"
+                        r"stages 0 and 1.*can be cut into at most 1 stages",
+                        model, 2, split=["middle"])
+    self.assert_refused(r"at most 1", model, 2)
 
   def test_a_subclassed_model_needs_a_layer_graph(self):
 
