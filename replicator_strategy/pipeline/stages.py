@@ -205,6 +205,15 @@ def _named_cuts(graph, stages, split, spans, costs, allowed):
         f"Received: split={split!r}.")
   order = list(first_call)
   for name in split:
+    holder = next((c.layer.name for c in calls if name in
+                   [inner.name for inner in getattr(c.layer, "layers", ())]),
+                  None)
+    if name not in first_call and holder:
+      raise ValueError(
+          f"`split` names {name!r}, a layer inside {holder!r}, a model "
+          f"{graph.name!r} calls as one layer: a stage holds it whole. "
+          f"Received: split={list(split)}. Name {holder!r} or a layer after "
+          f"it (or build {graph.name!r} from the inner model's layers).")
     if name not in first_call:
       near = difflib.get_close_matches(str(name), order, n=5, cutoff=0.5)
       raise ValueError(

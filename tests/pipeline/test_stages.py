@@ -153,6 +153,53 @@ class StagesComputeTheModelTest(unittest.TestCase):
                                    if not isinstance(layer, layers.InputLayer)])
 
 
+def loss_of(outputs):
+  return tf.reduce_sum(outputs[0]) + tf.reduce_sum(outputs[1] ** 2)
+
+
+def gradients_stage_by_stage(stages, x):
+  """The loss's gradients, each stage differentiated on its own tape and
+  fed the gradients of its outputs (as a pipeline's backward pass is)."""
+  tensors, taped = stages_lib.model_inputs(stages, x), []
+  for stage in stages:
+    with tf.GradientTape() as tape:
+      tape.watch(list(tensors.values()))
+      outputs = stage(tensors, training=True)
+      if stage is stages[-1]:
+        outputs = loss_of([outputs["output:0"], outputs["output:1"]])
+    taped.append((tape, tensors, outputs))
+    tensors = outputs
+  grads, upstream = {}, None
+  for stage, (tape, inputs, outputs) in reversed(list(zip(stages, taped))):
+    sources = [inputs[name] for name in stage.inputs]
+    if upstream is None:
+      found = tape.gradient(outputs, sources + stage.trainable_variables)
+    else:
+      found = tape.gradient([outputs[name] for name in stage.outputs],
+                            sources + stage.trainable_variables,
+                            output_gradients=[upstream[name]
+                                              for name in stage.outputs])
+    upstream = dict(zip(stage.inputs, found))
+    grads.update(zip(ids(stage.trainable_variables), found[len(sources):]))
+  return grads
+
+
+class StageGradientsTest(unittest.TestCase):
+
+  @parameterized.expand([(2,), (4,)])
+  def test_stage_by_stage_backward_equals_the_models(self, num_stages):
+    model, x = transformer(), transformer_batch()
+    saved = [v.numpy() for v in model.variables]
+    with tf.GradientTape() as tape:
+      loss = loss_of(model(x, training=True))
+    want = tape.gradient(loss, model.trainable_variables)
+    for v, value in zip(model.variables, saved):
+      v.assign(value)
+    got = gradients_stage_by_stage(split_model(model, num_stages), x)
+    assert_exactly_equal(
+        self, [got[id(v)] for v in model.trainable_variables], want)
+
+
 def best_cuts_by_search(costs, num_stages, allowed):
   """The rule of `pipeline.balance`, by trying every choice of cuts."""
   def key(cuts):
@@ -383,6 +430,8 @@ class RefusedTest(unittest.TestCase):
     x = np.ones((2, 4), "float32")
     assert_exactly_equal(self, stages_lib.model_outputs(stages, x), model(x))
     self.assert_refused(r"at most 3.*a nested model is one call", model, 4)
+    self.assert_refused(r"'inner_1', a layer inside 'inner'.*Name 'inner'",
+                        model, 2, split=["inner_1"])
 
   def test_a_stage_names_the_tensors_it_misses(self):
     stages = split_model(mlp(), 2)
