@@ -83,9 +83,11 @@ def _functional_graph(model):
   graph = _internal.graph_of(model)
   if graph is None:
     raise ValueError(
-        f"Sequential model {model.name!r} is not built, so it has no layer "
-        f"graph to cut yet. Received: model={model.name!r} (unbuilt). Start "
-        f"it with keras.Input(shape), or call `model.build(input_shape)`.")
+        f"Sequential model {model.name!r} has no layer graph to cut: it is "
+        f"not built, or holds no layer. Received: model={model.name!r} "
+        f"(layers: {[layer.name for layer in model.layers]}). Start it with "
+        f"keras.Input(shape) (or call `model.build(input_shape)`) and give it "
+        f"layers.")
   return graph
 
 
@@ -107,8 +109,9 @@ def layer_graph(model):
     writes = _with_masks([names[id(t)] for t in node.outputs], node.outputs,
                          names)
     calls.append(stages_lib.LayerCall(
-        layer, tuple(reads), tuple(writes),
-        functools.partial(_run_node, node, dict(names), frozenset(writes))))
+        layer, tuple(reads), tuple(writes), functools.partial(
+            _run_node, node, [names[id(t)] for t in node.input_tensors],
+            [names[id(t)] for t in node.outputs], frozenset(writes))))
   return stages_lib.LayerGraph(
       name=model.name, inputs=tuple(names[id(t)] for t in graph.inputs),
       outputs=tuple(names[id(t)] for t in graph.outputs), calls=tuple(calls),
@@ -124,21 +127,22 @@ def _with_masks(tensor_names, tensors, names):
           for n in ((name, name + _MASK) if name in masked else (name,))]
 
 
-def _run_node(node, names, writes, values, training):
-  """Runs `node`'s call on `values` (by name) as the model's call does."""
+def _run_node(node, reads, writes, masked, values, training):
+  """Runs `node`'s call on `values` (by name) as the model's call does:
+  `reads` and `writes` name its input and output tensors, `masked` the
+  masks it writes."""
   by_id = {}
-  for t in node.input_tensors:
-    value = values[names[id(t)]]
-    if names[id(t)] + _MASK in values:
-      _internal.set_keras_mask(value, values[names[id(t)] + _MASK])
-    by_id[id(t)] = value
+  for t, name in zip(node.input_tensors, reads):
+    if name + _MASK in values:
+      _internal.set_keras_mask(values[name], values[name + _MASK])
+    by_id[id(t)] = values[name]
   args, kwargs = node.arguments.fill_in(by_id)
   outputs = _internal.call_in_graph(node.operation, training)(*args, **kwargs)
   written = {}
-  for t, value in zip(node.outputs, keras.tree.flatten(outputs)):
-    written[names[id(t)]] = value
-    if names[id(t)] + _MASK in writes:
-      written[names[id(t)] + _MASK] = _internal.get_keras_mask(value)
+  for name, value in zip(writes, keras.tree.flatten(outputs)):
+    written[name] = value
+    if name + _MASK in masked:
+      written[name + _MASK] = _internal.get_keras_mask(value)
   return written
 
 

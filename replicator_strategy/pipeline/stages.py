@@ -168,6 +168,10 @@ def cut(graph, stages, split=None, costs=None):
         f"Expected `stages` to be an int >= 1 (how many groups of layers to "
         f"cut {graph.name!r} into). Received: stages={stages!r}.")
   calls = graph.calls
+  if not calls:
+    raise ValueError(
+        f"{graph.name!r} calls no layer: there is nothing to cut into stages. "
+        f"Received: a model of inputs only. Add layers to it.")
   costs = parameter_costs(calls) if costs is None else costs
   spans = _weight_spans(calls)
   forbidden = {p for first, last, _ in spans for p in range(first + 1, last + 1)}

@@ -119,6 +119,13 @@ class StagesComputeTheModelTest(unittest.TestCase):
       self.assertFalse(np.array_equal(model(x, training=True)[0],
                                       model(x, training=False)[0]))
 
+  def test_traced_stages_equal_the_traced_model(self):
+    model, x = transformer(), transformer_batch()
+    stages = split_model(model, 4)
+    assert_exactly_equal(
+        self, tf.function(stages_lib.model_outputs)(stages, x),
+        tf.function(model)(x))
+
   @parameterized.expand(CASES)
   def test_each_tensor_crossing_a_cut_is_carried(self, _, make, unused_batch,
                                                  num_stages):
@@ -412,8 +419,13 @@ class RefusedTest(unittest.TestCase):
                         model, 2)
     self.assert_refused(r"Expected `model` to be a Keras Functional or "
                         r"Sequential model", layers.Dense(2), 2)
-    self.assert_refused(r"not built.*keras.Input",
+    self.assert_refused(r"no layer graph.*not built.*keras.Input",
                         keras.Sequential([layers.Dense(2)]), 1)
+    self.assert_refused(r"no layer graph.*holds no layer",
+                        keras.Sequential([keras.Input((2,))]), 1)
+    inputs = keras.Input((2,))
+    self.assert_refused(r"calls no layer.*Add layers",
+                        keras.Model(inputs, inputs), 1)
 
   def test_a_nested_model_is_one_layer(self):
     keras.utils.set_random_seed(5)
