@@ -20,6 +20,7 @@ import numpy as np
 from parameterized import parameterized
 import tensorflow as tf
 
+from replicator_strategy.keras import _internal as keras_internal
 from replicator_strategy.keras.model_stages import split_model
 from replicator_strategy.pipeline import balance
 from replicator_strategy.pipeline import stages as stages_lib
@@ -131,6 +132,7 @@ class StagesComputeTheModelTest(unittest.TestCase):
                                                  num_stages):
     model = make()
     stages = split_model(model, num_stages)
+    self.assertTrue(all(stage.calls for stage in stages))  # Each does work.
     self.assertEqual(stages[0].inputs[0], "input:0")
     for before, after in zip(stages, stages[1:]):
       self.assertEqual(after.inputs, before.outputs)
@@ -327,6 +329,26 @@ class NamedSplitTest(unittest.TestCase):
     self.assertEqual(stages[0].outputs,
                      ("dense:0:0", "dense:0:0/mask", "not_equal:0:0"))
     assert_exactly_equal(self, run_copied(stages, x, None), [model(x)])
+
+
+  def test_an_output_keeps_its_keras_mask_across_copies(self):
+    # Keras's loss reads the mask of the model's output (a sequence here):
+    # it must survive the copies between stages.
+    keras.utils.set_random_seed(3)
+    ids_in = keras.Input((6,), dtype="int32")
+    h = layers.Embedding(10, 4, mask_zero=True, name="embed")(ids_in)
+    model = keras.Model(ids_in, layers.Dense(2, name="out")(
+        layers.Dense(4, name="dense")(h)))
+    x = np.array([[1, 2, 0, 0, 0, 0], [3, 4, 5, 6, 0, 0]], "int32")
+    stages = split_model(model, 3)
+    tensors = stages_lib.model_inputs(stages, x)
+    for stage in stages[:-1]:
+      tensors = {k: tf.identity(v) for k, v in stage(tensors).items()}
+    got = stages[-1](tensors)["output:0"]
+    want = model(x)
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(keras_internal.get_keras_mask(got),
+                                  keras_internal.get_keras_mask(want))
 
 
 class RefusedTest(unittest.TestCase):
