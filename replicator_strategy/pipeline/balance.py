@@ -35,8 +35,12 @@ def _smallest_bottleneck(prefix, bounds, stages):
   for k in range(1, stages + 1):
     nxt = [inf] * m
     for i in range(k, m):
-      nxt[i] = min(max(worst[j], prefix[bounds[i]] - prefix[bounds[j]])
-                   for j in range(k - 1, i))
+      for j in range(i - 1, k - 2, -1):
+        # The last stage grows as j falls: past the best, no j is better.
+        last = prefix[bounds[i]] - prefix[bounds[j]]
+        if last >= nxt[i]:
+          break
+        nxt[i] = min(nxt[i], max(worst[j], last))
     worst = nxt
   return worst[m - 1]
 
