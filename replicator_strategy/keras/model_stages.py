@@ -22,26 +22,44 @@ import functools
 import keras
 
 from replicator_strategy.keras import _internal
+from replicator_strategy.pipeline import balance as balance_lib
 from replicator_strategy.pipeline import stages as stages_lib
 
 _MASK = "/mask"
+BALANCES = ("params", "time")
 
 
-def split_model(model, stages, split=None):
+def split_model(model, stages, split=None, balance="params", sample=None):
   """`model` cut into `stages` consecutive `pipeline.stages.Stage`s.
 
   Args:
     model: a built Keras Functional or Sequential model.
     stages: how many stages (an int >= 1).
-    split: None (the cuts balance the stages' parameter counts, see
-      `pipeline.balance`), or the name of the first layer of each stage
-      after the first (`stages` - 1 names, in call order).
+    split: None (cut where `balance` says), or the name of the first layer
+      of each stage after the first (`stages` - 1 names, in call order).
+    balance: what the cuts even out (the rule is `pipeline.balance`'s):
+      "params", the stages' parameter counts, or "time", their layers'
+      forward times measured on `sample`.
+    sample: a batch of the model's input, for `balance="time"`.
 
   Returns:
     A tuple of Stages; running them in order (`pipeline.stages.
     model_outputs`) computes what `model(x, training=...)` does.
   """
-  return stages_lib.cut(layer_graph(model), stages, split)
+  if balance not in BALANCES:
+    raise ValueError(
+        f"Expected `balance` to be one of {BALANCES}. Received: "
+        f"balance={balance!r}.")
+  if balance == "time" and sample is None:
+    raise ValueError(
+        "balance='time' measures each layer's forward time on a sample "
+        "batch. Received: sample=None. Pass sample=<a batch of the model's "
+        "input> (a few rows as in training), or balance='params'.")
+  graph = layer_graph(model)
+  costs = None
+  if balance == "time" and split is None:
+    costs = balance_lib.timed_costs(graph.calls, graph.feed(sample))
+  return stages_lib.cut(graph, stages, split, costs)
 
 
 def _functional_graph(model):
@@ -65,9 +83,11 @@ def _functional_graph(model):
   graph = _internal.graph_of(model)
   if graph is None:
     raise ValueError(
-        f"Sequential model {model.name!r} is not built, so it has no layer "
-        f"graph to cut yet. Received: model={model.name!r} (unbuilt). Start "
-        f"it with keras.Input(shape), or call `model.build(input_shape)`.")
+        f"Sequential model {model.name!r} has no layer graph to cut: it is "
+        f"not built, or holds no layer. Received: model={model.name!r} "
+        f"(layers: {[layer.name for layer in model.layers]}). Start it with "
+        f"keras.Input(shape) (or call `model.build(input_shape)`) and give it "
+        f"layers.")
   return graph
 
 
@@ -89,8 +109,9 @@ def layer_graph(model):
     writes = _with_masks([names[id(t)] for t in node.outputs], node.outputs,
                          names)
     calls.append(stages_lib.LayerCall(
-        layer, tuple(reads), tuple(writes),
-        functools.partial(_run_node, node, dict(names), frozenset(writes))))
+        layer, tuple(reads), tuple(writes), functools.partial(
+            _run_node, node, [names[id(t)] for t in node.input_tensors],
+            [names[id(t)] for t in node.outputs], frozenset(writes))))
   return stages_lib.LayerGraph(
       name=model.name, inputs=tuple(names[id(t)] for t in graph.inputs),
       outputs=tuple(names[id(t)] for t in graph.outputs), calls=tuple(calls),
@@ -106,21 +127,22 @@ def _with_masks(tensor_names, tensors, names):
           for n in ((name, name + _MASK) if name in masked else (name,))]
 
 
-def _run_node(node, names, writes, values, training):
-  """Runs `node`'s call on `values` (by name) as the model's call does."""
+def _run_node(node, reads, writes, masked, values, training):
+  """Runs `node`'s call on `values` (by name) as the model's call does:
+  `reads` and `writes` name its input and output tensors, `masked` the
+  masks it writes."""
   by_id = {}
-  for t in node.input_tensors:
-    value = values[names[id(t)]]
-    if names[id(t)] + _MASK in values:
-      _internal.set_keras_mask(value, values[names[id(t)] + _MASK])
-    by_id[id(t)] = value
+  for t, name in zip(node.input_tensors, reads):
+    if name + _MASK in values:
+      _internal.set_keras_mask(values[name], values[name + _MASK])
+    by_id[id(t)] = values[name]
   args, kwargs = node.arguments.fill_in(by_id)
   outputs = _internal.call_in_graph(node.operation, training)(*args, **kwargs)
   written = {}
-  for t, value in zip(node.outputs, keras.tree.flatten(outputs)):
-    written[names[id(t)]] = value
-    if names[id(t)] + _MASK in writes:
-      written[names[id(t)] + _MASK] = _internal.get_keras_mask(value)
+  for name, value in zip(writes, keras.tree.flatten(outputs)):
+    written[name] = value
+    if name + _MASK in masked:
+      written[name + _MASK] = _internal.get_keras_mask(value)
   return written
 
 

@@ -10,7 +10,16 @@ activation or a residual add, stays with the call before it).
 (4, 7)
 >>> balanced_cuts([8, 0, 8, 0, 8, 0, 8, 0], 2, range(1, 8))
 (4,)
+
+A call's cost is its parameter count (`stages.parameter_costs`), or its
+forward time on a sample batch (`timed_costs`).
 """
+
+import time
+
+import tensorflow as tf
+
+TIMED_REPEATS = 5  # The median of 5 runs (after one to warm up) resists noise.
 
 
 def _stage_costs(prefix, bounds):
@@ -26,8 +35,12 @@ def _smallest_bottleneck(prefix, bounds, stages):
   for k in range(1, stages + 1):
     nxt = [inf] * m
     for i in range(k, m):
-      nxt[i] = min(max(worst[j], prefix[bounds[i]] - prefix[bounds[j]])
-                   for j in range(k - 1, i))
+      for j in range(i - 1, k - 2, -1):
+        # The last stage grows as j falls: past the best, no j is better.
+        last = prefix[bounds[i]] - prefix[bounds[j]]
+        if last >= nxt[i]:
+          break
+        nxt[i] = min(nxt[i], max(worst[j], last))
     worst = nxt
   return worst[m - 1]
 
@@ -71,3 +84,23 @@ def stage_costs(costs, cuts):
   for cost in costs:
     prefix.append(prefix[-1] + cost)
   return _stage_costs(prefix, [0, *cuts, len(costs)])
+
+
+def timed_costs(calls, tensors, repeats=TIMED_REPEATS):
+  """Each of `calls`' forward time in seconds (the median of `repeats`),
+  run in order on `tensors` (the model's inputs by name) with
+  `training=False`, so that no state (a dropout's seed, a batch
+  normalization's statistics) moves."""
+  values, costs = dict(tensors), []
+  for call in calls:
+    call.run(values, False)  # The first call may build or trace.
+    times = []
+    for _ in range(repeats):
+      tf.test.experimental.sync_devices()
+      start = time.perf_counter()
+      written = call.run(values, False)
+      tf.test.experimental.sync_devices()
+      times.append(time.perf_counter() - start)
+    values.update(written)
+    costs.append(sorted(times)[len(times) // 2])
+  return costs

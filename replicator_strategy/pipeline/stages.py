@@ -168,22 +168,25 @@ def cut(graph, stages, split=None, costs=None):
         f"Expected `stages` to be an int >= 1 (how many groups of layers to "
         f"cut {graph.name!r} into). Received: stages={stages!r}.")
   calls = graph.calls
+  if not calls:
+    raise ValueError(
+        f"{graph.name!r} calls no layer: there is nothing to cut into stages. "
+        f"Received: a model of inputs only. Add layers to it.")
+  costs = parameter_costs(calls) if costs is None else costs
   spans = _weight_spans(calls)
   forbidden = {p for first, last, _ in spans for p in range(first + 1, last + 1)}
   allowed = [p for p in range(1, len(calls)) if p not in forbidden]
-  if stages > len(allowed) + 1:
+  if split is not None:
+    cuts = _named_cuts(graph, stages, split, spans, costs, allowed)
+  elif stages > len(allowed) + 1:
     raise ValueError(
         f"Expected `stages` to be at most {len(allowed) + 1}: {graph.name!r} "
         f"runs {len(calls)} layer calls, which can be cut at "
         f"{len(allowed)} places (the calls of a layer, or of layers sharing "
         f"weights, stay in one stage; a nested model is one call). Received: "
         f"stages={stages}. Pass fewer stages, or a model of more layers.")
-  if costs is None:
-    costs = parameter_costs(calls)
-  if split is None:
-    cuts = balance_lib.balanced_cuts(costs, stages, allowed)
   else:
-    cuts = _named_cuts(graph, stages, split, spans, costs, allowed)
+    cuts = balance_lib.balanced_cuts(costs, stages, allowed)
   bounds = [0, *cuts, len(calls)]
   result = []
   for s, (a, b) in enumerate(zip(bounds, bounds[1:])):
@@ -206,6 +209,15 @@ def _named_cuts(graph, stages, split, spans, costs, allowed):
         f"Received: split={split!r}.")
   order = list(first_call)
   for name in split:
+    holder = next((c.layer.name for c in calls if name in
+                   [inner.name for inner in getattr(c.layer, "layers", ())]),
+                  None)
+    if name not in first_call and holder:
+      raise ValueError(
+          f"`split` names {name!r}, a layer inside {holder!r}, a model "
+          f"{graph.name!r} calls as one layer: a stage holds it whole. "
+          f"Received: split={list(split)}. Name {holder!r} or a layer after "
+          f"it (or build {graph.name!r} from the inner model's layers).")
     if name not in first_call:
       near = difflib.get_close_matches(str(name), order, n=5, cutoff=0.5)
       raise ValueError(
@@ -242,16 +254,20 @@ def _shared_weights_message(graph, split, s, first, last, names, cuts,
   if keep:
     suggestion = list(split)
     suggestion[s] = calls[keep[-1]].layer.name
-  else:
+    fix = f"Keep them in one stage, e.g. split={suggestion}."
+  elif len(allowed) >= len(cuts):
     suggestion = [calls[p].layer.name for p in balance_lib.balanced_cuts(
         costs, len(cuts) + 1, allowed)]
+    fix = f"Keep them in one stage, e.g. split={suggestion}."
+  else:
+    fix = (f"Keep them in one stage: {graph.name!r} can be cut into at most "
+           f"{len(allowed) + 1} stages.")
   return (
       f"`split` puts calls of layers sharing weights ({', '.join(names)}: "
       f"calls {first}..{last} of {graph.name!r}, by "
       f"{calls[first].layer.name!r} and {calls[last].layer.name!r}) in "
       f"stages {_stage_of(bounds, first)} and {_stage_of(bounds, last)}; a weight lives in one "
-      f"stage. Received: split={list(split)}. Keep them in one stage, e.g. "
-      f"split={suggestion}.")
+      f"stage. Received: split={list(split)}. {fix}")
 
 
 def _stage_of(bounds, position):

@@ -20,6 +20,7 @@ import numpy as np
 from parameterized import parameterized
 import tensorflow as tf
 
+from replicator_strategy.keras import _internal as keras_internal
 from replicator_strategy.keras.model_stages import split_model
 from replicator_strategy.pipeline import balance
 from replicator_strategy.pipeline import stages as stages_lib
@@ -119,11 +120,19 @@ class StagesComputeTheModelTest(unittest.TestCase):
       self.assertFalse(np.array_equal(model(x, training=True)[0],
                                       model(x, training=False)[0]))
 
+  def test_traced_stages_equal_the_traced_model(self):
+    model, x = transformer(), transformer_batch()
+    stages = split_model(model, 4)
+    assert_exactly_equal(
+        self, tf.function(stages_lib.model_outputs)(stages, x),
+        tf.function(model)(x))
+
   @parameterized.expand(CASES)
   def test_each_tensor_crossing_a_cut_is_carried(self, _, make, unused_batch,
                                                  num_stages):
     model = make()
     stages = split_model(model, num_stages)
+    self.assertTrue(all(stage.calls for stage in stages))  # Each does work.
     self.assertEqual(stages[0].inputs[0], "input:0")
     for before, after in zip(stages, stages[1:]):
       self.assertEqual(after.inputs, before.outputs)
@@ -151,6 +160,53 @@ class StagesComputeTheModelTest(unittest.TestCase):
     called = [layer.name for stage in stages for layer in stage.layers]
     self.assertCountEqual(called, [layer.name for layer in model.layers
                                    if not isinstance(layer, layers.InputLayer)])
+
+
+def loss_of(outputs):
+  return tf.reduce_sum(outputs[0]) + tf.reduce_sum(outputs[1] ** 2)
+
+
+def gradients_stage_by_stage(stages, x):
+  """The loss's gradients, each stage differentiated on its own tape and
+  fed the gradients of its outputs (as a pipeline's backward pass is)."""
+  tensors, taped = stages_lib.model_inputs(stages, x), []
+  for stage in stages:
+    with tf.GradientTape() as tape:
+      tape.watch(list(tensors.values()))
+      outputs = stage(tensors, training=True)
+      if stage is stages[-1]:
+        outputs = loss_of([outputs["output:0"], outputs["output:1"]])
+    taped.append((tape, tensors, outputs))
+    tensors = outputs
+  grads, upstream = {}, None
+  for stage, (tape, inputs, outputs) in reversed(list(zip(stages, taped))):
+    sources = [inputs[name] for name in stage.inputs]
+    if upstream is None:
+      found = tape.gradient(outputs, sources + stage.trainable_variables)
+    else:
+      found = tape.gradient([outputs[name] for name in stage.outputs],
+                            sources + stage.trainable_variables,
+                            output_gradients=[upstream[name]
+                                              for name in stage.outputs])
+    upstream = dict(zip(stage.inputs, found))
+    grads.update(zip(ids(stage.trainable_variables), found[len(sources):]))
+  return grads
+
+
+class StageGradientsTest(unittest.TestCase):
+
+  @parameterized.expand([(2,), (4,)])
+  def test_stage_by_stage_backward_equals_the_models(self, num_stages):
+    model, x = transformer(), transformer_batch()
+    saved = [v.numpy() for v in model.variables]
+    with tf.GradientTape() as tape:
+      loss = loss_of(model(x, training=True))
+    want = tape.gradient(loss, model.trainable_variables)
+    for v, value in zip(model.variables, saved):
+      v.assign(value)
+    got = gradients_stage_by_stage(split_model(model, num_stages), x)
+    assert_exactly_equal(
+        self, [got[id(v)] for v in model.trainable_variables], want)
 
 
 def best_cuts_by_search(costs, num_stages, allowed):
@@ -194,6 +250,51 @@ class BalancedCutsTest(unittest.TestCase):
       self.assertEqual([s.params for s in stages], [624, 548])
 
 
+class Slow(layers.Layer):
+  """No weights, much work: parameter counts miss its cost, time does not."""
+
+  def call(self, x):
+    for _ in range(100):
+      x = keras.ops.tanh(x)
+    return x
+
+
+class TimeBalanceTest(unittest.TestCase):
+
+  def test_a_slow_layer_without_weights_gets_a_stage_of_its_own(self):
+    keras.utils.set_random_seed(6)
+    model = keras.Sequential(
+        [keras.Input((8,)), Slow(name="slow")] +
+        [layers.Dense(8, name=f"dense_{i}") for i in range(3)])
+    x = np.ones((4, 8), "float32")
+    by_params = split_model(model, 2)
+    self.assertEqual([layer.name for layer in by_params[0].layers],
+                     ["slow", "dense_0", "dense_1"])
+    by_time = split_model(model, 2, balance="time", sample=x)
+    self.assertEqual([layer.name for layer in by_time[0].layers], ["slow"])
+    assert_exactly_equal(self, stages_lib.model_outputs(by_time, x), model(x))
+
+  def test_bad_balance(self):
+    with self.assertRaisesRegex(ValueError, r"`balance` to be one of "
+                                r"\('params', 'time'\).*balance='flops'"):
+      split_model(mlp(), 2, balance="flops")
+    with self.assertRaisesRegex(ValueError, r"sample=None. Pass sample="):
+      split_model(mlp(), 2, balance="time")
+
+
+class DescribeTest(unittest.TestCase):
+
+  def test_each_stage_its_layers_params_and_tensors(self):
+    text = stages_lib.describe(split_model(mlp(), 2))
+    self.assertEqual(text.splitlines(), [
+        "stage 0: 4 layers (block_0, block_1, block_2, block_3), 624 params",
+        "  in:  input:0",
+        "  out: block_3:0:0",
+        "stage 1: 4 layers (block_4, block_5, block_6, block_7), 548 params",
+        "  in:  block_3:0:0",
+        "  out: output:0"])
+
+
 class NamedSplitTest(unittest.TestCase):
 
   def test_cuts_before_the_named_layers(self):
@@ -228,6 +329,26 @@ class NamedSplitTest(unittest.TestCase):
     self.assertEqual(stages[0].outputs,
                      ("dense:0:0", "dense:0:0/mask", "not_equal:0:0"))
     assert_exactly_equal(self, run_copied(stages, x, None), [model(x)])
+
+
+  def test_an_output_keeps_its_keras_mask_across_copies(self):
+    # Keras's loss reads the mask of the model's output (a sequence here):
+    # it must survive the copies between stages.
+    keras.utils.set_random_seed(3)
+    ids_in = keras.Input((6,), dtype="int32")
+    h = layers.Embedding(10, 4, mask_zero=True, name="embed")(ids_in)
+    model = keras.Model(ids_in, layers.Dense(2, name="out")(
+        layers.Dense(4, name="dense")(h)))
+    x = np.array([[1, 2, 0, 0, 0, 0], [3, 4, 5, 6, 0, 0]], "int32")
+    stages = split_model(model, 3)
+    tensors = stages_lib.model_inputs(stages, x)
+    for stage in stages[:-1]:
+      tensors = {k: tf.identity(v) for k, v in stage(tensors).items()}
+    got = stages[-1](tensors)["output:0"]
+    want = model(x)
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(keras_internal.get_keras_mask(got),
+                                  keras_internal.get_keras_mask(want))
 
 
 class RefusedTest(unittest.TestCase):
@@ -281,6 +402,28 @@ class RefusedTest(unittest.TestCase):
       assert_exactly_equal(self, stages_lib.model_outputs(stages, x), model(x))
     self.assert_refused(r"at most 3", model, 4)
 
+  def test_layers_tying_weights_stay_in_one_stage(self):
+
+    class Tied(layers.Layer):
+      """The transpose of a Dense layer's kernel: its weight too."""
+
+      def __init__(self, dense, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = dense
+
+      def call(self, x):
+        return keras.ops.matmul(x, keras.ops.transpose(self.dense.kernel))
+
+    keras.utils.set_random_seed(7)
+    inputs = keras.Input((4,))
+    encode = layers.Dense(6, name="encode")
+    h = layers.Dense(6, name="middle")(encode(inputs))
+    model = keras.Model(inputs, Tied(encode, name="decode")(h))
+    self.assert_refused(r"sharing weights \(encode, decode: calls 0\.\.2.*"
+                        r"stages 0 and 1.*can be cut into at most 1 stages",
+                        model, 2, split=["middle"])
+    self.assert_refused(r"at most 1", model, 2)
+
   def test_a_subclassed_model_needs_a_layer_graph(self):
 
     class Subclassed(keras.Model):
@@ -298,8 +441,13 @@ class RefusedTest(unittest.TestCase):
                         model, 2)
     self.assert_refused(r"Expected `model` to be a Keras Functional or "
                         r"Sequential model", layers.Dense(2), 2)
-    self.assert_refused(r"not built.*keras.Input",
+    self.assert_refused(r"no layer graph.*not built.*keras.Input",
                         keras.Sequential([layers.Dense(2)]), 1)
+    self.assert_refused(r"no layer graph.*holds no layer",
+                        keras.Sequential([keras.Input((2,))]), 1)
+    inputs = keras.Input((2,))
+    self.assert_refused(r"calls no layer.*Add layers",
+                        keras.Model(inputs, inputs), 1)
 
   def test_a_nested_model_is_one_layer(self):
     keras.utils.set_random_seed(5)
@@ -316,6 +464,8 @@ class RefusedTest(unittest.TestCase):
     x = np.ones((2, 4), "float32")
     assert_exactly_equal(self, stages_lib.model_outputs(stages, x), model(x))
     self.assert_refused(r"at most 3.*a nested model is one call", model, 4)
+    self.assert_refused(r"'inner_1', a layer inside 'inner'.*Name 'inner'",
+                        model, 2, split=["inner_1"])
 
   def test_a_stage_names_the_tensors_it_misses(self):
     stages = split_model(mlp(), 2)
