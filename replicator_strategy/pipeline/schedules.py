@@ -93,7 +93,12 @@ def schedule(name, stages, microbatches, virtual=1):
     virtual: stages per device, for "interleaved_1f1b" only.
 
   Returns:
-    A `Schedule`: `plan[d]` is device `d`'s tuple of actions.
+    A `Schedule`: `plan[d]` is device `d`'s tuple of actions. Device `d`
+    holds the activations of at most (`peak_in_flight`): M micro-batches
+    in GPipe, `min(S - d, M)` in 1F1B, `min(S, M)` in ZB-H1, and in
+    interleaved 1F1B `min(2 (S - d - 1) + (v - 1) S + 1, v M')` (stage,
+    micro-batch) pairs, each a v-th of the device's layers (M' is M
+    rounded up to a multiple of S).
   """
   for arg, value in (("stages", stages), ("microbatches", microbatches),
                      ("virtual", virtual)):

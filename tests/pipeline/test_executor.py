@@ -270,6 +270,22 @@ class ExecutorTest(unittest.TestCase):
       executor.run(schedules.schedule("interleaved_1f1b", 2, 2, 2), stages,
                    DEVICES[:2], x, y, loss_fn)
 
+  def test_bad_stages_and_losses_say_what_is_expected(self):
+    stages = mlp(2)
+    x, y, _ = batch()
+    build(stages, x)
+    plan = schedules.schedule("1f1b", 2, 2)
+    per_row = lambda y, y_pred, w: tf.reduce_mean((y - y_pred) ** 2, axis=1)
+    with self.assertRaisesRegex(ValueError, r"scalar.*shape \(5,\)"):
+      executor.run(plan, stages, DEVICES[:2], x, y, per_row)
+    stages[1].inputs = ("h7",)
+    with self.assertRaisesRegex(ValueError, "Stage 1 reads 'h7'"):
+      executor.run(plan, stages, DEVICES[:2], x, y, loss_fn)
+    stages[1].inputs, stages[1].outputs = ("h0",), ("h1",)
+    stages[1].fn = lambda ls, t: {"h1": ls[0](t["h0"])}
+    with self.assertRaisesRegex(ValueError, r"'output:0'.*returned \['h1'\]"):
+      executor.run(plan, stages, DEVICES[:2], x, y, loss_fn)
+
 
 def _action(scope):
   """The action whose ops the executor makes in name scope `scope`, or None."""
