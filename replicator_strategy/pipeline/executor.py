@@ -219,8 +219,10 @@ class _Run:
 
   def _finish(self, j, m, found):
     """Adds micro-batch m's weight gradients of stage j to the sums; drops
-    its tape."""
+    its tape and outputs (every consumer ran its forward before this)."""
     del self.tapes[j, m], self.feeds[j, m], self.targets[j, m]
+    for name in (*self.stages[j].outputs, "loss:"):
+      self.values.pop((j, name, m), None)
     sums = self.sums.setdefault(
         j, [None] * len(self.stages[j].trainable_variables))
     for i, grad in enumerate(found):

@@ -7,15 +7,18 @@ skip connection crosses stages (read directly from an earlier stage, and
 carried through a middle one), with sample weights: the loss, gradients
 and outputs equal one device's on the whole batch (rtol 1e-5), eagerly and
 inside `tf.function`; the traced graph places each stage's ops on its
-device and orders each device's actions as the schedule says. The stages
+device and orders each device's actions as the schedule says; run eagerly,
+a stage's activations live as long as the schedule says. The stages
 are stand-ins, and `keras.model_stages.split_model`'s cut of a Functional
 model with two inputs and residuals. `training=True` is passed
 (the layers have no dropout: equal random draws on one device and in a
 pipeline are the integration's to test).
 """
 
+import gc
 import itertools
 import unittest
+import weakref
 
 import keras
 import numpy as np
@@ -222,6 +225,28 @@ class ExecutorTest(unittest.TestCase):
       np.testing.assert_allclose(tf.convert_to_tensor(got),
                                  tf.convert_to_tensor(want), rtol=1e-5,
                                  atol=1e-7)
+
+  @parameterized.expand([("gpipe",), ("1f1b",), ("zb_h1",)])
+  def test_eager_frees_activations_as_the_schedule_says(self, name):
+    # Stage 0's outputs stay alive from its F to its last backward: at most
+    # the schedule's peak on device 0 (GPipe M, 1F1B and ZB-H1 S).
+    stages = mlp(2)
+    x, y, w = batch(16)
+    build(stages, x)
+    alive, peak = [], []
+    forward = stages[0].fn
+
+    def recorded(layers, tensors):
+      out = forward(layers, tensors)
+      alive.append(weakref.ref(out["h0"]))
+      gc.collect()
+      peak.append(sum(ref() is not None for ref in alive))
+      return out
+
+    stages[0].fn = recorded
+    plan = schedules.schedule(name, 2, 8)
+    executor.run(plan, stages, DEVICES[:2], x, y, loss_fn, sample_weight=w)
+    self.assertEqual(max(peak), schedules.peak_in_flight(plan)[0])
 
   def test_fewer_rows_than_microbatches(self):
     self.assert_step_equals_one_device(mlp, "1f1b", 2, 1, 4, rows=3)
