@@ -15,7 +15,6 @@ model with two inputs and residuals. `training=True` is passed
 pipeline are the integration's to test).
 """
 
-import gc
 import itertools
 import unittest
 import weakref
@@ -239,7 +238,6 @@ class ExecutorTest(unittest.TestCase):
     def recorded(layers, tensors):
       out = forward(layers, tensors)
       alive.append(weakref.ref(out["h0"]))
-      gc.collect()
       peak.append(sum(ref() is not None for ref in alive))
       return out
 
