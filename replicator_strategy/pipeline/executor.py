@@ -124,12 +124,11 @@ class _Run:
       users = [j for j, s in enumerate(self.stages) if name in s.inputs]
       with tf.device(self.devices[users[0] if users else 0]):
         self.inputs[name] = cut(tensor)
+    cut_nest = lambda nest: [None] * m_count if nest is None else [
+        tf.nest.pack_sequence_as(nest, parts)
+        for parts in zip(*[cut(t) for t in tf.nest.flatten(nest)])]
     with tf.device(self.devices[-1]):
-      self.y = [tf.nest.pack_sequence_as(y, parts) for parts in zip(
-          *[cut(t) for t in tf.nest.flatten(y)])]
-      self.weights = [None] * m_count if sample_weight is None else [
-          tf.nest.pack_sequence_as(sample_weight, parts) for parts in zip(
-              *[cut(t) for t in tf.nest.flatten(sample_weight)])]
+      self.y, self.weights = cut_nest(y), cut_nest(sample_weight)
       self.shares = [tf.cast(sizes[m], tf.float64) / tf.cast(rows, tf.float64)
                      for m in range(m_count)]
 
@@ -219,8 +218,10 @@ class _Run:
 
   def _finish(self, j, m, found):
     """Adds micro-batch m's weight gradients of stage j to the sums; drops
-    its tape."""
+    its tape and outputs (every consumer ran its forward before this)."""
     del self.tapes[j, m], self.feeds[j, m], self.targets[j, m]
+    for name in (*self.stages[j].outputs, "loss:"):
+      self.values.pop((j, name, m), None)
     sums = self.sums.setdefault(
         j, [None] * len(self.stages[j].trainable_variables))
     for i, grad in enumerate(found):

@@ -7,7 +7,8 @@ skip connection crosses stages (read directly from an earlier stage, and
 carried through a middle one), with sample weights: the loss, gradients
 and outputs equal one device's on the whole batch (rtol 1e-5), eagerly and
 inside `tf.function`; the traced graph places each stage's ops on its
-device and orders each device's actions as the schedule says. The stages
+device and orders each device's actions as the schedule says; run eagerly,
+a stage's activations live as long as the schedule says. The stages
 are stand-ins, and `keras.model_stages.split_model`'s cut of a Functional
 model with two inputs and residuals. `training=True` is passed
 (the layers have no dropout: equal random draws on one device and in a
@@ -16,6 +17,7 @@ pipeline are the integration's to test).
 
 import itertools
 import unittest
+import weakref
 
 import keras
 import numpy as np
@@ -223,6 +225,42 @@ class ExecutorTest(unittest.TestCase):
                                  tf.convert_to_tensor(want), rtol=1e-5,
                                  atol=1e-7)
 
+  @parameterized.expand([("gpipe",), ("1f1b",), ("zb_h1",)])
+  def test_eager_frees_activations_as_the_schedule_says(self, name):
+    # Stage 0's outputs stay alive from its F to its last backward: at most
+    # the schedule's peak on device 0 (GPipe M, 1F1B and ZB-H1 S).
+    stages = mlp(2)
+    x, y, w = batch(16)
+    build(stages, x)
+    alive, peak = [], []
+    forward = stages[0].fn
+
+    def recorded(layers, tensors):
+      out = forward(layers, tensors)
+      alive.append(weakref.ref(out["h0"]))
+      peak.append(sum(ref() is not None for ref in alive))
+      return out
+
+    stages[0].fn = recorded
+    plan = schedules.schedule(name, 2, 8)
+    executor.run(plan, stages, DEVICES[:2], x, y, loss_fn, sample_weight=w)
+    self.assertEqual(max(peak), schedules.peak_in_flight(plan)[0])
+
+  def test_no_targets(self):
+    stages = mlp(2)
+    x, _, _ = batch()
+    build(stages, x)
+    norm = lambda y, y_pred, w: tf.reduce_mean(y_pred ** 2)
+    step = executor.run(schedules.schedule("1f1b", 2, 3), stages, DEVICES[:2],
+                        x, None, norm)
+    with tf.GradientTape() as tape:
+      loss = norm(None, stages[1](stages[0]({"input:0": x}, True), True)[
+          "output:0"], None)
+    grads = tape.gradient(loss, executor.variables(stages))
+    np.testing.assert_allclose(step.loss, loss, rtol=1e-5)
+    for got, want in zip(step.gradients, grads):
+      np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
+
   def test_fewer_rows_than_microbatches(self):
     self.assert_step_equals_one_device(mlp, "1f1b", 2, 1, 4, rows=3)
     self.assert_step_equals_one_device(mlp, "zb_h1", 2, 1, 4, rows=3,
@@ -269,6 +307,22 @@ class ExecutorTest(unittest.TestCase):
     with self.assertRaisesRegex(ValueError, "for 4 stages; received 2"):
       executor.run(schedules.schedule("interleaved_1f1b", 2, 2, 2), stages,
                    DEVICES[:2], x, y, loss_fn)
+
+  def test_bad_stages_and_losses_say_what_is_expected(self):
+    stages = mlp(2)
+    x, y, _ = batch()
+    build(stages, x)
+    plan = schedules.schedule("1f1b", 2, 2)
+    per_row = lambda y, y_pred, w: tf.reduce_mean((y - y_pred) ** 2, axis=1)
+    with self.assertRaisesRegex(ValueError, r"scalar.*shape \(5,\)"):
+      executor.run(plan, stages, DEVICES[:2], x, y, per_row)
+    stages[1].inputs = ("h7",)
+    with self.assertRaisesRegex(ValueError, "Stage 1 reads 'h7'"):
+      executor.run(plan, stages, DEVICES[:2], x, y, loss_fn)
+    stages[1].inputs, stages[1].outputs = ("h0",), ("h1",)
+    stages[1].fn = lambda ls, t: {"h1": ls[0](t["h0"])}
+    with self.assertRaisesRegex(ValueError, r"'output:0'.*returned \['h1'\]"):
+      executor.run(plan, stages, DEVICES[:2], x, y, loss_fn)
 
 
 def _action(scope):

@@ -127,6 +127,19 @@ class MemoryTest(unittest.TestCase):
             max(schedules.peak_in_flight(schedules.schedule("zb_h1", s, m))),
             min(s, m))
 
+  def test_interleaved_in_flight_pairs(self):
+    for (s, m), v in itertools.product(GRID, (1, 2, 3)):
+      padded = -(-m // s) * s
+      bound = tuple(min(2 * (s - d - 1) + (v - 1) * s + 1, v * padded)
+                    for d in range(s))
+      with self.subTest(stages=s, microbatches=m, virtual=v):
+        peaks = schedules.peak_in_flight(
+            schedules.schedule("interleaved_1f1b", s, m, v))
+        if m == padded:
+          self.assertEqual(peaks, bound)
+        else:  # Micro-batches left out hold nothing.
+          self.assertTrue(all(p <= b for p, b in zip(peaks, bound)), peaks)
+
   def test_peak_activation_bytes(self):
     # Stage j's activations take 10 ** j bytes a micro-batch.
     for s, m in GRID:
