@@ -88,8 +88,8 @@ def place(strategy, stages, optimizer=None):
     for variable in stage.variables:
       for v in (variable, *slots.get(variable.path, ())):
         move(strategy, v, logical_device)
-  if slots:
-    ki.reindex_weights(optimizer)
+  if optimizer is not None and optimizer.built:
+    ki.reindex_weights(optimizer)  # Built with slots or none (plain SGD).
 
 
 def slots_by_weight(optimizer):

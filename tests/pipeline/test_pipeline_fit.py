@@ -5,7 +5,8 @@ forwards and backwards on the stages' devices and applies the summed
 gradients once: after a few Adam steps the weights, the loss and the metrics
 equal one device's on the same batches (rtol 1e-5), for 2 and 4 stages, 1, 2
 and 4 micro-batches, GPipe, 1F1B, interleaved 1F1B and ZB-H1, one pipeline
-or two side by side (2 batch x 2 stage).
+or two side by side (2 batch x 2 stage); sync groups of pipelines average as
+synchronous training does.
 """
 
 import collections
@@ -50,12 +51,12 @@ def initial_weights():
   return mlp().get_weights()
 
 
-def fit(strategy=None, layer=keras.layers.Dense):
+def fit(strategy=None, layer=keras.layers.Dense, optimizer=keras.optimizers.Adam):
   x, y = data()
   with strategy.scope() if strategy else contextlib.nullcontext():
     model = mlp(layer)
     model.set_weights(initial_weights())
-    model.compile(keras.optimizers.Adam(0.01), "mse", metrics=["mae"])
+    model.compile(optimizer(0.01), "mse", metrics=["mae"])
   history = model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
   return model, history.history
 
@@ -99,6 +100,18 @@ class PipelineFitTest(parameterized.TestCase):
         (2, 2), ("batch", "stage"), [f"/cpu:{i}" for i in range(4)])
     self.assert_trains_as_one_device(rs.ReplicatorStrategy(
         mesh=mesh, pipeline=rs.Pipeline(stages=2, microbatches=2)))
+
+  def test_sync_groups_of_pipelines(self):
+    # Averaging every step with SGD: synchronous training, one device's.
+    mesh = keras.distribution.DeviceMesh(
+        (2, 2), ("group", "stage"), [f"/cpu:{i}" for i in range(4)])
+    model, _ = fit(rs.ReplicatorStrategy(
+        mesh=mesh, sync=rs.SyncGroups(groups=2, average_every=1),
+        pipeline=rs.Pipeline(stages=2, microbatches=2)),
+        optimizer=keras.optimizers.SGD)
+    one, _ = fit(optimizer=keras.optimizers.SGD)
+    for a, b in zip(model.get_weights(), one.get_weights()):
+      np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
   def test_each_stage_runs_each_micro_batch_on_its_device(self):
     TracedDense.calls.clear()

@@ -37,11 +37,11 @@ def own_bytes(variables):
 
 class StagePlacementTest(unittest.TestCase):
 
-  def check_placed(self, stages_count, optimizer_built):
+  def check_placed(self, stages_count, optimizer_built, make_optimizer=None):
     strategy = rs.ReplicatorStrategy(pipeline=rs.Pipeline(stages=stages_count))
     with strategy.scope():
       model = mlp()
-      optimizer = keras.optimizers.Adam(0.1)
+      optimizer = (make_optimizer or keras.optimizers.Adam)(0.1)
       model.compile(optimizer, "mse")
       if optimizer_built:
         optimizer.build(model.trainable_variables)
@@ -57,7 +57,7 @@ class StagePlacementTest(unittest.TestCase):
       for stage, (device,) in zip(stages, by_replica.stage_devices(replica)):
         self.assertEqual(held[device], own_bytes(stage.variables))
         self.assertLess(held[device], own_bytes(model.weights))
-    if optimizer_built:
+    if optimizer_built and make_optimizer is None:
       # Adam's two slots a weight, on its weight's devices.
       slots = bytes_by_device(
           [v for v in optimizer.variables if len(v.shape) > 0])
@@ -72,13 +72,18 @@ class StagePlacementTest(unittest.TestCase):
           self.check_placed(stages_count, optimizer_built)
 
   def test_an_optimizer_built_before_still_finds_its_weights(self):
-    model, optimizer = self.check_placed(2, optimizer_built=True)
-    before = model.get_weights()
-    grads = [np.ones(v.shape, np.float32) for v in model.trainable_variables]
-    optimizer.apply_gradients(zip(grads, model.trainable_variables))
-    self.assertEqual(optimizer.iterations.numpy(), 1)
-    for a, b in zip(before, model.get_weights()):
-      np.testing.assert_allclose(b, a - 0.1, atol=1e-5)  # Adam's first step.
+    # Adam (slots moved with their weights) and SGD (no slots).
+    for make_optimizer in (keras.optimizers.Adam, keras.optimizers.SGD):
+      with self.subTest(make_optimizer.__name__):
+        model, optimizer = self.check_placed(2, True, make_optimizer)
+        before = model.get_weights()
+        grads = [np.ones(v.shape, np.float32)
+                 for v in model.trainable_variables]
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        self.assertEqual(optimizer.iterations.numpy(), 1)
+        for a, b in zip(before, model.get_weights()):
+          # Either's first step is -0.1 a weight.
+          np.testing.assert_allclose(b, a - 0.1, atol=1e-5)
 
   def test_a_model_built_outside_the_scope(self):
     strategy = rs.ReplicatorStrategy(pipeline=rs.Pipeline(stages=2))
