@@ -205,5 +205,54 @@ class PipelineFitTest(parameterized.TestCase):
       model.fit(*data(), batch_size=BATCH, verbose=0)
 
 
+
+def two_in_two_out():
+  """Two inputs, a skip connection across the cut, two outputs."""
+  a, b = keras.Input((8,), name="a"), keras.Input((4,), name="b")
+  h = keras.layers.Dense(16, activation="tanh", name="d0")(a)
+  h = keras.layers.Add()([h, keras.layers.Dense(16, activation="tanh",
+                                                name="d1")(h)])
+  h = keras.layers.Concatenate()([h, keras.layers.Dense(16, name="d2")(b)])
+  return keras.Model({"a": a, "b": b}, [keras.layers.Dense(3, name="d3")(h),
+                                        keras.layers.Dense(1, name="d4")(h)])
+
+
+class FunctionalPipelineTest(unittest.TestCase):
+
+  def test_inputs_outputs_sample_weights_and_partial_batches(self):
+    keras.utils.set_random_seed(0)
+    start = two_in_two_out().get_weights()
+    rng = np.random.default_rng(0)
+    rows = 50  # Batches of 20, 20 and 10: micro-batches of 3, 3, 2, 2 ...
+    x = {"a": rng.normal(size=(rows, 8)).astype(np.float32),
+         "b": rng.normal(size=(rows, 4)).astype(np.float32)}
+    y = [rng.normal(size=(rows, 3)).astype(np.float32),
+         rng.normal(size=(rows, 1)).astype(np.float32)]
+    weights = rng.uniform(size=(rows,)).astype(np.float32)
+
+    def run(strategy):
+      with strategy.scope() if strategy else contextlib.nullcontext():
+        model = two_in_two_out()
+        model.set_weights(start)
+        model.compile(keras.optimizers.Adam(0.01), ["mse", "mae"],
+                      loss_weights=[1.0, 0.5], metrics=[["mae"], ["mse"]])
+      history = model.fit(x, y, sample_weight=weights, batch_size=20,
+                          shuffle=False, verbose=0)
+      return (model.get_weights(), history.history,
+              model.evaluate(x, y, batch_size=20, verbose=0),
+              model.predict(x, batch_size=20, verbose=0))
+
+    piped = run(rs.ReplicatorStrategy(
+        pipeline=rs.Pipeline(stages=2, microbatches=4)))
+    one = run(None)
+    for a, b in zip(piped[0], one[0]):
+      np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    for name in ("loss", "d3_mae", "d4_mse"):
+      np.testing.assert_allclose(piped[1][name], one[1][name], rtol=1e-5)
+    np.testing.assert_allclose(piped[2], one[2], rtol=1e-5)
+    for a, b in zip(piped[3], one[3]):
+      np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
 if __name__ == "__main__":
   unittest.main()
