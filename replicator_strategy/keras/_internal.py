@@ -136,6 +136,13 @@ def loss_tracker(model):
   return model._loss_tracker  # pylint: disable=protected-access
 
 
+def output_loss_trackers(model):
+  """The metrics that log each output's own loss (`<output>_loss`), which
+  the compiled loss updates each time it computes."""
+  compiled = model._compile_loss  # pylint: disable=protected-access
+  return compiled.metrics if compiled is not None else []
+
+
 def compute_loss(model, **kwargs):
   """`model`'s loss as Keras's own steps compute it (`Model._compute_loss`,
   with every wrapper `PATCHES` put around it)."""

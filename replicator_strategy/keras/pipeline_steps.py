@@ -150,13 +150,21 @@ def _train_step(model, strategy, pipeline, data):
     return ki.compute_loss(model, x=None, y=y, y_pred=y_pred,
                            sample_weight=sample_weight, training=True)
 
+  # Each micro-batch's loss counts in the per-output loss logs as a batch
+  # would: they are put back, and the whole batch's loss counted once below.
+  logged = [v for m in ki.output_loss_trackers(model) for v in m.variables]
+  before = [tf.identity(v.value) for v in logged]
   step = executor.run(plan, stages, _stage_devices(strategy, stages),
                       stages_lib.model_inputs(stages, x), y, micro_loss,
                       sample_weight=sample_weight, training=True)
-  rows = tf.shape(tf.nest.flatten(x)[0])[0]
-  ki.loss_tracker(model).update_state(
-      ki.loss.unscale_loss_for_distribution(step.loss), sample_weight=rows)
   model.optimizer.apply_gradients(
       zip(step.gradients, executor.variables(stages)))
   y_pred = stages[-1].graph.pack(tf.nest.flatten(step.outputs))
+  for variable, value in zip(logged, before):
+    variable.assign(value)
+  loss = ki.compute_loss(model, x=x, y=y, y_pred=y_pred,
+                         sample_weight=sample_weight, training=True)
+  rows = tf.shape(tf.nest.flatten(x)[0])[0]
+  ki.loss_tracker(model).update_state(
+      ki.loss.unscale_loss_for_distribution(loss), sample_weight=rows)
   return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)

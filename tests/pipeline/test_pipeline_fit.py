@@ -247,7 +247,7 @@ class FunctionalPipelineTest(unittest.TestCase):
     one = run(None)
     for a, b in zip(piped[0], one[0]):
       np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
-    for name in ("loss", "d3_mae", "d4_mse"):
+    for name in ("loss", "d3_loss", "d4_loss", "d3_mae", "d4_mse"):
       np.testing.assert_allclose(piped[1][name], one[1][name], rtol=1e-5)
     np.testing.assert_allclose(piped[2], one[2], rtol=1e-5)
     for a, b in zip(piped[3], one[3]):
