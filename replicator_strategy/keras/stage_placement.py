@@ -30,8 +30,11 @@ from replicator_strategy import options as options_lib
 from replicator_strategy.keras import _internal as ki
 from replicator_strategy.keras import model_stages
 
-# Model -> (a weak reference to the strategy, its stages).
-_CUT = weakref.WeakKeyDictionary()
+# The model's attribute holding (a weak reference to the strategy, its
+# stages). Set past Keras's and TF's attribute tracking (the stages are no
+# weights to save), and on the model: the stages refer to it, so a table
+# keyed by the model would keep it alive.
+_CUT = "_replicator_strategy_pipeline_stages"
 
 
 def pipeline_of(strategy):
@@ -43,7 +46,7 @@ def pipeline_of(strategy):
 def stages_of(strategy, model):
   """`model`'s stages under `strategy`'s pipeline, each stage's variables
   (and the slots of an optimizer already built) on its devices."""
-  cut = _CUT.get(model)
+  cut = vars(model).get(_CUT)
   if cut is not None and cut[0]() is strategy:
     return cut[1]
   pipeline = pipeline_of(strategy)
@@ -54,14 +57,14 @@ def stages_of(strategy, model):
         f"{strategy!r}.")
   stages = model_stages.split_model(model, pipeline.cuts, pipeline.split)
   place(strategy, stages, getattr(model, "optimizer", None))
-  _CUT[model] = (weakref.ref(strategy), stages)
+  object.__setattr__(model, _CUT, (weakref.ref(strategy), stages))
   return stages
 
 
 def placed(strategy, model):
   """`model`'s stages as `stages_of` cut and placed them: in a step traced
   in a replica, where no variable may be made."""
-  cut = _CUT.get(model)
+  cut = vars(model).get(_CUT)
   if cut is None or cut[0]() is not strategy:
     raise ValueError(
         f"The pipeline has not placed model {model.name!r}'s stages on their "
