@@ -7,7 +7,9 @@ holds its stage's share of the bytes, not the whole model's.
 """
 
 import collections
+import gc
 import unittest
+import weakref
 
 import keras
 import numpy as np
@@ -84,6 +86,16 @@ class StagePlacementTest(unittest.TestCase):
         for a, b in zip(before, model.get_weights()):
           # Either's first step is -0.1 a weight.
           np.testing.assert_allclose(b, a - 0.1, atol=1e-5)
+
+  def test_a_model_dropped_is_freed(self):
+    strategy = rs.ReplicatorStrategy(pipeline=rs.Pipeline(stages=2))
+    with strategy.scope():
+      model = mlp()
+    strategy.pipeline_stages(model)
+    dropped = weakref.ref(model)
+    del model
+    gc.collect()
+    self.assertIsNone(dropped())
 
   def test_a_model_built_outside_the_scope(self):
     strategy = rs.ReplicatorStrategy(pipeline=rs.Pipeline(stages=2))
