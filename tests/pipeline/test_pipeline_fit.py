@@ -83,6 +83,7 @@ class PipelineFitTest(parameterized.TestCase):
       ("4_stages_4_micro_1f1b", 4, 4, "1f1b"),
       ("4_stages_2_micro_gpipe", 4, 2, "gpipe"),
       ("2_stages_4_micro_zb_h1", 2, 4, "zb_h1"),
+      ("1_stage_4_micro_1f1b", 1, 4, "1f1b"),  # Micro-batches alone.
   )
   def test_one_step_is_one_devices(self, stages, microbatches, schedule):
     self.assert_trains_as_one_device(rs.ReplicatorStrategy(
