@@ -136,6 +136,20 @@ def loss_tracker(model):
   return model._loss_tracker  # pylint: disable=protected-access
 
 
+_PIPELINE_STAGES = "_replicator_strategy_pipeline_stages"
+
+
+def pipeline_stages_kept(model):
+  """What `keep_pipeline_stages` left on the Keras `model`, or None."""
+  return vars(model).get(_PIPELINE_STAGES)
+
+
+def keep_pipeline_stages(model, value):
+  """Keeps `value` on `model`, past Keras's and TF's attribute tracking (it
+  holds no weight to save)."""
+  object.__setattr__(model, _PIPELINE_STAGES, value)
+
+
 def output_loss_trackers(model):
   """The metrics that log each output's own loss (`<output>_loss`), which
   the compiled loss updates each time it computes."""

@@ -30,11 +30,9 @@ from replicator_strategy import options as options_lib
 from replicator_strategy.keras import _internal as ki
 from replicator_strategy.keras import model_stages
 
-# The model's attribute holding (a weak reference to the strategy, its
-# stages). Set past Keras's and TF's attribute tracking (the stages are no
-# weights to save), and on the model: the stages refer to it, so a table
-# keyed by the model would keep it alive.
-_CUT = "_replicator_strategy_pipeline_stages"
+# A model keeps its cut, (a weak reference to the strategy, its stages),
+# itself (`ki.keep_pipeline_stages`): the stages refer to the model, so a
+# table keyed by the model would keep it alive.
 
 
 def pipeline_of(strategy):
@@ -46,7 +44,7 @@ def pipeline_of(strategy):
 def stages_of(strategy, model):
   """`model`'s stages under `strategy`'s pipeline, each stage's variables
   (and the slots of an optimizer already built) on its devices."""
-  cut = vars(model).get(_CUT)
+  cut = ki.pipeline_stages_kept(model)
   if cut is not None and cut[0]() is strategy:
     return cut[1]
   pipeline = pipeline_of(strategy)
@@ -57,14 +55,14 @@ def stages_of(strategy, model):
         f"{strategy!r}.")
   stages = model_stages.split_model(model, pipeline.cuts, pipeline.split)
   place(strategy, stages, getattr(model, "optimizer", None))
-  object.__setattr__(model, _CUT, (weakref.ref(strategy), stages))
+  ki.keep_pipeline_stages(model, (weakref.ref(strategy), stages))
   return stages
 
 
 def placed(strategy, model):
   """`model`'s stages as `stages_of` cut and placed them: in a step traced
   in a replica, where no variable may be made."""
-  cut = vars(model).get(_CUT)
+  cut = ki.pipeline_stages_kept(model)
   if cut is None or cut[0]() is not strategy:
     raise ValueError(
         f"The pipeline has not placed model {model.name!r}'s stages on their "
