@@ -29,6 +29,7 @@ tensorflow_logs.quiet_unless_asked()
 
 # Public name -> the module that defines it.
 _PUBLIC = {
+    "Pipeline": "replicator_strategy.options",
     "PreemptionCheckpoint": "replicator_strategy.cluster.preemption_checkpoint",
     "ReduceOp": "replicator_strategy.collectives.reduce_op",
     "ReplicaContext": "replicator_strategy.replica_context",
@@ -91,6 +92,8 @@ def _load():
     strategy.CREATION_HOOKS.append(keras_integration.patches.hold)
     strategy.SCOPE_HOOKS.append(
         keras_integration.distribution_strategy.scope_hook)
+    strategy.PIPELINE_STAGES.append(
+        keras_integration.stage_placement.stages_of)
   finally:
     _loading = False
 

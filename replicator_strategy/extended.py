@@ -56,7 +56,7 @@ class ReplicatorExtended(tfi.StrategyExtendedV1):
     super().__init__(container_strategy)
     self.options = options
     self.logical_devices = logical_devices.LogicalDevices(
-        options.mesh.device_groups)
+        options.mesh.device_groups, options.mesh.size("stage"))
     self.communicator = communicator_lib.for_topology(
         [group[0] for group in self.logical_devices.groups], all_reduce,
         cluster, timeout_seconds, options.sync.groups)

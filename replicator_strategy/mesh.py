@@ -7,12 +7,17 @@ DeviceMesh and Keras's own `keras.distribution.DeviceMesh`:
   apart between averaging rounds;
 - `"batch"`: the replicas of a group, data parallel; sharded optimizer state
   and ZeRO-3 weights are cut over it (`docs/sharding.md`);
-- `"model"`, innermost: one replica's devices, over which a layout map
-  splits weights (tensor parallel, `docs/model-parallel.md`).
+- `"stage"`: one replica's pipeline stages, a device (or a model axis of
+  devices) each, running its part of the model (`Pipeline`);
+- `"model"`, innermost: a stage's devices (a replica's, without a
+  pipeline), over which a layout map splits weights (tensor parallel,
+  `docs/model-parallel.md`).
 
 An axis left out has size 1. `ReplicatorStrategy(mesh=DeviceMesh(...))`
 names the axes; the older keywords build the same mesh (`devices` and
-`devices_per_replica=k`: batch x model; `sync_groups=G`: a group axis).
+`devices_per_replica=k`: batch x model; `sync_groups=G`: a group axis;
+`pipeline=Pipeline(stages=S)`: a stage axis). A replica's devices are its
+stage x model devices, row-major.
 With several workers each worker's mesh lists its own devices; the batch
 axis spans the workers, and so does the group axis: a mesh with a group axis
 of size g on each of W workers forms g x W sync groups (one per worker when
@@ -37,7 +42,7 @@ import numpy as np
 from replicator_strategy import devices as devices_lib
 from replicator_strategy.model_parallel import logical_devices
 
-ROLES = ("group", "batch", "model")
+ROLES = ("group", "batch", "stage", "model")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,15 +89,19 @@ class Mesh:
 
   @classmethod
   def from_keywords(cls, devices, devices_per_replica=1, sync_groups=1,
-                    num_workers=1):
+                    num_workers=1, stages=1):
     """The mesh the shorthand keywords describe: this worker's `devices`,
-    `devices_per_replica` to a replica, `sync_groups` over every worker."""
-    replicas = len(devices) // devices_per_replica
+    `stages` x `devices_per_replica` to a replica, `sync_groups` over every
+    worker."""
+    replicas = len(devices) // (devices_per_replica * stages)
     roles, shape = ["batch"], [replicas]
     if sync_groups > 1:
       local_groups = max(sync_groups // num_workers, 1)
       roles, shape = ["group", "batch"], [local_groups,
                                          max(replicas // local_groups, 1)]
+    if stages > 1:
+      roles.append("stage")
+      shape.append(stages)
     if devices_per_replica > 1:
       roles.append("model")
       shape.append(devices_per_replica)
@@ -109,8 +118,8 @@ class Mesh:
 
   @property
   def device_groups(self):
-    """Each replica's devices (its model axis), replicas in order."""
-    k = self.size("model")
+    """Each replica's devices (its stage x model axes), replicas in order."""
+    k = self.size("stage") * self.size("model")
     return tuple(self.devices[i:i + k] for i in range(0, len(self.devices), k))
 
   @property
@@ -128,20 +137,27 @@ class Mesh:
 
 
 def build(device_mesh, axis_roles, batch_dim_name, devices,
-          devices_per_replica, model_layouts, sync, num_workers):
-  """The strategy's `Mesh` from `mesh=` or the keywords it replaces, and
-  `sync` (an `options.SyncGroups`) with the mesh's groups."""
+          devices_per_replica, model_layouts, sync, num_workers,
+          pipeline=None):
+  """The strategy's `Mesh` from `mesh=` or the keywords it replaces, `sync`
+  (an `options.SyncGroups`) with the mesh's groups, and `pipeline` (an
+  `options.Pipeline` or None) with the mesh's stages."""
   if batch_dim_name is not None and model_layouts is None and (
       device_mesh is None):
     raise ValueError(
         f"`batch_dim_name={batch_dim_name!r}` names an axis of a mesh, but "
         f"neither `layout_map` nor `mesh` was given. Pass one, or leave "
         f"batch_dim_name out.")
+  if model_layouts is not None and pipeline is not None:
+    raise NotImplementedError(
+        f"A pipeline with a layout map is not supported yet. Received: "
+        f"pipeline={pipeline!r} and a layout_map. Pass one of them.")
   if device_mesh is not None:
     if batch_dim_name is not None:
       axis_roles = {"batch": batch_dim_name, **(axis_roles or {})}
-    return _from_mesh(device_mesh, axis_roles, num_workers, sync, devices,
-                      devices_per_replica, model_layouts)
+    the_mesh, sync = _from_mesh(device_mesh, axis_roles, num_workers, sync,
+                                devices, devices_per_replica, model_layouts)
+    return the_mesh, sync, _mesh_pipeline(the_mesh, pipeline)
   if axis_roles is not None:
     raise ValueError(
         "`axis_roles` names the axes of a `mesh`, but no mesh was given. "
@@ -151,9 +167,47 @@ def build(device_mesh, axis_roles, batch_dim_name, devices,
     devices, devices_per_replica = _mesh_devices(
         model_layouts, devices, devices_per_replica)
   devices = _devices_or_default(devices)
-  logical_devices.group_by_replica(devices, devices_per_replica)  # Checks k.
+  stages = pipeline.stages if pipeline is not None else 1
+  if stages > 1:
+    _check_stages_divide(devices, devices_per_replica, stages)
+  logical_devices.group_by_replica(devices, devices_per_replica * stages)
   return Mesh.from_keywords(devices, devices_per_replica, sync.groups,
-                            num_workers), sync
+                            num_workers, stages), sync, pipeline
+
+
+def _check_stages_divide(devices, devices_per_replica, stages):
+  """Refuses pipeline stages that do not divide this worker's devices."""
+  k = devices_per_replica
+  if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+    return  # group_by_replica names the mistake.
+  if len(devices) % (stages * k):
+    each = f"{stages} x {k} = {stages * k}" if k > 1 else f"{stages}"
+    raise ValueError(
+        f"`Pipeline(stages={stages})` gives each replica {each} of this "
+        f"worker's devices (a device per stage"
+        f"{', times devices_per_replica' if k > 1 else ''}), but it has "
+        f"{len(devices)}, not a multiple of {stages * k}. Pass a number of "
+        f"stages that divides {len(devices) // k}, or `devices=[...]` "
+        f"listing a multiple of {stages * k}.")
+
+
+def _mesh_pipeline(the_mesh, pipeline):
+  """`pipeline`, agreeing with the mesh's stage axis (a mesh with one and no
+  `pipeline=` gets `Pipeline(stages=<its size>)`)."""
+  stages = the_mesh.size("stage")
+  if pipeline is None:
+    if "stage" not in the_mesh.roles:
+      return None
+    # Here, not above: the options import this module.
+    from replicator_strategy import options  # pylint: disable=g-import-not-at-top
+    return options.Pipeline(stages=stages)
+  if pipeline.stages != stages:
+    raise ValueError(
+        f"The mesh has {stages} stage(s) (its stage axis, {the_mesh}), but "
+        f"pipeline stages={pipeline.stages}. Make them agree: name a "
+        f"\"stage\" axis of size {pipeline.stages} in the mesh, or pass "
+        f"Pipeline(stages={stages}).")
+  return pipeline
 
 
 def _devices_or_default(devices):

@@ -27,6 +27,7 @@ import typing
 import tensorflow as tf
 
 from replicator_strategy import mesh as mesh_lib
+from replicator_strategy.pipeline import schedules
 
 # What `Sharding(weights=BATCH)` names: every trainable weight cut over the
 # batch axis, along its first dimension, a shard per replica.
@@ -209,6 +210,101 @@ def _check_sync_groups(sync_groups, average_every, outer_optimizer,
           f"or leave {name} out.")
 
 
+SCHEDULES = schedules.NAMES  # What `Pipeline(schedule=...)` names.
+
+
+@dataclasses.dataclass(frozen=True)
+class Pipeline:
+  """Pipeline parallelism: each replica's model cut into stages, one per
+  device of the mesh's "stage" axis, each batch in micro-batches
+  (`docs/parallelism.md`).
+
+  >>> import replicator_strategy as rs
+  >>> strategy = rs.ReplicatorStrategy(   # 4 devices here: 2 pipelines
+  ...     pipeline=rs.Pipeline(stages=2, microbatches=4))
+  >>> print(strategy.mesh)
+  batch 2 x stage 2
+  >>> strategy.num_replicas_in_sync
+  2
+
+  Attributes:
+    stages: how many stages each replica's model is cut into, one per
+      device of the stage axis (1: one device runs the whole model).
+    microbatches: how many micro-batches each replica's batch is cut into;
+      their gradients are summed and applied once a step.
+    schedule: the order each device runs its micro-batches' forward and
+      backward passes in: "gpipe", "1f1b", "interleaved_1f1b" (`virtual`
+      stages a device) or "zb_h1" (the weights' gradients deferred into the
+      bubble); any case.
+    split: None (stages balanced by parameter count), or the names of the
+      first layer of each stage after the first (`stages - 1` names).
+    virtual: stages each device runs, with "interleaved_1f1b" (the model is
+      cut into stages x virtual pieces).
+  """
+
+  stages: int = 1
+  microbatches: int = 1
+  schedule: str = "1f1b"
+  split: typing.Any = None
+  virtual: int = 1
+
+  def __post_init__(self):
+    for name in ("stages", "microbatches", "virtual"):
+      _check_count(name, getattr(self, name), _PIPELINE_HINTS[name])
+    schedule = self.schedule
+    if not isinstance(schedule, str) or schedule.lower() not in SCHEDULES:
+      raise ValueError(
+          f"Expected `schedule` to be one of {list(SCHEDULES)} (any case). "
+          f"Received: schedule={schedule!r}. Pass one of them, such as "
+          f"schedule=\"1f1b\".")
+    object.__setattr__(self, "schedule", schedule.lower())
+    if self.virtual > 1 and self.schedule != "interleaved_1f1b":
+      raise ValueError(
+          f"`virtual` sets the stages each device runs, which only the "
+          f"\"interleaved_1f1b\" schedule has. Received: virtual="
+          f"{self.virtual}, schedule={self.schedule!r}. Pass "
+          f"schedule=\"interleaved_1f1b\", or leave virtual out.")
+    if self.split is not None:
+      object.__setattr__(self, "split", _checked_split(self.split,
+                                                       self.cuts))
+
+  @property
+  def cuts(self):
+    """How many pieces the model is cut into: stages x virtual."""
+    return self.stages * self.virtual
+
+
+_PIPELINE_HINTS = {
+    "stages": "Pass how many stages (devices) each replica's model is cut "
+              "into (1: no pipeline).",
+    "microbatches": "Pass how many micro-batches each replica's batch is cut "
+                    "into (1: the batch whole).",
+    "virtual": "Pass how many stages each device runs (1 unless the schedule "
+               "is \"interleaved_1f1b\").",
+}
+
+
+def _check_count(name, value, hint):
+  if isinstance(value, bool) or not isinstance(value, numbers.Integral) or (
+      value < 1):
+    raise ValueError(
+        f"Expected `{name}` to be an int of at least 1. Received: "
+        f"{name}={value!r}. {hint}")
+
+
+def _checked_split(split, cuts):
+  """`split` as a tuple: the first layer's name of each piece but the first."""
+  names = (tuple(split) if isinstance(split, (list, tuple)) else None)
+  if names is None or not all(isinstance(n, str) for n in names) or (
+      len(names) != cuts - 1):
+    raise ValueError(
+        f"Expected `split` to be None or a list of {cuts - 1} layer name(s): "
+        f"the first layer of each stage after the first. Received: "
+        f"split={split!r}. Pass split=None to balance the stages by "
+        f"parameter count.")
+  return names
+
+
 @dataclasses.dataclass(frozen=True)
 class StrategyOptions:
   """Every option of one strategy (`extended.options`).
@@ -220,6 +316,7 @@ class StrategyOptions:
     gradient_compression: None, "bfloat16" or "float16".
     layouts: the layout map as read (`model_parallel.layouts.ModelLayouts`),
       or None.
+    pipeline: a `Pipeline`, or None (no stage axis).
   """
 
   mesh: mesh_lib.Mesh
@@ -227,6 +324,7 @@ class StrategyOptions:
   sync: SyncGroups = SyncGroups()
   gradient_compression: str | None = None
   layouts: typing.Any = None
+  pipeline: typing.Any = None
 
 
 def record(record, cls, name, **keywords):

@@ -37,6 +37,9 @@ MAX_TIMEOUT_SECONDS = 10**9
 # adds the Keras patches' `hold` (they stay in place while a strategy lives),
 # so this module does not import replicator_strategy.keras.
 CREATION_HOOKS = []
+# Holds the function that cuts a Keras model into a strategy's pipeline
+# stages and places them (the loader adds `keras.stage_placement.stages_of`).
+PIPELINE_STAGES = []
 # Each is called as hook(strategy, scope) by `ReplicatorStrategy.scope()` and
 # returns the scope to hand out (the loader adds the Keras distribution's
 # check of a scope opened while `keras.distribution` has one set).
@@ -147,7 +150,7 @@ class ReplicatorStrategy(tf.distribute.Strategy):
                layout_map=None, batch_dim_name=None, sync_groups=1,
                average_every=1, outer_optimizer=None,
                overlap_averaging=False, *, mesh=None, sharding=None, sync=None,
-               axis_roles=None):
+               axis_roles=None, pipeline=None):
     _check_timeout(timeout_seconds)
     compression_lib.wire_dtype(gradient_compression)  # Checks the name.
     sharding = options_lib.record(sharding, options_lib.Sharding, "sharding",
@@ -166,12 +169,23 @@ class ReplicatorStrategy(tf.distribute.Strategy):
       worker_runtime.start(cluster, timeout_seconds)
     model_layouts = (layouts.ModelLayouts(layout_map, batch_dim_name)
                      if layout_map is not None else None)
-    the_mesh, sync = mesh_lib.build(
+    if pipeline is not None and not isinstance(pipeline, options_lib.Pipeline):
+      raise ValueError(
+          f"Expected `pipeline` to be None or a replicator_strategy.Pipeline, "
+          f"such as rs.Pipeline(stages=2, microbatches=4). Received: "
+          f"pipeline={pipeline!r}.")
+    if pipeline is not None and sharding != options_lib.Sharding():
+      raise NotImplementedError(
+          f"A pipeline with sharded optimizer state or weights is not "
+          f"supported yet. Received: pipeline={pipeline!r} and "
+          f"sharding={sharding!r}. Pass one of them.")
+    the_mesh, sync, pipeline = mesh_lib.build(
         mesh, axis_roles, batch_dim_name, devices, devices_per_replica,
-        model_layouts, sync, cluster.num_workers if cluster else 1)
+        model_layouts, sync, cluster.num_workers if cluster else 1, pipeline)
     options = options_lib.StrategyOptions(
         mesh=the_mesh, sharding=sharding, sync=sync,
-        gradient_compression=gradient_compression, layouts=model_layouts)
+        gradient_compression=gradient_compression, layouts=model_layouts,
+        pipeline=pipeline)
     super().__init__(extended_lib.ReplicatorExtended(
         self, options, all_reduce, cluster, timeout_seconds))
     self.averaging = rounds.Averaging(
@@ -263,6 +277,13 @@ class ReplicatorStrategy(tf.distribute.Strategy):
     self.averaging.scheduled_round(trainable_variables,
                                    non_trainable_variables, (step - 1, step))
     return True
+
+  def pipeline_stages(self, model):
+    """The Keras `model` cut into the stages of `ReplicatorStrategy(
+    pipeline=...)`, each stage's variables moved to its devices (once:
+    Keras's `fit`, `evaluate` and `predict` do it first otherwise); a tuple
+    of `pipeline.stages.Stage`s."""
+    return PIPELINE_STAGES[0](self, model)
 
   def logical_device_for_variables(self, logical_device_id):
     """Variables created inside live on each replica's `logical_device_id`.

@@ -21,12 +21,17 @@
   (whether its gradients are summed over the replicas already).
 - `distribution_strategy`: `keras.distribution.set_distribution` served by
   a ReplicatorStrategy (TF's default), `use_for_keras_distribution()`.
+- `model_stages`, `stage_placement`, `pipeline_steps`: under a pipeline,
+  the model cut into stages, each stage's variables on its devices, and
+  `fit`'s step run through the schedule.
 - `_internal`: Keras's private names, behind a Keras version check.
 
 Nothing outside `keras/` imports it but the package's lazy loader, which
 hands `patches.hold` to the strategy's constructor
 (`strategy.CREATION_HOOKS`) and `distribution_strategy.scope_hook` to its
-`scope()` (`strategy.SCOPE_HOOKS`): the core and the other subpackages never
+`scope()` (`strategy.SCOPE_HOOKS`), and `stage_placement.stages_of` to
+`strategy.pipeline_stages` (`strategy.PIPELINE_STAGES`): the core and the
+other subpackages never
 depend on it.
 
 >>> import replicator_strategy as rs

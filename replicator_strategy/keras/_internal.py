@@ -46,6 +46,7 @@ from keras.src.backend.tensorflow import distribution_lib as tf_distribution_lib
 from keras.src.backend.tensorflow import random as tf_random  # Its draws.
 from keras.src.backend.tensorflow import trainer as tf_trainer
 from keras.src.distribution import distribution_lib  # Distribution.scope's set_distribution.
+from keras.src.backend.common import masking  # A tensor's `_keras_mask`.
 from keras.src.layers.convolutional.base_conv import BaseConv
 from keras.src.layers.convolutional.base_conv_transpose import BaseConvTranspose
 from keras.src.layers.convolutional.base_depthwise_conv import BaseDepthwiseConv
@@ -54,6 +55,7 @@ from keras.src.layers.pooling.base_pooling import BasePooling
 from keras.src.layers.regularization.spatial_dropout import BaseSpatialDropout
 from keras.src.backend.common import global_state  # Where the distribution set is kept.
 from keras.src.losses import loss  # Where Keras scales losses.
+from keras.src.models import functional  # The layer graph a pipeline cuts.
 from keras.src.optimizers.base_optimizer import clip_by_global_norm  # Its global_clipnorm.
 from keras.src.saving import saving_lib  # The H5 store of weights files.
 from keras.src.trainers import data_adapters  # Which data fit takes.
@@ -115,6 +117,52 @@ def backend_variable(variable):
   return variable._value  # pylint: disable=protected-access
 
 
+def set_backend_variable(variable, value):
+  """Makes the Keras `variable` hold the backend variable `value` instead:
+  every layer and optimizer list that holds `variable` then reads `value`."""
+  variable._value = value  # pylint: disable=protected-access
+
+
+def reindex_weights(optimizer):
+  """Has a built `optimizer` find its weights again after their backend
+  variables changed (`set_backend_variable`): it keys them by those."""
+  optimizer._trainable_variables_indices = {  # pylint: disable=protected-access
+      optimizer._var_key(v): i  # pylint: disable=protected-access
+      for i, v in enumerate(optimizer_weights(optimizer))}
+
+
+def loss_tracker(model):
+  """The metric Keras's own steps add each batch's loss to (the "loss" log)."""
+  return model._loss_tracker  # pylint: disable=protected-access
+
+
+_PIPELINE_STAGES = "_replicator_strategy_pipeline_stages"
+
+
+def pipeline_stages_kept(model):
+  """What `keep_pipeline_stages` left on the Keras `model`, or None."""
+  return vars(model).get(_PIPELINE_STAGES)
+
+
+def keep_pipeline_stages(model, value):
+  """Keeps `value` on `model`, past Keras's and TF's attribute tracking (it
+  holds no weight to save)."""
+  object.__setattr__(model, _PIPELINE_STAGES, value)
+
+
+def output_loss_trackers(model):
+  """The metrics that log each output's own loss (`<output>_loss`), which
+  the compiled loss updates each time it computes."""
+  compiled = model._compile_loss  # pylint: disable=protected-access
+  return compiled.metrics if compiled is not None else []
+
+
+def compute_loss(model, **kwargs):
+  """`model`'s loss as Keras's own steps compute it (`Model._compute_loss`,
+  with every wrapper `PATCHES` put around it)."""
+  return model._compute_loss(**kwargs)  # pylint: disable=protected-access
+
+
 def embeddings_variable(embedding):
   """An `Embedding` layer's table variable as it holds it (before LoRA or
   int4 unpacking), or None before it is built."""
@@ -158,3 +206,47 @@ def h5_entry_path(store):
   if type(store) is not saving_lib.H5IOStore:  # pylint: disable=unidiomatic-typecheck
     return None
   return store._h5_entry_path  # pylint: disable=protected-access
+
+
+Functional = functional.Functional
+
+
+def graph_of(model):
+  """The Functional graph `model` runs: itself, a Sequential's inner one
+  (None before it is built with an input shape)."""
+  if isinstance(model, keras.Sequential):
+    return model._functional  # pylint: disable=protected-access
+  return model
+
+
+def graph_nodes(graph):
+  """The layer calls of Functional `graph` in the order its `call` runs them."""
+  by_depth = graph._nodes_by_depth  # pylint: disable=protected-access
+  return [node for depth in sorted(by_depth, reverse=True)
+          for node in by_depth[depth] if node.operation and not node.is_input]
+
+
+def call_nodes(operation):
+  """Every call of `operation` (a layer) in any graph, in call order."""
+  return operation._inbound_nodes  # pylint: disable=protected-access
+
+
+def standardize_inputs(graph, inputs):
+  """`inputs` as Functional `graph`'s `call` takes them: flat, converted."""
+  return graph._standardize_inputs(inputs)  # pylint: disable=protected-access
+
+
+def pack_outputs(graph, flat_outputs):
+  """The model's outputs in the structure Functional `graph` returns them."""
+  return functional.unpack_singleton(keras.tree.pack_sequence_as(
+      graph._outputs_struct, flat_outputs))  # pylint: disable=protected-access
+
+
+def call_in_graph(operation, training):
+  """`operation` called as a Functional graph calls it: `training` passed
+  when the layer takes it and it is not None."""
+  return functional.operation_fn(operation, training=training)
+
+
+get_keras_mask = masking.get_keras_mask  # Its mask, or None.
+set_keras_mask = masking.set_keras_mask

@@ -47,6 +47,7 @@ from replicator_strategy.keras import global_results
 from replicator_strategy.keras import gradient_exchange
 from replicator_strategy.keras import loss_scale
 from replicator_strategy.keras import model_parallel
+from replicator_strategy.keras import pipeline_steps
 from replicator_strategy.keras import preemption_saves
 from replicator_strategy.keras import random_layers
 from replicator_strategy.keras import replica_loss
@@ -88,6 +89,7 @@ _NO_ROWS = ("a ReplicatorStrategy replica (of several) runs the layer (a "
             "have rows")
 _DISTRIBUTION = ("a keras.distribution DataParallel or ModelParallel is set: "
                  "a ReplicatorStrategy serves it, TensorFlow's default")
+_PIPELINE = "the strategy is a ReplicatorStrategy(pipeline=...)"
 _IN_ROW_LAYER = ("in a random layer's call that _ROWS marked, for draws of "
                  "rank 1 or more")
 
@@ -234,6 +236,24 @@ PATCHES = (
             _GROUPS + ": answered by the first group's weights")
       for name in ("predict", "evaluate", "predict_on_batch",
                    "test_on_batch")),
+    Patch(_MODEL, "train_step", pipeline_steps.pipelined_train_step,
+          _PIPELINE + ": a replica's step through the schedule"),
+    # predict_step, outer to inner: forward_through_stages,
+    # predict_step_per_device; Layer.__call__: stage_by_stage_call,
+    # output_layouts. Either order works: a pipeline has no layout map.
+    *(Patch(_MODEL, name, pipeline_steps.forward_through_stages,
+            _PIPELINE + ": the model's call run stage by stage")
+      for name in ("test_step", "predict_step")),
+    Patch(keras.Layer, "__call__", pipeline_steps.stage_by_stage_call,
+          _PIPELINE + ": the model a replica's test or predict step calls"),
+    # make_train_function, outer to inner: stages_placed_first,
+    # rounds_after_steps (sync groups, above); make_predict_function:
+    # stages_placed_first, predict_compiled_per_device. Outermost, the
+    # variables are in place before any step is made.
+    *(Patch(_MODEL, name, pipeline_steps.stages_placed_first,
+            _PIPELINE + ": the model cut, its stages placed, once")
+      for name in ("make_train_function", "make_test_function",
+                   "make_predict_function")),
     # Before chief_writes' entries: those wrap these.
     Patch(_BACKUP, "_save_model",
           sync_group_rounds.group_state_beside_backup,

@@ -41,10 +41,16 @@ def group_by_replica(devices, devices_per_replica):
 
 
 class LogicalDevices:
-  """The replicas' device groups, and where new variables go."""
+  """The replicas' device groups, and where new variables go.
 
-  def __init__(self, groups):
+  With `stages` pipeline stages, a replica's devices are its stages'
+  in order, each stage's the same number (its model axis): stage s owns
+  logical devices s*k ... s*k+k-1.
+  """
+
+  def __init__(self, groups, stages=1):
     self.groups = tuple(tuple(g) for g in groups)
+    self.stages = stages
     self._variables_on = 0  # The logical device new variables go to.
 
   @property
@@ -80,6 +86,17 @@ class LogicalDevices:
   def variable_devices(self):
     """The devices, one per replica, that a new variable's components go to."""
     return tuple(group[self._variables_on] for group in self.groups)
+
+  @property
+  def per_stage(self):
+    """How many devices each pipeline stage of a replica spans."""
+    return self.per_replica // self.stages
+
+  def stage_devices(self, local_replica):
+    """The local replica's devices by pipeline stage: a tuple of each
+    stage's devices."""
+    k, group = self.per_stage, self.groups[local_replica]
+    return tuple(group[i:i + k] for i in range(0, len(group), k))
 
   def on_device(self, local_replica, logical_device_id):
     """A `tf.device` scope on the local replica's logical device."""

@@ -125,7 +125,7 @@ class BadMeshTest(unittest.TestCase):
 
   def test_a_role_that_is_not_one(self):
     self.assert_refused(
-        r"roles among \['group', 'batch', 'model'\]. Received: \['tensor'\]",
+        r"roles among \['group', 'batch', 'stage', 'model'\]. Received: \['tensor'\]",
         mesh=device_mesh((4,), ("batch",)), axis_roles={"tensor": "batch"})
 
   def test_a_mesh_beside_the_keywords_it_replaces(self):

@@ -14,6 +14,7 @@ import re
 import unittest
 from unittest import mock
 
+import keras
 import tensorflow as tf
 
 import replicator_strategy as rs
@@ -44,11 +45,15 @@ OPTIONS = {
     "`gradient_compression`": {"gradient_compression": "bfloat16"},
     "`shard_optimizer_state`": {"shard_optimizer_state": True},
     "sync groups": {"sync_groups": 2},
+    # One stage: micro-batches alone, on any number of devices a replica.
+    "`pipeline`": {"pipeline": rs.Pipeline(stages=1, microbatches=2)},
 }
 # The pairs of options the constructor refuses, as README's items name them.
-REFUSED_PAIRS = set()  # Every pair composes.
-# Where the constructor raises NotImplementedError: TPUs.
-NOT_IMPLEMENTED_SITES = 1
+REFUSED_PAIRS = {("`pipeline`", "`shard_optimizer_state`"),
+                 ("`pipeline`", "`variable_partitioner`")}
+# Where the constructor raises NotImplementedError: TPUs, a pipeline with
+# sharding, a pipeline with a layout map.
+NOT_IMPLEMENTED_SITES = 3
 
 
 def refuses_tpus(test):
@@ -95,6 +100,14 @@ def refuses_persistent_tapes_through_collectives_in_a_cond(test):
     tf.function(lambda: strategy.run(fn))()
 
 
+def refuses_a_pipeline_with_a_layout_map(test):
+  layout_map = keras.distribution.LayoutMap(keras.distribution.DeviceMesh(
+      (2, 2), ("batch", "model"), [f"/cpu:{i}" for i in range(4)]))
+  with test.assertRaisesRegex(NotImplementedError, "layout map"):
+    rs.ReplicatorStrategy(pipeline=rs.Pipeline(stages=2),
+                          layout_map=layout_map)
+
+
 # Words that identify a README item -> the check that it is refused.
 CHECKS = {
     "TPU execution": refuses_tpus,
@@ -103,6 +116,7 @@ CHECKS = {
     "`InputReplicationMode.PER_REPLICA`": refuses_per_replica_input,
     "persistent (or nested) `GradientTape`":
         refuses_persistent_tapes_through_collectives_in_a_cond,
+    "`pipeline` with a `layout_map`": refuses_a_pipeline_with_a_layout_map,
 }
 
 

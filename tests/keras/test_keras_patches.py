@@ -114,6 +114,13 @@ LAYERING = {
     (keras.Model, "predict_on_batch"): ["with_one_model", "split_on_batch"],
     (keras.Model, "_make_function"): ["rows_counted", "compiled_per_replica"],
     (keras.Model, "fit"): ["rounds_in_epoch_logs", "last_round"],
+    (keras.Model, "make_train_function"): ["stages_placed_first",
+                                           "rounds_after_steps"],
+    (keras.Model, "make_predict_function"): ["stages_placed_first",
+                                             "predict_compiled_per_device"],
+    (keras.Model, "predict_step"): ["forward_through_stages",
+                                    "predict_step_per_device"],
+    (keras.Layer, "__call__"): ["stage_by_stage_call", "output_layouts"],
     (keras.optimizers.Optimizer, "_all_reduce_sum_gradients"): [
         "gather_for_clipping", "split_in_parts", "slices_as_on_one_device",
         "skip_if_reduced", "compressed_on_the_wire"],

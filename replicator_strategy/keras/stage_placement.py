@@ -1,0 +1,132 @@
+"""A Keras model's pipeline stages, each stage's variables on its devices.
+
+A Keras model makes its weights when it is built, on each replica's first
+device, before anyone knows where the model is cut. The first time a
+pipeline sees the model (its first `fit`, `evaluate` or `predict`, or
+`strategy.pipeline_stages(model)`), `stages_of` cuts it into the strategy's
+stages (`model_stages.split_model`) and makes every variable of stage s
+again on each replica's stage-s device, with the value it holds, and gives
+the Keras variable the new one: layers, the optimizer's lists and saves hold
+the Keras variable, so they read the new one. An optimizer built before
+gets its slots moved with their weights. Later calls get the same stages.
+
+>>> import keras
+>>> import replicator_strategy as rs
+>>> strategy = rs.ReplicatorStrategy(pipeline=rs.Pipeline(stages=2))
+>>> with strategy.scope():
+...   model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8),
+...                             keras.layers.Dense(2)])
+>>> stages = stages_of(strategy, model)
+>>> [c.device[-5:] for c in stages[1].variables[0].value.values]
+['CPU:1', 'CPU:3']
+"""
+
+import weakref
+
+import tensorflow as tf
+
+from replicator_strategy import _tf_internal as tfi
+from replicator_strategy import options as options_lib
+from replicator_strategy.keras import _internal as ki
+from replicator_strategy.keras import model_stages
+
+# A model keeps its cut, (a weak reference to the strategy, its stages),
+# itself (`ki.keep_pipeline_stages`): the stages refer to the model, so a
+# table keyed by the model would keep it alive.
+
+
+def pipeline_of(strategy):
+  """`strategy`'s `Pipeline` when it has one, else None."""
+  options = options_lib.of(strategy)
+  return options.pipeline if options is not None else None
+
+
+def stages_of(strategy, model):
+  """`model`'s stages under `strategy`'s pipeline, each stage's variables
+  (and the slots of an optimizer already built) on its devices."""
+  cut = ki.pipeline_stages_kept(model)
+  if cut is not None and cut[0]() is strategy:
+    return cut[1]
+  pipeline = pipeline_of(strategy)
+  if pipeline is None:
+    raise ValueError(
+        f"Expected a ReplicatorStrategy with a pipeline, such as "
+        f"ReplicatorStrategy(pipeline=rs.Pipeline(stages=2)). Received: "
+        f"{strategy!r}.")
+  stages = model_stages.split_model(model, pipeline.cuts, pipeline.split)
+  place(strategy, stages, getattr(model, "optimizer", None))
+  ki.keep_pipeline_stages(model, (weakref.ref(strategy), stages))
+  return stages
+
+
+def placed(strategy, model):
+  """`model`'s stages as `stages_of` cut and placed them: in a step traced
+  in a replica, where no variable may be made."""
+  cut = ki.pipeline_stages_kept(model)
+  if cut is None or cut[0]() is not strategy:
+    raise ValueError(
+        f"The pipeline has not placed model {model.name!r}'s stages on their "
+        f"devices yet, which a traced step cannot do. Call "
+        f"strategy.pipeline_stages(model) once, eagerly, before the step "
+        f"(Keras's fit, evaluate and predict do).")
+  return cut[1]
+
+
+def stage_logical_device(strategy, stage_index):
+  """The logical device (of each replica) that piece `stage_index` of the
+  model runs on: its stage's first (pieces beyond the stage count, an
+  interleaved schedule's, wrap around the devices)."""
+  devices = strategy.extended.logical_devices
+  return (stage_index % devices.stages) * devices.per_stage
+
+
+def place(strategy, stages, optimizer=None):
+  """Moves each of `stages`' variables onto its stage's device of every
+  replica, with the slots `optimizer` already holds for them."""
+  slots = slots_by_weight(optimizer)
+  for stage in stages:
+    logical_device = stage_logical_device(strategy, stage.index)
+    for variable in stage.variables:
+      for v in (variable, *slots.get(variable.path, ())):
+        move(strategy, v, logical_device)
+  if optimizer is not None and optimizer.built:
+    ki.reindex_weights(optimizer)  # Built with slots or none (plain SGD).
+
+
+def slots_by_weight(optimizer):
+  """Weight path -> the slots a built Keras `optimizer` holds for it.
+
+  Keras names a weight's slot `<its path, "/" as "_">_<slot name>`, on its
+  weight's devices, and makes none before it is built."""
+  if optimizer is None or not optimizer.built:
+    return {}
+  weights = {w.path.replace("/", "_") + "_": w.path
+             for w in ki.optimizer_weights(optimizer)}
+  found = {}
+  for slot in optimizer.variables:
+    prefix = max((p for p in weights if slot.name.startswith(p)), key=len,
+                 default=None)
+    if prefix is not None:
+      found.setdefault(weights[prefix], []).append(slot)
+  return found
+
+
+def move(strategy, variable, logical_device):
+  """Makes the Keras `variable` (of `strategy`) anew on each replica's
+  `logical_device`, with its value; nothing to do where it is already."""
+  held = ki.backend_variable(variable)
+  if not isinstance(held, tfi.values.DistributedVariable):
+    raise ValueError(
+        f"A pipeline places each stage's weights on its devices, but "
+        f"{variable.path!r} was created outside `strategy.scope()`. Build "
+        f"the model inside it: `with strategy.scope(): model = ...`.")
+  devices = strategy.extended.logical_devices
+  wanted = tuple(group[logical_device] for group in devices.groups)
+  if tuple(c.device for c in held.values) == wanted:
+    return
+  with strategy.scope(), devices.for_variables(logical_device):
+    moved = tf.Variable(
+        initial_value=tf.identity(held.read_value()), trainable=held.trainable,
+        name=held.name.split(":")[0], dtype=held.dtype,
+        aggregation=held.aggregation, synchronization=held.synchronization)
+  ki.set_backend_variable(variable, moved)
