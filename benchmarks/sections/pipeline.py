@@ -292,18 +292,7 @@ def pipeline_table(options, rows):
         f"{ratio:>5.2f} {r['parallelism']:>4.2f}  "
         f"{' '.join(f'{b:.2f}' for b in r['busy']):23} {held}")
   if bubbles:
-    par = statistics.median(r["parallelism"] for r in bubbles)
-    busy = statistics.median(sum(r["busy"]) for r in bubbles)
-    lines.append(
-        f"Measured on {os.cpu_count()} CPU cores split into logical devices "
-        f"(median over the rows): {par:.2f} devices busy at once while any "
-        f"is, and the devices' busy fractions sum to {busy:.2f} of the "
-        f"step. Where that is near 1 the devices took turns on the shared "
-        f"cores, and the measured bubble is about 1 - {busy:.2f}/S whatever "
-        f"the schedule: it measures the machine, not the schedule. With a "
-        f"device each stage can keep busy (S GPUs, or cores enough for every "
-        f"device's ops) the measured bubble is the one to compare with the "
-        f"simulated.")
+    lines.append(_note(bubbles))
   for r in rows:
     if r["measure"] == "step":
       ms = r["ms"]
@@ -318,6 +307,27 @@ def pipeline_table(options, rows):
           f"{ms[PIPE] / ms[ONE]:>9.2f} {ms[PIPE] / ms[DATA]:>10.2f}  "
           f"{r['agree']}"]
   return lines
+
+
+def _note(bubbles):
+  """Why the measured bubble differs from the simulated one here."""
+  cores = os.cpu_count()
+  gaps = []
+  for s_count in sorted({r["stages"] for r in bubbles}):
+    of_s = [r for r in bubbles if r["stages"] == s_count]
+    gap = statistics.median(r["measured"] - r["simulated"] for r in of_s)
+    par = statistics.median(r["parallelism"] for r in of_s)
+    gaps.append(f"S = {s_count}: measured - simulated {gap:+.3f}, {par:.2f} "
+                f"devices busy at once")
+  return (
+      f"Medians by S ({'; '.join(gaps)}). The S logical devices share this "
+      f"machine's {cores} CPU cores: where S > {cores}, at most {cores} "
+      f"devices' ops progress at once and ops that overlap slow each other, "
+      f"so the measured bubble tells how the cores were shared more than "
+      f"the schedule; each action's fixed cost (its ops' launches, the "
+      f"transfers) adds to it as M grows. With a device for each stage (S "
+      f"GPUs, or cores enough for every device's ops) the measured bubble "
+      f"is the one to compare with the simulated.")
 
 
 SECTION = section.Section(
