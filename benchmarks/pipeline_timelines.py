@@ -4,7 +4,7 @@
         [--stages 4] [--microbatches 8] [--quick]
 
 For each schedule, one step of the `pipeline` section's MLP (S stages, 2 a
-device for interleaved 1F1B) on S logical CPU devices, traced by TF's
+device of half the layers for interleaved 1F1B) on S logical CPU devices, traced by TF's
 profiler (`benchmarks.pipeline_trace`), is drawn above the schedule's
 simulated timeline (F, B and W one unit each; an unsplit B two): a row per
 device, a box per action (F, B, W), its micro-batch written in it. Writes
@@ -84,7 +84,7 @@ def main(argv=None):
     path = os.path.join(args.out, f"{name}.png")
     draw(measured, path,
          f"{name}{f' (v={virtual})' if virtual > 1 else ''}: S={args.stages}, "
-         f"M={args.microbatches}; MLP of Dense({width}) x {layers} a stage, "
+         f"M={args.microbatches}; MLP of Dense({width}) x {layers} a device, "
          f"batch {rows}, on {os.cpu_count()} CPU cores")
     print(path, f"measured bubble {measured.bubble():.3f}")
 

@@ -2,7 +2,8 @@
 
 For S = 2 and 4 pipeline devices and M micro-batches, each schedule (GPipe,
 1F1B, ZB-H1, and interleaved 1F1B with 2 stages a device where S divides
-M) runs an MLP of Dense stages, one step traced by TF's profiler
+M) runs an MLP of Dense stages (the same layers on each device:
+interleaved's stages have half as many), one step traced by TF's profiler
 (`benchmarks.pipeline_trace`): each device's busy fraction and the measured
 bubble, beside (S - 1) / (M + S - 1) and the simulated timeline's
 (`schedules.bubble_fraction`, F, B and W one unit each, and again with the
@@ -91,12 +92,13 @@ def configurations(size):
 
 def mlp_stages(size, s_count, virtual):
   """The benchmark MLP cut into `s_count * virtual` stages over the first
-  `s_count` devices; the devices."""
-  rows, width, layers = size["pipeline_mlp"]
+  `s_count` devices (each device the same layers whatever `virtual`); the
+  devices."""
+  _, width, layers = size["pipeline_mlp"]
   devices = list(contenders.devices()[:s_count])
   keras.utils.set_random_seed(0)
   count = s_count * virtual
-  return [DenseStage(j, count, width, layers, devices[j % s_count])
+  return [DenseStage(j, count, width, layers // virtual, devices[j % s_count])
           for j in range(count)], devices
 
 
@@ -269,7 +271,8 @@ def pipeline_table(options, rows):
   bubbles = [r for r in rows if r["measure"] == "bubble"]
   one_f_one_b = {(r["stages"], r["microbatches"]): r["measured"]
                  for r in bubbles if r["schedule"] == "1f1b"}
-  lines = ["", f"Pipeline bubble: MLP of Dense({width}) x {layers} a stage, "
+  lines = ["", f"Pipeline bubble: MLP of Dense({width}) x {layers} a device "
+           f"(a stage; interleaved: {layers // VIRTUAL} a stage), "
            f"batch {rows_mlp}, one step traced by TF's profiler (median of "
            f"{size['pipeline_rounds']}); theory (S-1)/(M+S-1), simulated "
            f"(F=B=W=1; B+W unsplit), simulated with the measured costs, "
