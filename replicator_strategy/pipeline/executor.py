@@ -124,12 +124,11 @@ class _Run:
       users = [j for j, s in enumerate(self.stages) if name in s.inputs]
       with tf.device(self.devices[users[0] if users else 0]):
         self.inputs[name] = cut(tensor)
+    cut_nest = lambda nest: [None] * m_count if nest is None else [
+        tf.nest.pack_sequence_as(nest, parts)
+        for parts in zip(*[cut(t) for t in tf.nest.flatten(nest)])]
     with tf.device(self.devices[-1]):
-      self.y = [tf.nest.pack_sequence_as(y, parts) for parts in zip(
-          *[cut(t) for t in tf.nest.flatten(y)])]
-      self.weights = [None] * m_count if sample_weight is None else [
-          tf.nest.pack_sequence_as(sample_weight, parts) for parts in zip(
-              *[cut(t) for t in tf.nest.flatten(sample_weight)])]
+      self.y, self.weights = cut_nest(y), cut_nest(sample_weight)
       self.shares = [tf.cast(sizes[m], tf.float64) / tf.cast(rows, tf.float64)
                      for m in range(m_count)]
 

@@ -89,7 +89,9 @@ def schedule(name, stages, microbatches, virtual=1):
     name: one of `NAMES`.
     stages: the pipeline's devices, `S`. The model has `S * virtual` stages.
     microbatches: `M`, any number from 1 (fewer than `S` leaves a larger
-      bubble).
+      bubble). For "interleaved_1f1b", M not a multiple of S (which
+      Megatron-LM refuses) runs the order of the next multiple with the
+      missing micro-batches left out.
     virtual: stages per device, for "interleaved_1f1b" only.
 
   Returns:
@@ -225,6 +227,23 @@ class Timeline:
   def busy(self, device):
     """The time `device` spends running actions."""
     return sum(self.end[a] - self.start[a] for a in self.plan[device])
+
+  def chart(self):
+    """One line per device, one column per unit of time (whole-number
+    costs): the action running then (kind and micro-batch), or ".." idle.
+
+    >>> print(timeline(schedule("zb_h1", 2, 3)).chart())
+    F0 F1 .. B0 W0 F2 B1 W1 B2 W2
+    .. F0 B0 F1 B1 W0 F2 B2 W1 W2
+    """
+    rows = []
+    for actions in self.plan:
+      row = [".."] * int(self.makespan)
+      for a in actions:
+        for t in range(int(self.start[a]), int(self.end[a])):
+          row[t] = f"{a.kind}{a.micro}"
+      rows.append(" ".join(row))
+    return "\n".join(rows)
 
   def order(self):
     """Every action, by start time: an order that respects the dependencies."""
