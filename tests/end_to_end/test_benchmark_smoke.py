@@ -264,7 +264,9 @@ class BenchmarkSmokeTest(unittest.TestCase):
     self.assertEqual(sorted(step["ms"]),
                      ["data parallel", "one device", "pipeline"])
     self.assertTrue(all(ms > 0 for ms in step["ms"].values()), step)
-    self.assertTrue(step["agree"], step)  # The same first loss, 3 ways.
+    # The same losses 3 ways, before and after an update.
+    self.assertTrue(step["agree"], step)
+    self.assertEqual({len(v) for v in step["losses"].values()}, {2})
     table = "\n".join(section.table(options, rows))
     self.assertIn("is the one to compare with the simulated", table)
     self.assertIn("pipe/data", table)
