@@ -1,14 +1,16 @@
 """A pipeline step's measured timeline: when each action ran, from TF's trace.
 
 `measure` traces the executor's step (`pipeline.executor.run`) in a
-`tf.function`, runs it once to warm up, then once under
-`tf.profiler.experimental` and reads the trace: every op the step ran, with
-its start and duration. Each op maps back to the action (F, B or W of a
-stage and a micro-batch) whose code built it: the executor builds an
+`tf.function`, runs it once to warm up, then under
+`tf.profiler.experimental` (`rounds` times, each on its own) and reads each
+trace: every op the step ran, with its start and duration. Each op maps
+back to the action (F, B or W of a stage and a micro-batch) whose code
+built it: the executor builds an
 action's ops under its name scope and ends them with an "<action>/done"
 group, so in the traced graph's creation order the ops up to an action's
 "done" are that action's. (Names alone do not say it: a gradient op is named
 after its forward op, "gradient_tape/F1_0/...", whichever backward built it.)
+Those scopes and groups are the executor's; this module only reads them.
 A device's busy time is the union of its actions' ops' intervals; the
 bubble is the share of the devices' time idle from the first action's first
 op to the last action's last op, as `schedules.bubble_fraction` defines it
