@@ -7,9 +7,10 @@ trace: every op the step ran, with its start and duration. Each op maps
 back to the action (F, B or W of a stage and a micro-batch) whose code
 built it: the executor builds an action's ops under its name scope and
 ends them with an "<action>/done" group, so in the traced graph's creation
-order the ops up to an action's "done" are that action's. (Names alone do not say it: a gradient op is named
-after its forward op, "gradient_tape/F1_0/...", whichever backward built it.)
-Those scopes and groups are the executor's; this module only reads them.
+order the ops up to an action's "done" are that action's. (Names alone do
+not say it: a gradient op is named after its forward op,
+"gradient_tape/F1_0/...", whichever backward built it.) Those scopes and
+groups are the executor's; this module only reads them.
 A device's busy time is the union of its actions' ops' intervals; the
 bubble is the share of the devices' time idle from the first action's first
 op to the last action's last op, as `schedules.bubble_fraction` defines it
