@@ -43,6 +43,19 @@ SIZES = {  # name: (full run, --quick)
     "transformer": ((512, 16, 1024, 8, 4), (32, 4, 16, 4, 1)),
     "transformer_batch": (8, 8),
     "transformer_steps": (8, 2),
+    # The pipeline section: stage counts S and micro-batch counts M of its
+    # grid; its MLP's batch rows, width and Dense layers a device (halved
+    # a stage in interleaved 1F1B's 2 stages a device); profiled
+    # steps a configuration (the median's kept). Then its transformer-like
+    # MLP (width, blocks, global batch), 1F1B's micro-batches and the timed
+    # rounds of the step comparison.
+    "pipeline_stages": ((2, 4), (2, 4)),
+    "pipeline_microbatches": ((1, 2, 4, 8), (4,)),
+    "pipeline_mlp": ((256, 512, 2), (16, 16, 2)),
+    "pipeline_rounds": (5, 1),
+    "pipeline_model": ((512, 8, 256), (16, 4, 16)),
+    "pipeline_step_microbatches": (8, 4),
+    "pipeline_steps": (10, 2),
 }
 
 

@@ -76,12 +76,14 @@ from tensorflow.python.util import nest
 from tensorflow.python.checkpoint import restore as checkpoint_restore
 from tensorflow.python.autograph.core import ag_ctx
 from tensorflow.python.autograph.impl import api as autograph
+from tensorflow.tsl.profiler.protobuf import xplane_pb2
 # pylint: enable=g-import-not-at-top,unused-import
 
 StrategyExtendedV1 = distribute_lib.StrategyExtendedV1
 UpdateContext = distribute_lib.UpdateContext
 ThreadReplicaContext = mirrored_run._MirroredReplicaContext  # pylint: disable=protected-access
 FuncGraph = func_graph.FuncGraph
+XSpace = xplane_pb2.XSpace  # What tf.profiler.experimental writes (*.xplane.pb).
 # The checkpoint attribute holding a variable's value.
 VARIABLE_VALUE_KEY = trackable_constants.VARIABLE_VALUE_KEY
 WHILE_LOOP_GRAPHS = (control_flow_v2_func_graphs.WhileBodyFuncGraph,

@@ -16,6 +16,7 @@ from benchmarks.sections import model_parallel
 from benchmarks.sections import multi
 from benchmarks.sections import overhead
 from benchmarks.sections import parts
+from benchmarks.sections import pipeline
 from benchmarks.sections import random
 from benchmarks.sections import reducescatter
 from benchmarks.sections import sharding
@@ -28,4 +29,5 @@ REGISTRY = {s.name: s for s in (
     overhead.SECTION, parts.SECTION, update.SECTION, sharding.SECTION,
     embedding.SECTION, allreduce.SECTION, reducescatter.SECTION,
     mapgather.SECTION, first.SECTION, multi.SECTION, exchange.SECTION,
-    model_parallel.SECTION, sync_groups.SECTION, links.SECTION)}
+    model_parallel.SECTION, sync_groups.SECTION, links.SECTION,
+    pipeline.SECTION)}

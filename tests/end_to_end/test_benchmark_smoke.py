@@ -3,7 +3,8 @@
 Timings are not checked (a unit test is no place for them); the full run and
 its table live in docs/performance.md. The quick run leaves out the
 `model_parallel` section (its five contenders trace a transformer each, about
-45 s of CPU); two of them run here in this process instead.
+45 s of CPU); two of them run here in this process instead, as does the
+`pipeline` section (a profiled step of each schedule).
 """
 
 import json
@@ -20,7 +21,7 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]  # Holds `benchmarks`.
 # Sections the quick run leaves out (tested in this process below).
-IN_PROCESS = ("model_parallel",)
+IN_PROCESS = ("model_parallel", "pipeline")
 
 
 def _import_benchmarks():
@@ -225,6 +226,68 @@ class BenchmarkSmokeTest(unittest.TestCase):
     self.assertLess(row["state_over_quarter"]["k=2+zero3"], 1.1)
     table = "\n".join(section.table(options, [row]))
     self.assertIn("w+grad+Adam/dev max", table)
+
+  def test_pipeline_measures_each_schedule_and_the_step(self):
+    options_lib, registry = _import_benchmarks()
+    from replicator_strategy.pipeline import schedules  # pylint: disable=g-import-not-at-top
+    options = options_lib.Options(quick=True, sections=("pipeline",))
+    section = registry["pipeline"]
+    rows = section.fresh(options)
+    bubbles = [r for r in rows if r["measure"] == "bubble"]
+    self.assertEqual(
+        [(r["schedule"], r["stages"], r["microbatches"], r["virtual"])
+         for r in bubbles],
+        [(name, s, 4, 2 if name == "interleaved_1f1b" else 1)
+         for s in (2, 4) for name in ("gpipe", "1f1b", "zb_h1",
+                                      "interleaved_1f1b")])
+    for r in bubbles:
+      plan = schedules.schedule(r["schedule"], r["stages"], 4, r["virtual"])
+      self.assertEqual(r["simulated"], schedules.bubble_fraction(plan))
+      self.assertEqual(r["theory"], (r["stages"] - 1) / (r["stages"] + 3))
+      self.assertTrue(0 < r["measured"] < 1, r)
+      self.assertEqual(len(r["busy"]), r["stages"])
+      self.assertTrue(all(0 < b <= 1 for b in r["busy"]), r)
+      self.assertGreaterEqual(r["parallelism"], 1 - 1e-9)
+      # Each device's activations, held from its F to its last backward in
+      # the measured timeline, peak at the schedule's bound: the measured
+      # order is the schedule's, and the graph frees what it says.
+      self.assertEqual(r["peak_held_kb"], r["bound_kb"])
+      self.assertTrue(all(kb > 0 for kb in r["bound_kb"]), r)
+    by_name = {(r["schedule"], r["stages"]): r for r in bubbles}
+    for s in (2, 4):
+      self.assertLess(by_name["zb_h1", s]["simulated"],
+                      by_name["1f1b", s]["simulated"])
+      # GPipe holds every micro-batch's activations, 1F1B's last device one.
+      self.assertEqual(by_name["gpipe", s]["bound_kb"][-1],
+                       4 * by_name["1f1b", s]["bound_kb"][-1])
+    step, = [r for r in rows if r["measure"] == "step"]
+    self.assertEqual(sorted(step["ms"]),
+                     ["data parallel", "one device", "pipeline"])
+    self.assertTrue(all(ms > 0 for ms in step["ms"].values()), step)
+    # The same losses 3 ways, before and after an update.
+    self.assertTrue(step["agree"], step)
+    self.assertEqual({len(v) for v in step["losses"].values()}, {2})
+    table = "\n".join(section.table(options, rows))
+    self.assertIn("is the one to compare with the simulated", table)
+    self.assertIn("pipe/data", table)
+
+  def test_pipeline_timelines_draw_a_measured_step_small(self):
+    options_lib, _ = _import_benchmarks()
+    from benchmarks import pipeline_timelines  # pylint: disable=g-import-not-at-top
+    from benchmarks.sections import pipeline  # pylint: disable=g-import-not-at-top
+    size = options_lib.Options(quick=True).size
+    measured = pipeline.measured_run(size, "zb_h1", 4, 8, 1)
+    # Every action ran ops but ZB-H1's first-stage B (no input gradient).
+    self.assertEqual(
+        {a for d in measured.plan for a in d} - set(measured.spans),
+        {a for a in measured.plan[0]
+         if a.kind == "B"})
+    with tempfile.TemporaryDirectory() as out:
+      path = pathlib.Path(out) / "zb_h1.png"
+      pipeline_timelines.draw(measured, path, "zb_h1")
+      data = path.read_bytes()
+    self.assertTrue(data.startswith(b"\x89PNG"))
+    self.assertLess(len(data), 100_000)
 
 if __name__ == "__main__":
   unittest.main()
