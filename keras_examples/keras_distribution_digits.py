@@ -30,10 +30,7 @@ def parse_args():
                       help="devices each replica spans (ModelParallel when "
                       f"above 1); it must divide the {transformer_digits.HEADS} "
                       "heads (default: 1, DataParallel)")
-  parser.add_argument("--epochs", type=int, default=10,
-                      help="passes over the training set (default: 10)")
-  parser.add_argument("--global-batch-size", type=int, default=64,
-                      help="examples per step, over all replicas (default: 64)")
+  transformer_digits.add_training_arguments(parser)
   return parser.parse_args()
 
 
@@ -51,8 +48,7 @@ def main():
   replicator_strategy.use_for_keras_distribution()  # The line TF adds.
 
   keras.utils.set_random_seed(0)
-  x_train, x_test, y_train, y_test = digits.load_data()
-  x_train, x_test = x_train[..., 0], x_test[..., 0]  # (images, 8 rows, 8)
+  data = transformer_digits.load_data()
 
   devices = keras.distribution.list_devices()[:devices_needed]
   if args.model_parallel > 1:
@@ -66,19 +62,11 @@ def main():
   print(tf.distribute.get_strategy())  # the strategy serving it, its replicas
 
   model = transformer_digits.build_model(keras)
-  model.compile(
-      optimizer=keras.optimizers.Adam(3e-3),
-      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-      metrics=["accuracy"])
+  transformer_digits.compile_model(keras, model)
   kernel = model.get_layer("up").kernel
   print(f"up/kernel {kernel.shape}, held as {held_as(kernel)}")
 
-  model.fit(x_train, y_train, batch_size=args.global_batch_size,
-            epochs=args.epochs, validation_split=0.1)
-  _, test_accuracy = model.evaluate(x_test, y_test, verbose=0)
-
-  print(f"test accuracy: {test_accuracy:.4f}")
-  print(f"wall time: {time.monotonic() - start:.1f} s")
+  transformer_digits.fit_and_report(model, args, data, start)
 
 
 def held_as(variable):

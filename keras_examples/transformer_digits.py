@@ -25,11 +25,16 @@ def parse_args():
   parser.add_argument("--model-parallel", type=int, default=2,
                       help="devices each replica spans; it must divide the "
                       f"{HEADS} heads (default: 2)")
+  add_training_arguments(parser)
+  return parser.parse_args()
+
+
+def add_training_arguments(parser):
+  """--epochs and --global-batch-size, which every transformer script takes."""
   parser.add_argument("--epochs", type=int, default=10,
                       help="passes over the training set (default: 10)")
   parser.add_argument("--global-batch-size", type=int, default=64,
                       help="examples per step, over all replicas (default: 64)")
-  return parser.parse_args()
 
 
 def layout_map(keras, devices, replicas, k):
@@ -62,6 +67,30 @@ def build_model(keras):
   return keras.Model(pixels, keras.layers.Dense(10, name="logits")(x))
 
 
+def load_data():
+  """The digits as `(x_train, x_test, y_train, y_test)`, each image 8 rows."""
+  x_train, x_test, y_train, y_test = digits.load_data()
+  return x_train[..., 0], x_test[..., 0], y_train, y_test
+
+
+def compile_model(keras, model):
+  model.compile(
+      optimizer=keras.optimizers.Adam(3e-3),
+      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+      metrics=["accuracy"])
+
+
+def fit_and_report(model, args, data, start):
+  """Trains `model` on `data` (`load_data()`'s) and prints its test accuracy
+  and the wall time since `start`."""
+  x_train, x_test, y_train, y_test = data
+  model.fit(x_train, y_train, batch_size=args.global_batch_size,
+            epochs=args.epochs, validation_split=0.1)
+  _, test_accuracy = model.evaluate(x_test, y_test, verbose=0)
+  print(f"test accuracy: {test_accuracy:.4f}")
+  print(f"wall time: {time.monotonic() - start:.1f} s")
+
+
 def main():
   args = parse_args()
   start = time.monotonic()
@@ -73,8 +102,7 @@ def main():
   import replicator_strategy
   # pylint: enable=g-import-not-at-top
   keras.utils.set_random_seed(0)
-  x_train, x_test, y_train, y_test = digits.load_data()
-  x_train, x_test = x_train[..., 0], x_test[..., 0]  # (images, 8 rows, 8)
+  data = load_data()
 
   devices = keras.distribution.list_devices()[:devices_needed]
   strategy = replicator_strategy.ReplicatorStrategy(layout_map=layout_map(
@@ -82,21 +110,12 @@ def main():
   print(strategy)  # the replicas, their first devices and the all-reduce
   with strategy.scope():
     model = build_model(keras)
-    model.compile(
-        optimizer=keras.optimizers.Adam(3e-3),
-        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        metrics=["accuracy"])
+    compile_model(keras, model)
   kernel = model.get_layer("up").kernel.value  # held in parts
   print(f"up/kernel {kernel.shape.as_list()} in {args.model_parallel} parts "
         f"of {kernel.values[0].shape.as_list()}, on "
         f"{', '.join(p.device.rsplit('/', 1)[-1] for p in kernel.values)}")
-
-  model.fit(x_train, y_train, batch_size=args.global_batch_size,
-            epochs=args.epochs, validation_split=0.1)
-  _, test_accuracy = model.evaluate(x_test, y_test, verbose=0)
-
-  print(f"test accuracy: {test_accuracy:.4f}")
-  print(f"wall time: {time.monotonic() - start:.1f} s")
+  fit_and_report(model, args, data, start)
 
 
 if __name__ == "__main__":

@@ -177,8 +177,31 @@ class ExamplesTest(unittest.TestCase):
     # The same global batches and seed: the same model, up to float sums.
     self.assertAlmostEqual(reports["4"][1], reports["2"][1], delta=0.01)
 
+  @pytest.mark.slow
+  def test_the_pipeline_trains_the_same_whatever_its_schedule(self):
+    accuracies = []
+    for schedule in ("gpipe", "zb_h1"):
+      done = subprocess.run(
+          [sys.executable, str(EXAMPLES / "pipeline_digits.py"), "--epochs",
+           "3", "--schedule", schedule], capture_output=True, text=True,
+          timeout=300, check=False,
+          env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
+      self.assertEqual(done.returncode, 0, done.stderr[-3000:])
+      lines = done.stdout.splitlines()
+      self.assertRegex(lines[0], r"^ReplicatorStrategy\(2 replicas: .*CPU:0.*"
+                       r"CPU:2; mesh batch 2 x stage 2")
+      self.assertRegex(lines[1], r"^stage 0: \d+ layers, \d+ weights$")
+      self.assertRegex(lines[2], r"^stage 1: \d+ layers, \d+ weights$")
+      self.assertRegex(lines[-1], r"^wall time: \d+\.\d s$")
+      accuracies.append(float(
+          done.stdout.rsplit("test accuracy:", 1)[1].split()[0]))
+    self.assertGreater(accuracies[0], 0.5)  # 3 epochs; chance is 0.1.
+    # Every schedule sums the same gradients: the same model, up to float sums.
+    self.assertAlmostEqual(accuracies[0], accuracies[1], delta=0.01)
+
   @parameterized.expand(["train_digits.py", "custom_loop_digits.py",
                          "transformer_digits.py", "keras_distribution_digits.py",
+                         "pipeline_digits.py",
                          "resnet_digits.py",
                          "sngan_digits.py", "d4pg.py"])
   def test_help_answers_without_importing_tensorflow(self, script):
@@ -187,8 +210,9 @@ class ExamplesTest(unittest.TestCase):
         [sys.executable, "-X", "importtime", str(EXAMPLES / script), "--help"],
         capture_output=True, text=True, timeout=60, check=True)
     self.assertIn("--global-batch-size", done.stdout)
-    if script != "transformer_digits.py":  # 2 replicas of 2 devices each.
-      # Without a GPU, 4 replicas by default, as train_digits.py.
+    # Without a GPU, 4 replicas by default, as train_digits.py; these two
+    # make 2 replicas of 2 devices each.
+    if script not in ("transformer_digits.py", "pipeline_digits.py"):
       replicas = " ".join(done.stdout.split()).split("--replicas REPLICAS")[2]
       self.assertIn("(default: 4", replicas.split(" --")[0])
     imported = {line.rsplit("|", 1)[-1].strip().split(".")[0]
