@@ -148,10 +148,6 @@ def build(device_mesh, axis_roles, batch_dim_name, devices,
         f"`batch_dim_name={batch_dim_name!r}` names an axis of a mesh, but "
         f"neither `layout_map` nor `mesh` was given. Pass one, or leave "
         f"batch_dim_name out.")
-  if model_layouts is not None and pipeline is not None:
-    raise NotImplementedError(
-        f"A pipeline with a layout map is not supported yet. Received: "
-        f"pipeline={pipeline!r} and a layout_map. Pass one of them.")
   if device_mesh is not None:
     if batch_dim_name is not None:
       axis_roles = {"batch": batch_dim_name, **(axis_roles or {})}

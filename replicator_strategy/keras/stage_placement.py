@@ -6,7 +6,8 @@ pipeline sees the model (its first `fit`, `evaluate` or `predict`, or
 `strategy.pipeline_stages(model)`), `stages_of` cuts it into the strategy's
 stages (`model_stages.split_model`) and makes every variable of stage s
 again on each replica's stage-s device, with the value it holds, and gives
-the Keras variable the new one: layers, the optimizer's lists and saves hold
+the Keras variable the new one (a weight the layout map splits, in parts
+over the stage's model-axis devices): layers, the optimizer's lists and saves hold
 the Keras variable, so they read the new one. An optimizer built before
 gets its slots moved with their weights. Later calls get the same stages.
 
@@ -21,6 +22,7 @@ gets its slots moved with their weights. Later calls get the same stages.
 ['CPU:1', 'CPU:3']
 """
 
+import contextlib
 import weakref
 
 import tensorflow as tf
@@ -29,6 +31,8 @@ from replicator_strategy import _tf_internal as tfi
 from replicator_strategy import options as options_lib
 from replicator_strategy.keras import _internal as ki
 from replicator_strategy.keras import model_stages
+from replicator_strategy.model_parallel import layouts
+from replicator_strategy.model_parallel import split_variables
 
 # A model keeps its cut, (a weak reference to the strategy, its stages),
 # itself (`ki.keep_pipeline_stages`): the stages refer to the model, so a
@@ -121,10 +125,18 @@ def move(strategy, variable, logical_device):
         f"{variable.path!r} was created outside `strategy.scope()`. Build "
         f"the model inside it: `with strategy.scope(): model = ...`.")
   devices = strategy.extended.logical_devices
-  wanted = tuple(group[logical_device] for group in devices.groups)
-  if tuple(c.device for c in held.values) == wanted:
+  split = isinstance(held, split_variables.SplitVariable)
+  with devices.for_variables(logical_device):
+    groups = (split_variables.stage_groups(devices) if split else
+              [(group[logical_device],) for group in devices.groups])
+  if tuple(c.device for c in held.values) == tuple(
+      d for group in groups for d in group):
     return
-  with strategy.scope(), devices.for_variables(logical_device):
+  # A split weight (or slot) is made split again, along its axis.
+  creating = layouts.creating(
+      variable.path, held.whole_shape, (held.axis, None)) if (
+      split) else contextlib.nullcontext()
+  with strategy.scope(), devices.for_variables(logical_device), creating:
     moved = tf.Variable(
         initial_value=tf.identity(held.read_value()), trainable=held.trainable,
         name=held.name.split(":")[0], dtype=held.dtype,

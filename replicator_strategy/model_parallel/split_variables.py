@@ -2,9 +2,9 @@
 
 A `SplitVariable` is one distributed variable of the whole shape. Replica r
 holds it in k parts, part i (slice i of the whole along `axis`) on the
-replica's logical device i; every replica holds the same parts (data
-parallel). Each device holds 1/k of the weight, and of its optimizer slots,
-which are split the same way. How it reads depends on where:
+replica's logical device i (with a pipeline, its stage's device i:
+`stage_groups`); every replica holds the same parts (data parallel). Each
+device holds 1/k of the weight, and of its optimizer slots, which are split the same way. How it reads depends on where:
 
 - in cross-replica context (outside `strategy.run`, saving, `numpy()`): the
   whole, from the first replica's parts; a whole-shaped assignment sets every
@@ -64,7 +64,7 @@ class SplitVariable(sharded_variables.PiecewiseVariable):
     self.axis = axis
     self.path = path or values[0].name
     self.whole_shape = tf.TensorShape(shape)
-    self.num_parts = len(strategy.extended.logical_devices.groups[0])
+    self.num_parts = strategy.extended.logical_devices.per_stage
     self._logged_whole_read = False
     super().__init__(strategy, values, aggregation)
 
@@ -291,6 +291,15 @@ def _updating_part(part):
     _updating.part = previous
 
 
+def stage_groups(logical):
+  """Each replica's devices that a new split variable's parts go to: those
+  of the pipeline stage holding the logical device new variables go to (a
+  replica's all, without a pipeline)."""
+  first = logical.variables_on // logical.per_stage * logical.per_stage
+  return tuple(group[first:first + logical.per_stage]
+               for group in logical.groups)
+
+
 def create(strategy, next_creator, axis, on_read=None,
            on_write=SplitVariable, **kwargs):
   """A `SplitVariable`: parts of the whole initial value, on every replica.
@@ -309,7 +318,7 @@ def create(strategy, next_creator, axis, on_read=None,
   kwargs.pop("colocate_with", None)
   kwargs.pop("shape", None)
   communicator = strategy.extended.communicator
-  groups = strategy.extended.logical_devices.groups
+  groups = stage_groups(strategy.extended.logical_devices)
   k = len(groups[0])
   with tf.init_scope(), tf.device(groups[0][0]):
     initial_value = communicator.initial_value(kwargs["initial_value"],
