@@ -4,7 +4,8 @@ A `SplitVariable` is one distributed variable of the whole shape. Replica r
 holds it in k parts, part i (slice i of the whole along `axis`) on the
 replica's logical device i (with a pipeline, its stage's device i:
 `stage_groups`); every replica holds the same parts (data parallel). Each
-device holds 1/k of the weight, and of its optimizer slots, which are split the same way. How it reads depends on where:
+device holds 1/k of the weight, and of its optimizer slots, which are split
+the same way. How it reads depends on where:
 
 - in cross-replica context (outside `strategy.run`, saving, `numpy()`): the
   whole, from the first replica's parts; a whole-shaped assignment sets every
