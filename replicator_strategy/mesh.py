@@ -240,14 +240,18 @@ def _from_mesh(device_mesh, axis_roles, num_workers, sync, devices,
         f"keras.distribution.list_devices() names them. {e}") from None
   the_mesh = dataclasses.replace(the_mesh, devices=tuple(resolved))
   if model_layouts is not None:
+    # A layout map's mesh has a row per stage of each replica.
     layout_groups = [list(devices_lib.resolve_devices(group))
                      for group in model_layouts.device_groups]
-    if [list(g) for g in the_mesh.device_groups] != layout_groups:
+    k = the_mesh.size("model")
+    stage_groups = [list(the_mesh.devices[i:i + k])
+                    for i in range(0, len(the_mesh.devices), k)]
+    if stage_groups != layout_groups:
       raise ValueError(
-          f"The layout map's mesh and `mesh` must give the replicas the same "
-          f"devices. Received: mesh {the_mesh} with replicas "
-          f"{[list(g) for g in the_mesh.device_groups]}, layout map replicas "
-          f"{layout_groups}. Build the layout map over the same DeviceMesh.")
+          f"The layout map's mesh and `mesh` must give each replica's stages "
+          f"the same devices. Received: mesh {the_mesh} with stages "
+          f"{stage_groups}, layout map rows {layout_groups}. Build the layout "
+          f"map over the same DeviceMesh.")
   groups = the_mesh.num_sync_groups
   if sync.groups not in (1, groups):
     raise ValueError(

@@ -71,13 +71,16 @@ class ModelLayouts:
       raise ValueError(
           f"Expected `layout_map` to be a keras.distribution.LayoutMap over a "
           f"keras.distribution.DeviceMesh. Received: {layout_map!r}.")
-    names = list(mesh.axis_names)
+    names, devices = list(mesh.axis_names), np.asarray(mesh.devices)
+    if len(names) == 3 and "stage" in names:  # A pipeline's: a row a stage.
+      names, devices = _stages_as_rows(names, devices, batch_dim_name)
     if len(names) != 2:
       raise ValueError(
           f"ReplicatorStrategy(layout_map=...) takes a 2-D DeviceMesh: a batch "
-          f"axis (the replicas) and a model axis (each replica's devices). "
-          f"Received a mesh of shape {tuple(mesh.shape)} with axes {names}. "
-          f"Build it as DeviceMesh((replicas, k), ('batch', 'model'), devices).")
+          f"axis (the replicas) and a model axis (each replica's devices), or "
+          f"a 3-D one with a \"stage\" axis too (a pipeline's). Received a "
+          f"mesh of shape {tuple(mesh.shape)} with axes {names}. Build it as "
+          f"DeviceMesh((replicas, k), ('batch', 'model'), devices).")
     batch = names[0] if batch_dim_name is None else batch_dim_name
     if batch not in names:
       raise ValueError(
@@ -87,7 +90,6 @@ class ModelLayouts:
     self.layout_map = layout_map
     self.batch_axis = batch
     self.model_axis = names[1 - names.index(batch)]
-    devices = np.asarray(mesh.devices)
     if names.index(batch) == 1:
       devices = devices.T
     self.device_groups = tuple(
@@ -163,6 +165,18 @@ class ModelLayouts:
           "'sequential/dense/kernel') with re.fullmatch: start the key with "
           "'.*' to match any model name.", key)
     self._warned_keys.update(unmatched)
+
+
+def _stages_as_rows(names, devices, batch_dim_name):
+  """A (batch, stage, model) mesh's axis names and devices as a 2-D mesh's:
+  a row per stage of each replica, in that order; the model axis across."""
+  others = [n for n in names if n != "stage"]
+  batch = others[0] if batch_dim_name is None else batch_dim_name
+  model = [n for n in others if n != batch][0] if batch in others else None
+  if model is None:
+    return names, devices  # The 2-D check names the mistake.
+  devices = devices.transpose([names.index(n) for n in (batch, "stage", model)])
+  return [batch, model], devices.reshape(-1, devices.shape[-1])
 
 
 def _one_dimension(path, axes, name, verb, over):

@@ -153,7 +153,7 @@ class BadMeshTest(unittest.TestCase):
     layout_map = keras.distribution.LayoutMap(
         device_mesh((2, 2), ("batch", "model")))
     self.assert_refused(
-        r"layout map's mesh and `mesh` must give the replicas the same",
+        r"layout map's mesh and `mesh` must give each replica.s stages the same",
         mesh=device_mesh((4, 1), ("batch", "model")), layout_map=layout_map)
 
   def test_axis_roles_without_a_mesh(self):

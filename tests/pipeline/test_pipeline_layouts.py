@@ -98,3 +98,10 @@ class PipelineLayoutsTest(parameterized.TestCase):
     self.assertEqual(held, {"CPU:0": half + 8 * 4, "CPU:1": half,
                             "CPU:2": half + (8 + 8 * 3 + 3) * 4,
                             "CPU:3": half})
+
+  def test_a_batch_stage_model_mesh(self):
+    mesh = keras.distribution.DeviceMesh(
+        (1, 2, 2), ("batch", "stage", "model"), DEVICES)
+    self.assert_trains_as_one_device(rs.ReplicatorStrategy(
+        mesh=mesh, layout_map=layout_map(mesh),
+        pipeline=rs.Pipeline(stages=2, microbatches=2, split=["up_1"])))
