@@ -14,7 +14,6 @@ import re
 import unittest
 from unittest import mock
 
-import keras
 import tensorflow as tf
 
 import replicator_strategy as rs
@@ -52,8 +51,8 @@ OPTIONS = {
 REFUSED_PAIRS = {("`pipeline`", "`shard_optimizer_state`"),
                  ("`pipeline`", "`variable_partitioner`")}
 # Where the constructor raises NotImplementedError: TPUs, a pipeline with
-# sharding, a pipeline with a layout map.
-NOT_IMPLEMENTED_SITES = 3
+# sharding.
+NOT_IMPLEMENTED_SITES = 2
 
 
 def refuses_tpus(test):
@@ -100,14 +99,6 @@ def refuses_persistent_tapes_through_collectives_in_a_cond(test):
     tf.function(lambda: strategy.run(fn))()
 
 
-def refuses_a_pipeline_with_a_layout_map(test):
-  layout_map = keras.distribution.LayoutMap(keras.distribution.DeviceMesh(
-      (2, 2), ("batch", "model"), [f"/cpu:{i}" for i in range(4)]))
-  with test.assertRaisesRegex(NotImplementedError, "layout map"):
-    rs.ReplicatorStrategy(pipeline=rs.Pipeline(stages=2),
-                          layout_map=layout_map)
-
-
 # Words that identify a README item -> the check that it is refused.
 CHECKS = {
     "TPU execution": refuses_tpus,
@@ -116,7 +107,6 @@ CHECKS = {
     "`InputReplicationMode.PER_REPLICA`": refuses_per_replica_input,
     "persistent (or nested) `GradientTape`":
         refuses_persistent_tapes_through_collectives_in_a_cond,
-    "`pipeline` with a `layout_map`": refuses_a_pipeline_with_a_layout_map,
 }
 
 
