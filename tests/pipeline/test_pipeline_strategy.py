@@ -67,11 +67,8 @@ class PipelineOptionsTest(unittest.TestCase):
 
   def test_what_does_not_compose_yet(self):
     pipeline = rs.Pipeline(stages=2)
-    layout_map = keras.distribution.LayoutMap(
-        device_mesh((2, 2), ("batch", "model")))
     for kwargs in (dict(shard_optimizer_state=True),
-                   dict(sharding=rs.Sharding(weights="batch")),
-                   dict(layout_map=layout_map)):
+                   dict(sharding=rs.Sharding(weights="batch"))):
       with self.subTest(list(kwargs)), self.assertRaisesRegex(
           NotImplementedError, r"A pipeline with .* not supported yet. "
           r"Received: pipeline=Pipeline\(stages=2"):
