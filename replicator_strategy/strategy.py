@@ -176,9 +176,10 @@ class ReplicatorStrategy(tf.distribute.Strategy):
           f"pipeline={pipeline!r}.")
     if pipeline is not None and sharding != options_lib.Sharding():
       raise NotImplementedError(
-          f"A pipeline with sharded optimizer state or weights is not "
-          f"supported yet. Received: pipeline={pipeline!r} and "
-          f"sharding={sharding!r}. Pass one of them.")
+          f"A pipeline with sharding (sharded state, shard_optimizer_state; "
+          f"sharded weights, ZeRO-3, variable_partitioner) is not supported "
+          f"yet. Received: pipeline={pipeline!r} and sharding={sharding!r}. "
+          f"Pass one of them.")
     the_mesh, sync, pipeline = mesh_lib.build(
         mesh, axis_roles, batch_dim_name, devices, devices_per_replica,
         model_layouts, sync, cluster.num_workers if cluster else 1, pipeline)

@@ -40,6 +40,7 @@ class Feature:
   sharding: dict = dataclasses.field(default_factory=dict)  # rs.Sharding's.
   groups: int = 1  # The mesh's group axis.
   model: int = 1  # The mesh's model axis.
+  stages: int = 1  # The mesh's stage axis (a pipeline's).
   compile: dict = dataclasses.field(default_factory=dict)
   accumulation: int = None
   policy: str = None
@@ -54,6 +55,9 @@ FEATURES = (
     Feature("tensor parallel", ("layout_map", "devices_per_replica",
                                 "tensor parallel", "model parallel"), model=2),
     Feature("sync groups", ("sync_groups", "sync groups"), groups=2),
+    Feature("pipeline", ("pipeline", "stage"),
+            strategy={"pipeline": rs.Pipeline(stages=2, microbatches=2)},
+            stages=2),
     Feature("accumulation", ("gradient_accumulation_steps", "accumulat"),
             accumulation=2),
     Feature("compression", ("gradient_compression", "compression"),
@@ -86,7 +90,7 @@ def mlp(features):
       keras.Input((8,)),
       keras.layers.Dense(16, activation="tanh", name="up"),
       keras.layers.Dense(4, name="down"),
-  ])
+  ], name="mlp")  # Named as a refusal names it, whatever was built before.
   optimizer_class = (keras.optimizers.SGD
                      if any(f.groups > 1 for f in features) else
                      keras.optimizers.Adam)
@@ -104,7 +108,8 @@ def strategy_for(features):
   """The strategy a user turns `features` on with, through its mesh."""
   groups = max(f.groups for f in features)
   model = max(f.model for f in features)
-  batch = DEVICES // (groups * model)
+  stages = max(f.stages for f in features)
+  batch = DEVICES // (groups * stages * model)
   devices = keras.distribution.list_devices()[:DEVICES]
   kwargs, sharding = {}, {}
   for f in features:
@@ -112,18 +117,20 @@ def strategy_for(features):
     sharding.update(f.sharding)
   if sharding:
     kwargs["sharding"] = rs.Sharding(**sharding)
-  if model > 1:
+  if model > 1:  # A row of its mesh a replica's (stage's) devices.
     layout_map = keras.distribution.LayoutMap(keras.distribution.DeviceMesh(
-        (groups * batch, model), ("batch", "model"), devices))
+        (groups * batch * stages, model), ("batch", "model"), devices))
     layout_map[".*up/kernel"] = (None, "model")  # Megatron's column and row.
     layout_map[".*up/bias"] = ("model",)
     layout_map[".*down/kernel"] = ("model", None)
     kwargs["layout_map"] = layout_map
+  axes = [("group", groups), ("batch", batch), ("stage", stages),
+          ("model", model)]
+  axes = [(name, size) for name, size in axes
+          if size > 1 or name in ("batch", "model")]
   mesh = keras.distribution.DeviceMesh(
-      (groups, batch, model), ("group", "batch", "model"), devices)
-  if groups == 1:
-    mesh = keras.distribution.DeviceMesh((batch, model), ("batch", "model"),
-                                         devices)
+      tuple(size for _, size in axes), tuple(name for name, _ in axes),
+      devices)
   return rs.ReplicatorStrategy(mesh=mesh, **kwargs)
 
 
