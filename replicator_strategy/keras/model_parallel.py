@@ -14,9 +14,10 @@
   the ids in its rows and the parts are summed;
 - `output_layouts`: a layer whose `<path>/output` key the layout map has
   returns its output in parts along the dimension the layout splits, one
-  part per logical device, for a row-parallel layer after it; a layout it
-  cannot apply (the model axis on the rows, dimension 0) is left out, with
-  the warning `distribution_backend.distribute_tensor` gives.
+  part per logical device (of its pipeline stage, with one), for a
+  row-parallel layer after it; a layout it cannot apply (the model axis on
+  the rows, dimension 0) is left out, with the warning
+  `distribution_backend.distribute_tensor` gives.
 """
 
 import functools
@@ -182,13 +183,13 @@ def attention_per_head_group(compute_attention):
         ctx, replica_context.ReplicaContext):
       return compute_attention(self, query, key, value, attention_mask,
                                training, return_attention_scores, **kwargs)
-    logical = ctx.strategy.extended.logical_devices
-    k = logical.per_replica
+    devices = ctx.strategy.extended.logical_devices.model_devices(
+        ctx.local_index, query.device)
+    k = len(devices)
     parts = [megatron.parts_of(t, k, -2) for t in (query, key, value)]
     if k == 1 or any(p is None for p in parts):
       return compute_attention(self, query, key, value, attention_mask,
                                training, return_attention_scores, **kwargs)
-    devices = logical.groups[ctx.local_index]
 
     def heads(q, k_, v):
       return compute_attention(self, q, k_, v, attention_mask, training,
@@ -223,11 +224,11 @@ def output_layouts(layer_call):
     axis = model_layouts.split_axis(path, outputs.shape.as_list())
     if axis is None:
       return outputs
-    logical = ctx.strategy.extended.logical_devices
-    devices = logical.groups[ctx.local_index]
+    devices = ctx.strategy.extended.logical_devices.model_devices(
+        ctx.local_index, outputs.device)
     parts = []
     for device, part in zip(devices, megatron.split(
-        outputs, logical.per_replica, axis, devices)):
+        outputs, len(devices), axis, devices)):
       with tf.device(device):
         parts.append(tf.identity(part))
     return megatron.assembled(parts, devices, axis)

@@ -98,10 +98,32 @@ class LogicalDevices:
     k, group = self.per_stage, self.groups[local_replica]
     return tuple(group[i:i + k] for i in range(0, len(group), k))
 
+  def model_devices(self, local_replica, device):
+    """The local replica's devices that hold `device` (a tensor's) on their
+    model axis: its pipeline stage's, or, without one, the replica's."""
+    stages = self.stage_devices(local_replica)
+    if len(stages) > 1:
+      wanted = tf.DeviceSpec.from_string(device or "")
+      for stage in stages:
+        if any(_same_device(wanted, d) for d in stage):
+          return stage
+    return stages[0] if len(stages) == 1 else self.groups[local_replica]
+
   def on_device(self, local_replica, logical_device_id):
     """A `tf.device` scope on the local replica's logical device."""
     i = self.check(logical_device_id, "ReplicaContext.logical_device")
     return tf.device(self.groups[local_replica][i])
+
+
+def _same_device(spec, device):
+  """Whether the `tf.DeviceSpec` `spec` (a partial one matches what it names)
+  names `device`."""
+  other = tf.DeviceSpec.from_string(device)
+  return spec.device_type is not None and all(
+      mine is None or mine == theirs for mine, theirs in (
+          (spec.job, other.job), (spec.task, other.task),
+          (spec.device_type, other.device_type),
+          (spec.device_index, other.device_index)))
 
 
 def communicator_on(extended, logical_device_id):

@@ -7,12 +7,14 @@ the weights, the loss and the metrics equal one device's (rtol 1e-5).
 """
 
 import contextlib
+from unittest import mock
 
 import keras
 import numpy as np
 from absl.testing import parameterized
 
 import replicator_strategy as rs
+from replicator_strategy.model_parallel import megatron
 
 ROWS, BATCH, DEVICES = 48, 16, [f"/cpu:{i}" for i in range(4)]
 
@@ -105,3 +107,38 @@ class PipelineLayoutsTest(parameterized.TestCase):
     self.assert_trains_as_one_device(rs.ReplicatorStrategy(
         mesh=mesh, layout_map=layout_map(mesh),
         pipeline=rs.Pipeline(stages=2, microbatches=2, split=["up_1"])))
+
+  def test_an_output_layout_splits_over_its_stages_devices(self):
+    def model():
+      return keras.Sequential([
+          keras.Input((8,)), keras.layers.Dense(8, name="a"),
+          keras.layers.Dense(16, name="mid"),
+          keras.layers.Dense(8, name="down")])
+
+    keras.utils.set_random_seed(0)
+    weights = model().get_weights()
+    x, _ = data()
+    one = model()
+    one.set_weights(weights)
+    one.compile(keras.optimizers.Adam(0.01), "mse")
+    one.fit(x, x, batch_size=BATCH, shuffle=False, verbose=0)
+    mesh = keras.distribution.DeviceMesh((2, 2), ("batch", "model"), DEVICES)
+    layouts = keras.distribution.LayoutMap(mesh)
+    layouts[".*mid/output"] = (None, "model")  # For the row-parallel down.
+    layouts[".*down/kernel"] = ("model", None)
+    strategy = rs.ReplicatorStrategy(layout_map=layouts, pipeline=rs.Pipeline(
+        stages=2, microbatches=2, split=["mid"]))
+    with strategy.scope():
+      piped = model()
+      piped.set_weights(weights)
+      piped.compile(keras.optimizers.Adam(0.01), "mse")
+    with mock.patch.object(megatron, "assembled",
+                           wraps=megatron.assembled) as assembled:
+      piped.fit(x, x, batch_size=BATCH, shuffle=False, verbose=0)
+    for a, b in zip(piped.get_weights(), one.get_weights()):
+      np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    # mid's output, once a micro-batch as the step is traced: in parts on
+    # the second stage's devices, not the replica's four.
+    self.assertEqual([[d[-5:] for d in call.args[1]]
+                      for call in assembled.call_args_list],
+                     [["CPU:2", "CPU:3"]] * 2)
