@@ -36,12 +36,14 @@ def on_device(device, fn, *args):
   """`fn(*args)` on `device`, its gradient computed on `device` too.
 
   The gradient comes from the forward's own record, so a random op inside
-  (dropout) is differentiated with the values it drew.
+  (dropout) is differentiated with the values it drew; a persistent one, as
+  a pipeline's split backward (ZB-H1) asks for it twice: to the inputs, then
+  to the weights.
   """
 
   @tfi.custom_gradient
   def placed(*args):
-    with tf.device(device), tf.GradientTape() as tape:
+    with tf.device(device), tf.GradientTape(persistent=True) as tape:
       tape.watch(args)
       out = fn(*args)
 

@@ -87,6 +87,7 @@ class PipelineLayoutsTest(parameterized.TestCase):
       ("2_micro_gpipe", 2, "gpipe"),
       ("4_micro_1f1b", 4, "1f1b"),
       ("4_micro_gpipe", 4, "gpipe"),
+      ("4_micro_zb_h1", 4, "zb_h1"),  # The backward split in two.
   )
   def test_one_step_is_one_devices(self, microbatches, schedule):
     self.assert_trains_as_one_device(stage_by_model(microbatches, schedule))
