@@ -56,6 +56,12 @@ SIZES = {  # name: (full run, --quick)
     "pipeline_model": ((512, 8, 256), (16, 4, 16)),
     "pipeline_step_microbatches": (8, 4),
     "pipeline_steps": (10, 2),
+    # The memory section's transformer (vocabulary, sequence, width, heads,
+    # blocks: 50.9 M parameters in full, a sequence long enough that
+    # activations dominate), its global batch and steps (the first untimed).
+    "memory_transformer": ((512, 512, 1024, 8, 4), (32, 16, 16, 4, 1)),
+    "memory_batch": (4, 2),
+    "memory_steps": (3, 2),
 }
 
 

@@ -12,6 +12,7 @@ from benchmarks.sections import first
 from benchmarks.sections import fit
 from benchmarks.sections import links
 from benchmarks.sections import mapgather
+from benchmarks.sections import memory
 from benchmarks.sections import model_parallel
 from benchmarks.sections import multi
 from benchmarks.sections import overhead
@@ -30,4 +31,4 @@ REGISTRY = {s.name: s for s in (
     embedding.SECTION, allreduce.SECTION, reducescatter.SECTION,
     mapgather.SECTION, first.SECTION, multi.SECTION, exchange.SECTION,
     model_parallel.SECTION, sync_groups.SECTION, links.SECTION,
-    pipeline.SECTION)}
+    pipeline.SECTION, memory.SECTION)}
