@@ -29,7 +29,8 @@ def _values_per_block(dtype):
 
 
 def _values(op, count, start, seed, dtype):
-  """`count` values of `op`'s draw from element `start` on (int64 scalars)."""
+  """`count` values of `op`'s draw from element `start` on (int64 scalars;
+  `count` known before running, as XLA needs it, where it is an int)."""
   per_block = _values_per_block(dtype)
   lead = start % per_block
   key, counter = tf.raw_ops.StatelessRandomGetKeyCounter(seed=seed)
@@ -37,9 +38,11 @@ def _values(op, count, start, seed, dtype):
   low = counter[0] + tf.cast(start // per_block, tf.uint64)
   carry = tf.cast(low < counter[0], tf.uint64)
   counter = tf.stack([low, counter[1] + carry])
-  values = op(shape=tf.reshape(count + lead, [1]), key=key, counter=counter,
-              dtype=dtype, alg=_AUTO_SELECT)
-  return values[lead:]
+  # A block more than `count` needs: the draw's size does not hang on `lead`.
+  values = op(shape=tf.reshape(count + per_block - 1, [1]), key=key,
+              counter=counter, dtype=dtype, alg=_AUTO_SELECT)
+  return tf.slice(values, tf.reshape(lead, [1]),
+                  tf.cast(tf.reshape(count, [1]), tf.int64))
 
 
 def _draw(op, shape, seed, dtype, first_row):
@@ -105,7 +108,8 @@ def uniform_slice(shape, seed, axis, first, whole, dtype=tf.float32,
   which `shape` (the slice's) holds `first`...; its rows from `first_row` on.
 
   Each index before `axis` holds one run of the draw's values: one draw
-  each, of the slice's values alone.
+  each, of the slice's values alone (in a loop where their number is known
+  only when running, which XLA's auto-clustering leaves out).
 
   >>> seed = tf.constant([7, 0])
   >>> whole = tf.random.stateless_uniform([6, 4, 3], seed)
@@ -120,10 +124,19 @@ def uniform_slice(shape, seed, axis, first, whole, dtype=tf.float32,
   before = tf.cast(first_row, tf.int64) * tf.reduce_prod(shape[1:axis])
   starts = ((before + tf.range(tf.reduce_prod(shape[:axis]))) * whole +
             first) * inner
-  runs = tf.map_fn(
-      lambda start: _values(tf.raw_ops.StatelessRandomUniformV2,
-                            shape[axis] * inner, start, seed, dtype),
-      starts, fn_output_signature=dtype)
+  run = static[axis:].num_elements() if static.rank else None
+  if run is None:
+    run = shape[axis] * inner
+
+  def draw(start):
+    return _values(tf.raw_ops.StatelessRandomUniformV2, run, start, seed,
+                   dtype)
+
+  count = static[:axis].num_elements() if static.rank else None
+  if count:  # One op each, which XLA's clusters take in (not a loop).
+    runs = tf.stack([draw(starts[j]) for j in range(count)])
+  else:  # Unknown before running, or none.
+    runs = tf.map_fn(draw, starts, fn_output_signature=dtype)
   values = tf.reshape(runs, shape)
   values.set_shape(static)
   return values

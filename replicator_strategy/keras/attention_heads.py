@@ -49,6 +49,9 @@ def _heads_dropout(attention, heads_axis, first_row):
 
   def dropout(scores, i):
     def uniform(shape, dtype):
+      # The dimensions known before running, as XLA needs them.
+      shape = [shape[j] if d is None else d
+               for j, d in enumerate(scores.shape.as_list())]
       return random_rows.uniform_slice(
           shape, seed, heads_axis, i * scores.shape[heads_axis],
           attention.num_heads, dtype, first_row)

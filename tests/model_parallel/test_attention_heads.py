@@ -15,10 +15,12 @@ import unittest
 
 import keras
 import numpy as np
+from parameterized import parameterized
 import pytest
 import tensorflow as tf
 
 import replicator_strategy as rs
+from replicator_strategy import random_rows
 
 ROWS, BATCH, SEQ, WIDTH, HEADS = 16, 8, 5, 8, 4
 
@@ -58,6 +60,13 @@ def attention_model(scores=False):
   else:
     model = keras.Model(x, attention(x, x, use_causal_mask=True))
     model.compile(keras.optimizers.SGD(0.1), "mse")
+  return model
+
+
+def compiled(model, scores=False):
+  """`model` compiled with XLA."""
+  model.compile(keras.optimizers.SGD(0.1), ["mse", "mse"] if scores else "mse",
+                jit_compile=True)
   return model
 
 
@@ -101,6 +110,13 @@ class DropoutTest(unittest.TestCase):
   def test_fit_with_dropout_on_a_1_by_2_mesh_equals_one_device(self):
     _, model = split_model(1)
     assert_equal_to_one_device(self, fit(model), one_device())
+
+  @pytest.mark.slow
+  def test_fit_under_xla_with_dropout_equals_one_device_under_xla(self):
+    # XLA draws other values than TF's kernels: one device's under XLA.
+    want = fit(compiled(attention_model()))
+    _, model = split_model(2)
+    assert_equal_to_one_device(self, fit(compiled(model)), want)
 
 
 def traced_gradients(strategy, model, x):
@@ -155,3 +171,20 @@ class ScoresTest(unittest.TestCase):
     self.assertEqual(len(scores), 1)
     self.assertEqual([_device_index(t.op) for t in scores[0].inputs[:-1]],
                      [0, 1])
+
+
+class UniformSliceTest(unittest.TestCase):
+  """The draw each device's heads take: its slice of one device's draw."""
+
+  @parameterized.expand([("float32", tf.float32), ("bfloat16", tf.bfloat16)])
+  def test_a_slice_holds_the_values_of_one_draw(self, _, dtype):
+    seed = tf.constant([3, 9])
+    whole = tf.random.stateless_uniform([7, 6, 3, 5], seed, dtype=dtype)
+
+    @tf.function(input_signature=[tf.TensorSpec([None, 2, 3, 5], dtype)])
+    def unknown_rows(x):  # Rows known only when running: drawn in a loop.
+      return random_rows.uniform_slice(tf.shape(x), seed, 1, 4, 6, dtype, 3)
+
+    known = random_rows.uniform_slice([4, 2, 3, 5], seed, 1, 4, 6, dtype, 3)
+    for part in (known, unknown_rows(tf.zeros([4, 2, 3, 5], dtype))):
+      np.testing.assert_array_equal(part, whole[3:, 4:])
