@@ -28,15 +28,9 @@ def _values_per_block(dtype):
   return _BLOCK_BITS // bits
 
 
-def _draw(op, shape, seed, dtype, first_row):
-  """`op`'s values for rows `first_row`... of a draw of that many more rows.
-
-  `shape` is this replica's ([rows, ...]); `first_row` an integer scalar.
-  """
-  static = _static_shape(shape)
-  shape = tf.cast(tf.convert_to_tensor(shape), tf.int64)
-  per_row = tf.reduce_prod(shape[1:])
-  start = tf.cast(first_row, tf.int64) * per_row
+def _values(op, count, start, seed, dtype):
+  """`count` values of `op`'s draw from element `start` on (int64 scalars;
+  `count` known before running, as XLA needs it, where it is an int)."""
   per_block = _values_per_block(dtype)
   lead = start % per_block
   key, counter = tf.raw_ops.StatelessRandomGetKeyCounter(seed=seed)
@@ -44,9 +38,23 @@ def _draw(op, shape, seed, dtype, first_row):
   low = counter[0] + tf.cast(start // per_block, tf.uint64)
   carry = tf.cast(low < counter[0], tf.uint64)
   counter = tf.stack([low, counter[1] + carry])
-  values = op(shape=tf.reshape(tf.reduce_prod(shape) + lead, [1]), key=key,
+  # A block more than `count` needs: the draw's size does not hang on `lead`.
+  values = op(shape=tf.reshape(count + per_block - 1, [1]), key=key,
               counter=counter, dtype=dtype, alg=_AUTO_SELECT)
-  values = tf.reshape(values[lead:], shape)
+  return tf.slice(values, tf.reshape(lead, [1]),
+                  tf.cast(tf.reshape(count, [1]), tf.int64))
+
+
+def _draw(op, shape, seed, dtype, first_row):
+  """`op`'s values for rows `first_row`... of a draw of that many more rows.
+
+  `shape` is this replica's ([rows, ...]); `first_row` an integer scalar.
+  """
+  static = _static_shape(shape)
+  shape = tf.cast(tf.convert_to_tensor(shape), tf.int64)
+  start = tf.cast(first_row, tf.int64) * tf.reduce_prod(shape[1:])
+  values = tf.reshape(
+      _values(op, tf.reduce_prod(shape), start, seed, dtype), shape)
   values.set_shape(static)
   return values
 
@@ -91,3 +99,44 @@ def dropout(x, rate, seed, noise_shape=None, first_row=0):
       x, rate, noise_shape=noise_shape,
       uniform_sampler=lambda shape, dtype: uniform(
           shape, seed, dtype=dtype, first_row=first_row))
+
+
+def uniform_slice(shape, seed, axis, first, whole, dtype=tf.float32,
+                  first_row=0):
+  """`tf.random.stateless_uniform`'s values in [0, 1) for a slice along
+  `axis` (> 0) of a larger draw: its dimension `axis` is `whole` long, of
+  which `shape` (the slice's) holds `first`...; its rows from `first_row` on.
+
+  Each index before `axis` holds one run of the draw's values: one draw
+  each, of the slice's values alone (in a loop where their number is known
+  only when running, which XLA's auto-clustering leaves out).
+
+  >>> seed = tf.constant([7, 0])
+  >>> whole = tf.random.stateless_uniform([6, 4, 3], seed)
+  >>> part = uniform_slice([2, 2, 3], seed, 1, first=2, whole=4, first_row=3)
+  >>> bool(tf.reduce_all(part == whole[3:5, 2:]))
+  True
+  """
+  dtype = tf.as_dtype(dtype)
+  static = _static_shape(shape)
+  shape = tf.cast(tf.convert_to_tensor(shape), tf.int64)
+  inner = tf.reduce_prod(shape[axis + 1:])
+  before = tf.cast(first_row, tf.int64) * tf.reduce_prod(shape[1:axis])
+  starts = ((before + tf.range(tf.reduce_prod(shape[:axis]))) * whole +
+            first) * inner
+  run = static[axis:].num_elements() if static.rank else None
+  if run is None:
+    run = shape[axis] * inner
+
+  def draw(start):
+    return _values(tf.raw_ops.StatelessRandomUniformV2, run, start, seed,
+                   dtype)
+
+  count = static[:axis].num_elements() if static.rank else None
+  if count:  # One op each, which XLA's clusters take in (not a loop).
+    runs = tf.stack([draw(starts[j]) for j in range(count)])
+  else:  # Unknown before running, or none.
+    runs = tf.map_fn(draw, starts, fn_output_signature=dtype)
+  values = tf.reshape(runs, shape)
+  values.set_shape(static)
+  return values

@@ -195,6 +195,17 @@ def concrete_noise_shape(inputs, noise_shape):
   return tf_random._get_concrete_noise_shape(inputs, noise_shape)  # pylint: disable=protected-access
 
 
+def attention_dropout(attention):
+  """A built `MultiHeadAttention`'s `Dropout` over its attention scores."""
+  return attention._dropout_layer  # pylint: disable=protected-access
+
+
+def attention_combine(attention, scores, value):
+  """`MultiHeadAttention`'s output from its (dropped) scores and `value`, as
+  its `_compute_attention` combines them."""
+  return keras.ops.einsum(attention._combine_equation, scores, value)  # pylint: disable=protected-access
+
+
 def optimizer_weights(optimizer):
   """The weights `optimizer` was built for (its accumulators follow them)."""
   return optimizer._trainable_variables  # pylint: disable=protected-access

@@ -6,8 +6,6 @@
   whose kernel the layout splits runs column- or row-parallel
   (`model_parallel.megatron`), decided by where its einsum puts the split
   letter: in the output (column) or contracted (row);
-- `attention_per_head_group`: `MultiHeadAttention` attends on each device
-  over its heads when query, key and value come in parts by heads;
 - `megatron_embedding`: an `Embedding` whose table the layout splits looks
   up on each device: by columns, its output stays in parts; by rows (the
   vocabulary, Megatron's vocab-parallel embedding), each device looks up
@@ -167,37 +165,6 @@ def megatron_einsum_dense(call):
                     lambda x, w: tf.einsum(self.equation, x, w),
                     self.bias_axes or "")
     return call(self, inputs, *args, **kwargs) if out is None else out
-
-  return wrapper
-
-
-def attention_per_head_group(compute_attention):
-  """`MultiHeadAttention`'s attention, run per device on its heads when the
-  query, key and value projections left their outputs in parts by heads."""
-
-  @functools.wraps(compute_attention)
-  def wrapper(self, query, key, value, attention_mask=None, training=None,
-              return_attention_scores=False, **kwargs):
-    ctx = tf.distribute.get_replica_context()
-    if return_attention_scores or not isinstance(
-        ctx, replica_context.ReplicaContext):
-      return compute_attention(self, query, key, value, attention_mask,
-                               training, return_attention_scores, **kwargs)
-    devices = ctx.strategy.extended.logical_devices.model_devices(
-        ctx.local_index, query.device)
-    k = len(devices)
-    parts = [megatron.parts_of(t, k, -2) for t in (query, key, value)]
-    if k == 1 or any(p is None for p in parts):
-      return compute_attention(self, query, key, value, attention_mask,
-                               training, return_attention_scores, **kwargs)
-
-    def heads(q, k_, v):
-      return compute_attention(self, q, k_, v, attention_mask, training,
-                               False, **kwargs)[0]
-
-    outputs = [megatron.on_device(d, heads, q, k_, v)
-               for d, q, k_, v in zip(devices, *parts)]
-    return megatron.assembled(outputs, devices, -2), None
 
   return wrapper
 

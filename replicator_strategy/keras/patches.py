@@ -37,6 +37,7 @@ import keras
 
 from replicator_strategy.keras import _internal as ki
 from replicator_strategy.keras import accumulators
+from replicator_strategy.keras import attention_heads
 from replicator_strategy.keras import batches
 from replicator_strategy.keras import chief_writes
 from replicator_strategy.keras import compiled_steps
@@ -185,7 +186,7 @@ PATCHES = (
     Patch(keras.layers.EinsumDense, "call",
           model_parallel.megatron_einsum_dense, _SPLIT_KERNEL),
     Patch(keras.layers.MultiHeadAttention, "_compute_attention",
-          model_parallel.attention_per_head_group,
+          attention_heads.attention_per_head_group,
           "a ReplicatorStrategy(layout_map=...) replica attends with query, "
           "key and value split by heads"),
     Patch(keras.layers.Embedding, "call", model_parallel.megatron_embedding,

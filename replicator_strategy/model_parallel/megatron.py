@@ -38,7 +38,7 @@ def on_device(device, fn, *args):
   The gradient comes from the forward's own record, so a random op inside
   (dropout) is differentiated with the values it drew; a persistent one, as
   a pipeline's split backward (ZB-H1) asks for it twice: to the inputs, then
-  to the weights.
+  to the weights. `fn` may return a tuple of tensors.
   """
 
   @tfi.custom_gradient
@@ -47,9 +47,9 @@ def on_device(device, fn, *args):
       tape.watch(args)
       out = fn(*args)
 
-    def grad(dy):
+    def grad(*dy):  # One per output.
       with tf.device(device):
-        return tape.gradient(out, args, output_gradients=dy)
+        return tape.gradient(out, args, output_gradients=list(dy))
 
     return out, grad
 
