@@ -74,7 +74,7 @@ def drawn_per_replica():
     _aligned[0] = True
 
 
-def _rows_of(inputs):
+def rows_of(inputs):
   """Where `inputs`' rows lie in the global batch, or None to draw as is.
 
   A layer's input holds k rows per row of the step's input (k = 1 but for
@@ -100,7 +100,7 @@ def _drawing_rows(call, inputs_of):
   @functools.wraps(call)
   def wrapper(layer, *args, **kwargs):
     inputs = inputs_of(layer, *args, **kwargs)
-    first = None if inputs is None else _rows_of(inputs)
+    first = None if inputs is None else rows_of(inputs)
     if first is None:
       return call(layer, *args, **kwargs)
     token = _drawing_for.set(first)
