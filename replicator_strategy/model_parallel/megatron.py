@@ -47,10 +47,10 @@ def on_device(device, fn, *args):
       tape.watch(args)
       out = fn(*args)
 
-    def grad(dy):
-      dy = tf.nest.map_structure(lambda g: summed_on(g, device), dy)
+    def grad(*dys):  # One per output: `fn` may return a list.
+      dys = tf.nest.pack_sequence_as(out, [summed_on(g, device) for g in dys])
       with tf.device(device):
-        return tape.gradient(out, args, output_gradients=dy)
+        return tape.gradient(out, args, output_gradients=dys)
 
     return out, grad
 

@@ -22,85 +22,44 @@ True
 
 import tensorflow as tf
 
-from replicator_strategy import _tf_internal as tfi
 from replicator_strategy import random_rows
 from replicator_strategy.model_parallel import megatron
 
 REDUCE_SCATTER = "sequence_reduce_scatter"
 ALL_GATHER = "sequence_all_gather"
-BACKWARD = "backward"  # The scope of the exchanges a gradient makes.
-
-
-def _scattered(values, devices, axis):
-  """Part j of the sum of `values` (value i on devices[i]) on devices[j]:
-  each value is cut where it lives, and only its slice j moves."""
-  k = len(devices)
-  with tf.name_scope(REDUCE_SCATTER):
-    slices = []
-    for value, device in zip(values, devices):
-      with tf.device(device):
-        slices.append(tf.split(value, k, axis=axis))
-    parts = []
-    for j, device in enumerate(devices):
-      with tf.device(device):
-        parts.append(tf.add_n([s[j] for s in slices]))
-  return parts
-
-
-def _gathered(parts, devices, axis):
-  """The `parts` concatenated along `axis` on each of `devices`."""
-  with tf.name_scope(ALL_GATHER):
-    wholes = []
-    for device in devices:
-      with tf.device(device):
-        wholes.append(tf.concat(parts, axis=axis))
-  return wholes
-
-
-def _present(grads, like, devices):
-  """`grads` on their devices (`megatron.summed_on`), a None one (its
-  output unused) as zeros."""
-  filled = []
-  for grad, value, device in zip(grads, like, devices):
-    if grad is None:
-      with tf.device(device):
-        grad = tf.zeros_like(value)
-    filled.append(megatron.summed_on(grad, device))
-  return filled
 
 
 def reduce_scatter(values, devices, axis):
-  """The sum of `values` in parts along `axis`, part j on devices[j];
-  backward, the parts' gradients all-gathered."""
+  """The sum of `values` (value i on devices[i]) in parts along `axis`,
+  part j on devices[j]: each value is cut where it lives, and only its
+  slice j moves. Backward, each device concatenates its value's gradient
+  from the parts' (an all-gather).
 
-  @tfi.custom_gradient
-  def exchange(*values):
-    parts = _scattered(values, devices, axis)
-
-    def grad(*dys):
-      with tf.name_scope(BACKWARD):
-        return _gathered(_present(dys, parts, devices), devices, axis)
-
-    return parts, grad
-
-  return list(exchange(*values))
+  Every step runs, and is differentiated, on one device
+  (`megatron.on_device`): one op over several devices would pass them all
+  through its own.
+  """
+  k = len(devices)
+  with tf.name_scope(REDUCE_SCATTER):
+    slices = [megatron.on_device(d, lambda v: tf.split(v, k, axis=axis), v)
+              for d, v in zip(devices, values)]
+    return [megatron.on_device(d, lambda *s: tf.add_n(s), *[s[j] for s in slices])
+            for j, d in enumerate(devices)]
 
 
 def all_gather(parts, devices, axis):
-  """The `parts` concatenated along `axis`, a copy on each of `devices`;
-  backward, the copies' gradients reduce-scattered."""
-
-  @tfi.custom_gradient
-  def exchange(*parts):
-    wholes = _gathered(parts, devices, axis)
-
-    def grad(*dys):
-      with tf.name_scope(BACKWARD):
-        return _scattered(_present(dys, wholes, devices), devices, axis)
-
-    return wholes, grad
-
-  return list(exchange(*parts))
+  """The `parts` (part j on devices[j]) concatenated along `axis`, a copy
+  on each of `devices`. Backward, device j sums the slices j of the
+  copies' gradients (a reduce-scatter)."""
+  k = len(devices)
+  with tf.name_scope(ALL_GATHER):
+    # A copy of part j for each device, made on device j: its k gradients
+    # are summed there.
+    copies = [megatron.on_device(d, lambda p: [tf.identity(p) for _ in range(k)], p)
+              for d, p in zip(devices, parts)]
+    return [megatron.on_device(d, lambda *c: tf.concat(c, axis=axis),
+                               *[c[i] for c in copies])
+            for i, d in enumerate(devices)]
 
 
 def dropout(x, rate, seed, first_row, index, k, axis):

@@ -12,7 +12,9 @@ device.
 Marked `slow`: the (1, 2) mesh's `fit`, the (2, 2) mesh's custom loop.
 """
 
+import collections
 import functools
+import re
 import unittest
 
 import keras
@@ -23,6 +25,7 @@ import tensorflow as tf
 import replicator_strategy as rs
 
 VOCAB, SEQ, WIDTH, HEADS, ROWS = 12, 8, 16, 4, 16
+BATCH = 3  # The traced step's rows: no weight has a dimension of 3.
 
 
 def layout_map(replicas, model):
@@ -153,3 +156,95 @@ class TrainingTest(unittest.TestCase):
     strategy = rs.ReplicatorStrategy(layout_map=layout_map(2, 2))
     assert_equal_to_one_device(self, custom_loop(strategy),
                                one_device("custom_loop"))
+
+
+def _device_index(op):
+  return tf.DeviceSpec.from_string(op.device).device_index
+
+
+@functools.cache
+def traced_step(blocks=2):
+  """The graph of a training step (a tape, then the optimizer) of `blocks`
+  blocks on a (1, 2) mesh: its ops that feed something."""
+  strategy = rs.ReplicatorStrategy(layout_map=layout_map(1, 2))
+  with strategy.scope():
+    model = transformer(blocks)
+    model.optimizer.build(model.trainable_variables)
+  x, y = (tf.constant(a[:BATCH]) for a in data())
+
+  @tf.function
+  def step(x, y):
+    def replica_step(x, y):
+      with tf.GradientTape() as tape:
+        loss = tf.reduce_mean(
+            model.compute_loss(x, y, model(x, training=True)))
+      grads = tape.gradient(loss, model.trainable_variables)
+      model.optimizer.apply_gradients(zip(grads, model.trainable_variables))
+    strategy.run(replica_step, (x, y))
+
+  graph = step.get_concrete_function(x, y).graph
+  return [op for op in graph.get_operations()
+          if any(t.consumers() for t in op.outputs)]
+
+
+def _exchanges(ops):
+  """{name scope: (block, exchange)} of the exchanges `ops` make: forward
+  in a layer's scope, their gradients under "gradient_tape/"."""
+  scopes = {}
+  for op in ops:
+    for name in ("sequence_all_gather", "sequence_reduce_scatter"):
+      if f"/{name}/" in op.name:
+        scope = op.name.split(f"/{name}/")[0]
+        scopes[scope] = (re.search(r"block\d", scope).group(), name)
+  return scopes
+
+
+class ExchangesTest(unittest.TestCase):
+  """What a replica's devices exchange, in a traced step of 2 blocks."""
+
+  def test_each_block_all_gathers_twice_and_reduce_scatters_twice(self):
+    scopes = _exchanges(traced_step())
+    forward = {s: e for s, e in scopes.items()
+               if not s.startswith("gradient_tape/")}
+    self.assertEqual(collections.Counter(forward.values()), {
+        (block, name): 2 for block in ("block0", "block1")
+        for name in ("sequence_all_gather", "sequence_reduce_scatter")})
+    # Backward, each is differentiated (an all-gather's gradient is a
+    # reduce-scatter, and the other way round), on the same devices.
+    self.assertEqual({s.removeprefix("gradient_tape/") for s in scopes
+                      if s.startswith("gradient_tape/")}, set(forward))
+    # Each device takes part in each exchange, forward and backward.
+    for scope in scopes:
+      self.assertEqual({_device_index(op) for op in traced_step()
+                        if op.name.startswith(scope + "/sequence_")}, {0, 1})
+
+  def test_no_activation_is_summed_away_from_its_device(self):
+    sums = [op for op in traced_step()
+            if op.type in ("AddN", "AddV2") and op.outputs[0].shape.rank == 3]
+
+    def devices(op):  # Of the activations summed (not a bias).
+      return {_device_index(t.op) for t in op.inputs if t.shape.rank == 3}
+
+    # Across devices: only parts, each on its device, by the reduce-scatters
+    # (2 a block forward, and the all-gathers' gradients backward); no
+    # whole-sequence product is summed on one device.
+    combines = [op for op in sums if len(devices(op)) > 1]
+    self.assertEqual({(op.outputs[0].shape[1], _device_index(op))
+                      for op in combines}, {(SEQ // 2, 0), (SEQ // 2, 1)})
+    self.assertEqual(len(combines), 2 * 2 * 2 * 2)  # Blocks, ways, devices.
+    # The tape's sums of a part's, or a copy's, gradients (a residual and a
+    # layer read it) are made where it lives.
+    self.assertEqual([op.name for op in sums if len(devices(op)) == 1 and
+                      devices(op) != {_device_index(op)}], [])
+
+  def test_norms_and_dropouts_compute_half_the_sequence_on_each_device(self):
+    # Forward and backward: each op of the LayerNormalizations and dropouts
+    # between the Megatron pairs that makes a tensor of the step's rows
+    # (not a weight's gradient).
+    ops = [op for op in traced_step()
+           if re.search(r"block\d_(norm|drop)\d", op.name) and
+           op.outputs and op.outputs[0].dtype == tf.float32 and
+           op.outputs[0].shape.rank == 3 and op.outputs[0].shape[0] == BATCH]
+    self.assertGreater(len(ops), 40)
+    self.assertEqual({(op.outputs[0].shape[1], _device_index(op))
+                      for op in ops}, {(SEQ // 2, 0), (SEQ // 2, 1)})
