@@ -117,9 +117,8 @@ def norm_in_parts(call):
   @functools.wraps(call)
   def wrapper(self, inputs, *args, **kwargs):
     found = sequence_parts(inputs)
-    rank = inputs.shape.rank
     axes = [self.axis] if isinstance(self.axis, int) else list(self.axis)
-    if found is None or found[1] in [a % rank for a in axes]:
+    if found is None or found[1] in [a % inputs.shape.rank for a in axes]:
       return call(self, inputs, *args, **kwargs)
     parts, axis, devices = found
     weights = [keras.ops.convert_to_tensor(w) if w is not None else None
