@@ -43,6 +43,7 @@ check_keras_version()
 
 # pylint: disable=g-import-not-at-top,unused-import
 from keras.src.backend.tensorflow import distribution_lib as tf_distribution_lib
+from keras.src.backend.tensorflow import numpy as tf_numpy  # Its `add`.
 from keras.src.backend.tensorflow import random as tf_random  # Its draws.
 from keras.src.backend.tensorflow import trainer as tf_trainer
 from keras.src.distribution import distribution_lib  # Distribution.scope's set_distribution.

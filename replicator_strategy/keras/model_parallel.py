@@ -26,7 +26,7 @@ import tensorflow as tf
 from replicator_strategy import options as options_lib
 from replicator_strategy import replica_context
 from replicator_strategy.keras import _internal as ki
-from replicator_strategy.keras import distribution_backend
+from replicator_strategy.keras import sequence_parallel
 from replicator_strategy.model_parallel import layouts
 from replicator_strategy.model_parallel import megatron
 from replicator_strategy.model_parallel import split_variables
@@ -132,12 +132,17 @@ def _parallel(layer, inputs, equation, product, bias_letters):
       return activation(y) if per_part else y
 
     outputs = megatron.column_parallel(
-        part, inputs, kernel_parts, devices,
+        part, sequence_parallel.gathered(inputs), kernel_parts, devices,
         None if bias_parts is None else [(b,) for b in bias_parts])
     whole = megatron.assembled(outputs, devices, axis)
     return whole if per_part else activation(whole)
-  x = megatron.row_parallel(
+  products = megatron.row_products(
       product, megatron.split(inputs, k, axis, devices), kernel_parts, devices)
+  scattered = sequence_parallel.row_output(layer, products, devices, dtype)
+  if scattered is not None:
+    return scattered
+  with tf.device(devices[0]):
+    x = tf.add_n(products)
   if layer.bias is not None:
     x = x + tf.cast(layer.bias, dtype)
   return x if layer.activation is None else layer.activation(x)
@@ -175,29 +180,19 @@ def output_layouts(layer_call):
   @functools.wraps(layer_call)
   def wrapper(self, *args, **kwargs):
     outputs = layer_call(self, *args, **kwargs)
-    model_layouts = _model_layouts()
     ctx = tf.distribute.get_replica_context()
-    if (model_layouts is None or not isinstance(outputs, tf.Tensor) or
-        not isinstance(ctx, replica_context.ReplicaContext)):
+    if not isinstance(ctx, replica_context.ReplicaContext):
       return outputs
-    path = f"{self.path}/output"
-    layout = model_layouts.layout_map[path]
-    if layout is None:
+    axis = sequence_parallel.output_axis(f"{self.path}/output", outputs)
+    devices = sequence_parallel.model_devices(outputs)
+    # Computed in parts (a column layer's, a sequence-parallel one's):
+    # left so.
+    if axis is None or any(megatron.parts_of(outputs, len(devices), a)
+                           for a in range(outputs.shape.rank)):
       return outputs
-    why = distribution_backend.unapplied(outputs, tuple(layout.axes))
-    if why is not None:  # Left as it is, as keras.distribution is told.
-      distribution_backend.warn_unapplied(tuple(layout.axes), why)
-      return outputs
-    axis = model_layouts.split_axis(path, outputs.shape.as_list())
-    if axis is None:
-      return outputs
-    devices = ctx.strategy.extended.logical_devices.model_devices(
-        ctx.local_index, outputs.device)
-    parts = []
-    for device, part in zip(devices, megatron.split(
-        outputs, len(devices), axis, devices)):
-      with tf.device(device):
-        parts.append(tf.identity(part))
+    parts = [megatron.on_device(device, tf.identity, part)
+             for device, part in zip(devices, megatron.split(
+                 outputs, len(devices), axis, devices))]
     return megatron.assembled(parts, devices, axis)
 
   return wrapper

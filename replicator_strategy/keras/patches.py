@@ -52,6 +52,7 @@ from replicator_strategy.keras import pipeline_steps
 from replicator_strategy.keras import preemption_saves
 from replicator_strategy.keras import random_layers
 from replicator_strategy.keras import replica_loss
+from replicator_strategy.keras import sequence_parallel
 from replicator_strategy.keras import sharded_optimizer
 from replicator_strategy.keras import sharded_weights
 from replicator_strategy.keras import sync_group_rounds
@@ -91,6 +92,9 @@ _NO_ROWS = ("a ReplicatorStrategy replica (of several) runs the layer (a "
 _DISTRIBUTION = ("a keras.distribution DataParallel or ModelParallel is set: "
                  "a ReplicatorStrategy serves it, TensorFlow's default")
 _PIPELINE = "the strategy is a ReplicatorStrategy(pipeline=...)"
+_IN_PARTS = ("a ReplicatorStrategy(layout_map=...) replica runs it on a tensor "
+             "in parts along the sequence (a row-parallel layer's output "
+             "reduce-scattered there)")
 _IN_ROW_LAYER = ("in a random layer's call that _ROWS marked, for draws of "
                  "rank 1 or more")
 
@@ -309,7 +313,16 @@ PATCHES = (
         Patch(layer, "get_random_transformation", random_layers.image_rows,
               _ROWS) for layer in random_layers.IMAGE_LAYERS) + tuple(
                   Patch(layer, "call", empty_replicas.skipped_without_rows,
-                        _NO_ROWS) for layer in empty_replicas.GUARDED_LAYERS)
+                        _NO_ROWS) for layer in empty_replicas.GUARDED_LAYERS) + (
+    # Dropout.call, outer to inner: dropout_in_parts, dropout_rows (above).
+    # A part draws its slice of one device's values itself.
+    Patch(keras.layers.Dropout, "call", sequence_parallel.dropout_in_parts,
+          _IN_PARTS + ", training"),
+    Patch(keras.layers.LayerNormalization, "call",
+          sequence_parallel.norm_in_parts, _IN_PARTS + ", over the features"),
+    Patch(ki.tf_numpy, "add", sequence_parallel.add_in_parts,
+          _IN_PARTS + " (a residual add) and the other of its shape"),
+)
 
 _originals = []  # (owner, name, what it was), in the order applied.
 _ABSENT = object()  # What an added attribute was: nothing.

@@ -47,9 +47,10 @@ def on_device(device, fn, *args):
       tape.watch(args)
       out = fn(*args)
 
-    def grad(*dy):  # One per output.
+    def grad(*dys):  # One per output: `fn` may return a list.
+      dys = tf.nest.pack_sequence_as(out, [summed_on(g, device) for g in dys])
       with tf.device(device):
-        return tape.gradient(out, args, output_gradients=list(dy))
+        return tape.gradient(out, args, output_gradients=dys)
 
     return out, grad
 
@@ -57,17 +58,44 @@ def on_device(device, fn, *args):
     return placed(*args)
 
 
+def summed_on(grad, device):
+  """`grad`, summed on `device` where all it sums lives there.
+
+  A tape sums a tensor's gradients from its several readers (a residual
+  and a layer) where the backward pass was called: on the replica's first
+  device. Such a sum is made again on `device`; the tape's, unused, is
+  pruned.
+  """
+  if (tf.executing_eagerly() or not isinstance(grad, tf.Tensor) or
+      grad.op.type != "AddN"):
+    return grad
+  here = tf.DeviceSpec.from_string(device)
+  devices = {tf.DeviceSpec.from_string(t.device) for t in grad.op.inputs}
+  if devices != {here} or tf.DeviceSpec.from_string(grad.device) == here:
+    return grad
+  with tf.device(device):
+    return tf.add_n(list(grad.op.inputs))
+
+
 def column_parallel(fn, x, kernel_parts, devices, extra_parts=None):
-  """`[fn(x, kernel_parts[i], *extra_parts[i]) on devices[i]]`."""
+  """`[fn(x, kernel_parts[i], *extra_parts[i]) on devices[i]]`; `x` a tensor,
+  or a list of one copy per device (a sequence-parallel all-gather's)."""
+  xs = x if isinstance(x, list) else [x] * len(devices)
   return [on_device(d, fn, x, w, *(extra_parts[i] if extra_parts else ()))
-          for i, (d, w) in enumerate(zip(devices, kernel_parts))]
+          for i, (d, x, w) in enumerate(zip(devices, xs, kernel_parts))]
+
+
+def row_products(fn, x_parts, kernel_parts, devices):
+  """`[fn(x_parts[i], kernel_parts[i]) on devices[i]]`: what a row-parallel
+  layer sums."""
+  return [on_device(d, fn, x, w)
+          for d, x, w in zip(devices, x_parts, kernel_parts)]
 
 
 def row_parallel(fn, x_parts, kernel_parts, devices):
   """The sum over i of `fn(x_parts[i], kernel_parts[i])` (each on
   `devices[i]`), on `devices[0]`."""
-  products = [on_device(d, fn, x, w)
-              for d, x, w in zip(devices, x_parts, kernel_parts)]
+  products = row_products(fn, x_parts, kernel_parts, devices)
   with tf.device(devices[0]):
     return tf.add_n(products)
 

@@ -131,6 +131,7 @@ LAYERING = {
     (keras.optimizers.Optimizer, "_backend_update_step"): [
         "update_shards", "sharded_update_step"],
     (keras.layers.Embedding, "call"): ["lookup_rows", "megatron_embedding"],
+    (keras.layers.Dropout, "call"): ["dropout_in_parts", "dropout_rows"],
     (keras.callbacks.BackupAndRestore, "_save_model"): [
         "backup_to_scratch_unless_chief", "group_state_beside_backup"],
     (keras.callbacks.BackupAndRestore, "on_train_begin"): [
