@@ -382,6 +382,11 @@ def custom_gradient(f):
   return call
 
 
+# For keras/rematerialization.py: the tapes paused, variables read, an op recorded.
+tapes_paused, VariableWatcher = record.stop_recording, record.VariableWatcher
+record_operation = record.record_operation
+
+
 def note(tf_object, name, value):
   """Keeps `value` on `tf_object` (a tensor) as our note `name`; it goes with
   the object. `noted` reads it back.
