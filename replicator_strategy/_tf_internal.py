@@ -382,9 +382,9 @@ def custom_gradient(f):
   return call
 
 
-# For keras/rematerialization.py: the tapes paused, variables read, an op recorded.
+# keras/rematerialization.py's: tapes paused; variables read, and watched; ops recorded.
 tapes_paused, VariableWatcher = record.stop_recording, record.VariableWatcher
-record_operation = record.record_operation
+record_operation, variable_read = record.record_operation, resource_variable_ops.variable_accessed
 
 
 def note(tf_object, name, value):

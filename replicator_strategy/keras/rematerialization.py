@@ -140,20 +140,26 @@ def _whole(parts, axis, device):
 
 def _after(x, dys):
   """`x`, once a gradient reached the call: its recompute waits for the
-  backward. A gradient on x's device is read if there is one, else one
-  number of the first crosses over."""
+  backward. A data dependency on a gradient on x's device (XLA ignores
+  control dependencies), else a control dependency: no data crosses."""
   if tf.executing_eagerly():
     return tf.identity(x)
-  dy = next((d for d in dys if d.device == x.device), dys[0])
-  with tf.device(dy.device):
-    first = tf.reduce_max(tf.reshape(dy, [-1])[:1])  # -inf if dy is empty.
+  here = [d for d in dys if _device(d) == _device(x)]
+  with tf.device(x.device):
+    if not here:
+      with tf.control_dependencies(dys[:1]):
+        return tf.identity(x)
+    first = tf.reduce_max(tf.reshape(here[0], [-1])[:1])  # -inf if empty.
     ready = tf.cast(first, tf.bool)
     zero = tf.where(ready == ready, 0.0, float("nan"))  # Not folded away.
-  with tf.device(x.device):
     if x.dtype.is_floating:
       return x + tf.cast(zero, x.dtype)
     with tf.control_dependencies([zero]):
       return tf.identity(x)
+
+
+def _device(tensor):
+  return tf.DeviceSpec.from_string(tensor.device).to_string()
 
 
 class Recomputed:
@@ -216,11 +222,12 @@ class Recomputed:
             again = _in_given_parts(tf.nest.flatten(run(xs)), given)
         return tape.gradient(again, xs + variables, output_gradients=dys)
 
-    reads = []
-    for v in variables:
-      with tf.device(v.device):
-        reads.append(tf.convert_to_tensor(v))
-    tfi.record_operation("Recomputed", results, feeds + reads, backward)
+    # A variable's gradient goes to its handle, as a read's does (a sharded
+    # weight's: its shard's, of the shard's shape).
+    for v in variables:  # Read with the tapes paused: not watched yet.
+      tfi.variable_read(v)
+    tfi.record_operation("Recomputed", results,
+                         feeds + [v.handle for v in variables], backward)
     for (i, _, axis, device), parts in zip(given, _cut(results, given)):
       whole = _whole(parts, axis, device)
       mask = ki.get_keras_mask(flat_out[i])
