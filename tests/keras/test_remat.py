@@ -199,12 +199,15 @@ class CustomLoopTest(unittest.TestCase):
 
 
 def pipelined(scope=None):
-  """Four Dense layers (2 stages' worth), built under `RematScope(**scope)`."""
+  """Four Dense layers and a Dropout (2 stages' worth), built under
+  `RematScope(**scope)`."""
   keras.utils.set_random_seed(5)
   with keras.RematScope(**scope) if scope else contextlib.nullcontext():
-    net = keras.Sequential([keras.Input((FEATURES,))] + [
-        Noted(width, activation="tanh", name=f"dense_{i}")
-        for i, width in enumerate((16, 16, 16, OUT))])
+    dense = [Noted(width, activation="tanh", name=f"dense_{i}")
+             for i, width in enumerate((16, 16, 16, OUT))]
+    net = keras.Sequential([keras.Input((FEATURES,)), *dense[:3],
+                            keras.layers.Dropout(0.3, seed=2, name="drop"),
+                            dense[3]])
   net.compile(keras.optimizers.SGD(0.1), "mse")
   return net
 
@@ -219,9 +222,10 @@ class PipelineTest(unittest.TestCase):
     want = fitted_weights(pipeline(), pipelined)
     Noted.calls.clear()
     got = fitted_weights(pipeline(), functools.partial(pipelined, {
-        "mode": "list_of_layers", "layer_names": ["dense_0", "dense_3"]}))
+        "mode": "list_of_layers",
+        "layer_names": ["dense_0", "drop", "dense_3"]}))
     assert_same_weights(self, got, want)
-    # 2 micro-batches a step: forwards, and recomputes for the two layers.
+    # 2 micro-batches a step: forwards, and recomputes for the two Dense.
     self.assertEqual(dict(Noted.calls), {
         ("dense_0", "CPU:0"): 4, ("dense_1", "CPU:0"): 2,
         ("dense_2", "CPU:1"): 2, ("dense_3", "CPU:1"): 4})
