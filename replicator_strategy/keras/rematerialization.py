@@ -128,14 +128,27 @@ def _is_input(value):
       value, (tf.Variable, keras.Variable))
 
 
-def _in_parts(tensor):
-  """(tensor's parts, axis, its device): its Megatron parts, or itself."""
-  parts, axis = megatron.recorded(tensor) or ([tensor], None)
-  return list(parts), axis, tensor.device
+def _in_parts(flat):
+  """The tensors of `flat` (a Megatron layer's output in parts as its parts),
+  and for each, its `(index in flat, count of parts, axis, device)`."""
+  tensors, places = [], []
+  for i, value in enumerate(flat):
+    if _is_input(value):
+      parts, axis = megatron.recorded(value) or ([value], None)
+      tensors += parts
+      places.append((i, len(parts), axis, value.device))
+  return tensors, places
 
 
-def _whole(parts, axis, device):
-  return parts[0] if axis is None else megatron.assembled(parts, [device], axis)
+def _wholes(tensors, places):
+  """(index, whole) for each place: its parts in `tensors` assembled."""
+  wholes, at = [], 0
+  for i, count, axis, device in places:
+    parts = tensors[at:at + count]
+    at += count
+    wholes.append((i, parts[0] if axis is None else megatron.assembled(
+        parts, [device], axis)))
+  return wholes
 
 
 def _after(x, dys):
@@ -183,13 +196,12 @@ class Recomputed:
     if not tfi.tape_recording():  # No gradient asked: nothing to keep.
       return self.__wrapped__(*args, **kwargs)
     flat = tf.nest.flatten((args, kwargs))
-    slots = [(i, *_in_parts(x)) for i, x in enumerate(flat) if _is_input(x)]
-    feeds = [part for _, parts, _, _ in slots for part in parts]
+    feeds, slots = _in_parts(flat)
 
     def run(tensors):
       values = list(flat)
-      for (i, _, axis, device), parts in zip(slots, _cut(tensors, slots)):
-        values[i] = _whole(parts, axis, device)
+      for i, whole in _wholes(tensors, slots):
+        values[i] = whole
       a, kw = tf.nest.pack_sequence_as((args, kwargs), values)
       return self.__wrapped__(*a, **kw)
 
@@ -198,28 +210,28 @@ class Recomputed:
         draws):
       outputs = run(feeds)
       flat_out = tf.nest.flatten(outputs)
-      given = [(i, *_in_parts(y)) for i, y in enumerate(flat_out)
-               if _is_input(y)]
+      given, places = _in_parts(flat_out)
       results = []
-      for _, parts, _, _ in given:
-        for part in parts:
-          with tf.device(part.device):
-            results.append(tf.identity(part))
+      for part in given:
+        with tf.device(part.device):
+          results.append(tf.identity(part))
     variables = [v for v in watcher.watched_variables() if v.dtype.is_floating]
-    if not given or not feeds + variables:
+    if not results or not feeds + variables:
       return outputs
-    forward_device = given[0][3]
+    forward_device = places[0][3]
+    # Not the results themselves: eagerly, they would be kept for the backward.
+    shapes = [(tf.shape(r), r.dtype) for r in results]
 
     def backward(*dys):
-      dys = [tf.zeros_like(r) if d is None else d
-             for d, r in zip(dys, results)]
+      dys = [tf.zeros(*shape) if d is None else d
+             for d, shape in zip(dys, shapes)]
       with tf.device(forward_device):
         xs = [_after(x, dys) for x in feeds]
         with tf.GradientTape() as tape, _drawing(_Replayed(draws.seeds)):
           tape.watch([x for x in xs if x.dtype.is_floating])
           tape.watch(variables)
           with keras.StatelessScope():
-            again = _in_given_parts(tf.nest.flatten(run(xs)), given)
+            again = _as_given(tf.nest.flatten(run(xs)), places)
         return tape.gradient(again, xs + variables, output_gradients=dys)
 
     # A variable's gradient goes to its handle, as a read's does (a sharded
@@ -228,8 +240,7 @@ class Recomputed:
       tfi.variable_read(v)
     tfi.record_operation("Recomputed", results,
                          feeds + [v.handle for v in variables], backward)
-    for (i, _, axis, device), parts in zip(given, _cut(results, given)):
-      whole = _whole(parts, axis, device)
+    for i, whole in _wholes(results, places):
       mask = ki.get_keras_mask(flat_out[i])
       if mask is not None:
         ki.set_keras_mask(whole, mask)
@@ -237,17 +248,8 @@ class Recomputed:
     return tf.nest.pack_sequence_as(outputs, flat_out)
 
 
-def _cut(tensors, slots):
-  """`tensors`, one list per slot: as many as the slot's parts."""
-  cut, at = [], 0
-  for _, parts, _, _ in slots:
-    cut.append(tensors[at:at + len(parts)])
-    at += len(parts)
-  return cut
-
-
-def _in_given_parts(flat, given):
-  """The recompute's outputs in the parts the forward gave them in."""
-  return [part for i, parts, axis, device in given
+def _as_given(flat, places):
+  """The recompute's outputs as the forward gave them: in the same parts."""
+  return [part for i, count, axis, device in places
           for part in ([flat[i]] if axis is None else megatron.split(
-              flat[i], len(parts), axis, [device]))]
+              flat[i], count, axis, [device]))]
