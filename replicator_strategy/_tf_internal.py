@@ -382,6 +382,11 @@ def custom_gradient(f):
   return call
 
 
+# keras/rematerialization.py's: tapes paused; variables read, and watched; ops recorded.
+tapes_paused, VariableWatcher = record.stop_recording, record.VariableWatcher
+record_operation, variable_read = record.record_operation, resource_variable_ops.variable_accessed
+
+
 def note(tf_object, name, value):
   """Keeps `value` on `tf_object` (a tensor) as our note `name`; it goes with
   the object. `noted` reads it back.

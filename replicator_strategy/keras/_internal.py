@@ -42,6 +42,7 @@ def check_keras_version(version=keras.__version__):
 check_keras_version()
 
 # pylint: disable=g-import-not-at-top,unused-import
+from keras.src.backend.tensorflow import core as tf_core  # Its remat.
 from keras.src.backend.tensorflow import distribution_lib as tf_distribution_lib
 from keras.src.backend.tensorflow import numpy as tf_numpy  # Its `add`.
 from keras.src.backend.tensorflow import random as tf_random  # Its draws.

@@ -51,6 +51,7 @@ from replicator_strategy.keras import model_parallel
 from replicator_strategy.keras import pipeline_steps
 from replicator_strategy.keras import preemption_saves
 from replicator_strategy.keras import random_layers
+from replicator_strategy.keras import rematerialization
 from replicator_strategy.keras import replica_loss
 from replicator_strategy.keras import sequence_parallel
 from replicator_strategy.keras import sharded_optimizer
@@ -303,6 +304,11 @@ PATCHES = (
     Patch(ki.tf_distribution_lib, "_to_backend_layout",
           distribution_backend.to_backend_layout,
           "TensorLayout.backend_layout: that mesh and the axes"),
+    Patch(ki.tf_core, "remat", rematerialization.recomputed_in_place,
+          "keras.remat or a keras.RematScope rematerializes a call"),
+    Patch(keras.random.SeedGenerator, "next", rematerialization.drawn_again,
+          "in a rematerialized call: its forward's seeds recorded, replayed "
+          "by its recompute"),
     Patch(ki.tf_random, "uniform", random_layers.uniform_rows, _IN_ROW_LAYER),
     Patch(ki.tf_random, "normal", random_layers.normal_rows, _IN_ROW_LAYER),
     Patch(ki.tf_random, "dropout", random_layers.dropout_mask_rows,

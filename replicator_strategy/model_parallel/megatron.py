@@ -110,13 +110,20 @@ def assembled(parts, devices, axis):
   return whole
 
 
-def parts_of(tensor, k, axis):
-  """The k parts `tensor` was assembled from along `axis`, or None."""
+def recorded(tensor):
+  """(parts, axis) that `assembled` made `tensor` from, or None."""
   if tf.executing_eagerly() or not isinstance(tensor, tf.Tensor):
     return None
-  parts, parts_axis = _outputs_in_parts().get(tensor.ref(), ((), None))
+  return _outputs_in_parts().get(tensor.ref())
+
+
+def parts_of(tensor, k, axis):
+  """The k parts `tensor` was assembled from along `axis`, or None."""
+  parts, parts_axis = recorded(tensor) or ((), None)
+  if len(parts) != k:
+    return None
   rank = tensor.shape.rank
-  if len(parts) != k or rank is None or parts_axis % rank != axis % rank:
+  if rank is None or parts_axis % rank != axis % rank:
     return None
   return parts
 
