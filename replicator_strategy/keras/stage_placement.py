@@ -93,8 +93,10 @@ def place(strategy, stages, optimizer=None):
     for variable in stage.variables:
       for v in (variable, *slots.get(variable.path, ())):
         move(strategy, v, logical_device)
-  if optimizer is not None and optimizer.built:
-    ki.reindex_weights(optimizer)  # Built with slots or none (plain SGD).
+  # Built with slots or none (plain SGD); a LossScaleOptimizer's inner one too.
+  for built in (optimizer, getattr(optimizer, "inner_optimizer", None)):
+    if built is not None and built.built:
+      ki.reindex_weights(built)
 
 
 def slots_by_weight(optimizer):
