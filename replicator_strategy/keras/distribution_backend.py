@@ -63,11 +63,12 @@ from replicator_strategy import global_batch_input
 from replicator_strategy import mesh as mesh_lib
 from replicator_strategy import options as options_lib
 from replicator_strategy import replica_context
+from replicator_strategy import warn_once
 from replicator_strategy.cluster import config as cluster_lib
 from replicator_strategy.keras import _internal as ki
 from replicator_strategy.model_parallel import layouts as layouts_lib
 
-_warned = set()  # The layouts distribute_tensor warned of.
+_warned = warn_once.Once()  # The layouts distribute_tensor warned of.
 
 
 def _cluster():
@@ -206,9 +207,8 @@ def distribute_tensor(tensor, layout):
 
 def warn_unapplied(axes, why):
   """Warns, once per layout, that the tensor layout `axes` is not applied."""
-  if (axes, why) in _warned:
+  if not _warned((axes, why)):
     return
-  _warned.add((axes, why))
   warnings.warn(
       f"keras.distribution asked for the layout {axes} of a tensor, which "
       f"ReplicatorStrategy leaves as it is on TensorFlow: {why}. The values "

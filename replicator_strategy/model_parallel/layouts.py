@@ -40,6 +40,7 @@ import numpy as np
 import tensorflow as tf
 
 from replicator_strategy import mesh as mesh_lib
+from replicator_strategy import warn_once
 
 _creating = threading.local()  # .variable: (path, shape) being created.
 
@@ -106,7 +107,7 @@ class ModelLayouts:
         tuple(_device_name(d) for d in row) for row in devices)
     self.devices_per_replica = len(self.device_groups[0])
     self.matched_keys = set()
-    self._warned_keys = set()
+    self._warned_keys = warn_once.Once()
 
   def split_axis(self, path, shape):
     """The dimension the model axis splits the variable at `path`, or None."""
@@ -165,16 +166,15 @@ class ModelLayouts:
     A renamed layer otherwise leaves its weights silently replicated.
     """
     unmatched = [key for key in self.layout_map
-                 if key not in self.matched_keys | self._warned_keys and
+                 if key not in self.matched_keys and
                  not key.endswith("/output")]  # Those match tensors.
-    for key in unmatched:
+    for key in filter(self._warned_keys, unmatched):
       logging.warning(
           "ReplicatorStrategy: the layout map key %r matches no variable "
           "created in the strategy's scope, so nothing is split by it. Keys "
           "match a variable's full path (`variable.path`, e.g. "
           "'sequential/dense/kernel') with re.fullmatch: start the key with "
           "'.*' to match any model name.", key)
-    self._warned_keys.update(unmatched)
 
 
 def _as_rows(names, devices, roles):
