@@ -13,6 +13,7 @@ import unittest
 
 import keras
 import numpy as np
+import pytest
 
 import replicator_strategy as rs
 
@@ -58,16 +59,18 @@ def fit(make_model, optimizer, strategy=None, x_y=None):
   return model, history.history["loss"]
 
 
-def pipelines():
+def pipelines(schedule="1f1b"):
   """Two pipelines of 2 stages side by side, 2 micro-batches each."""
-  return rs.ReplicatorStrategy(pipeline=rs.Pipeline(stages=2, microbatches=2))
+  return rs.ReplicatorStrategy(pipeline=rs.Pipeline(
+      stages=2, microbatches=2, schedule=schedule))
 
 
-def assert_as_one_device(make_model, optimizer, rtol=1e-5, x_y=None):
-  """Two steps of `pipelines()` and of one device end equal; returns both
-  models."""
+def assert_as_one_device(make_model, optimizer, rtol=1e-5, x_y=None,
+                         schedule="1f1b"):
+  """Two steps of `pipelines(schedule)` and of one device end equal;
+  returns both models."""
   one, one_loss = fit(make_model, optimizer, x_y=x_y)
-  piped, loss = fit(make_model, optimizer, pipelines(), x_y=x_y)
+  piped, loss = fit(make_model, optimizer, pipelines(schedule), x_y=x_y)
   for a, b in zip(piped.get_weights(), one.get_weights()):
     np.testing.assert_allclose(a, b, rtol=rtol, atol=rtol / 10)
   np.testing.assert_allclose(loss, one_loss, rtol=rtol)
@@ -83,6 +86,12 @@ class PipelineLossesTest(unittest.TestCase):
     np.testing.assert_allclose(
         piped.evaluate(*data(), batch_size=BATCH, verbose=0),
         one.evaluate(*data(), batch_size=BATCH, verbose=0), rtol=1e-5)
+
+  @pytest.mark.slow  # The quick loop has the 1F1B case.
+  def test_regularization_losses_through_a_split_backward(self):
+    # ZB-H1: an activity loss's gradient to the weights in the deferred W.
+    assert_as_one_device(regularized, lambda: keras.optimizers.SGD(0.1),
+                         schedule="zb_h1")
 
   def test_a_loss_scale_factor(self):
     # Keras scales the loss by it and divides the gradients by it.
