@@ -43,6 +43,11 @@ from replicator_strategy import devices as devices_lib
 from replicator_strategy.model_parallel import logical_devices
 
 ROLES = ("group", "batch", "stage", "model")
+# The roles of a mesh's axes by position, where their names are not roles
+# (keras.distribution names them freely): in `ROLES` order, the batch axis
+# first where there is no group axis.
+POSITIONAL_ROLES = {1: ("batch",), 2: ("batch", "model"),
+                    3: ("group", "batch", "model"), 4: ROLES}
 
 
 @dataclasses.dataclass(frozen=True)

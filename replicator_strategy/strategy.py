@@ -167,7 +167,8 @@ class ReplicatorStrategy(tf.distribute.Strategy):
                cluster_lib.from_environment())
     if cluster:
       worker_runtime.start(cluster, timeout_seconds)
-    model_layouts = (layouts.ModelLayouts(layout_map, batch_dim_name)
+    model_layouts = (layouts.ModelLayouts(layout_map, batch_dim_name,
+                                          axis_roles)
                      if layout_map is not None else None)
     if pipeline is not None and not isinstance(pipeline, options_lib.Pipeline):
       raise ValueError(

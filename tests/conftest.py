@@ -23,8 +23,16 @@ os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "1")
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 
 import replicator_strategy as rs  # pylint: disable=g-import-not-at-top
+from replicator_strategy import warn_once  # pylint: disable=g-import-not-at-top
 
 rs.split_cpu(4)
+
+
+@pytest.fixture(autouse=True)
+def _once_only_warnings_said_afresh():
+  """Each test sees the once-only warnings as a fresh process would, whichever
+  tests ran before it."""
+  warn_once.forget_all()
 
 _ONE_OR_FOUR_REPLICAS = re.compile(r"(?<![0-9])[14]_replicas")
 

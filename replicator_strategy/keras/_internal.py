@@ -159,6 +159,26 @@ def output_loss_trackers(model):
   return compiled.metrics if compiled is not None else []
 
 
+def added_losses(layer):
+  """The losses `layer`'s latest call added (`add_loss`, activity
+  regularizers), its inner layers' included: `layer.losses` without its
+  weights' regularization."""
+  return [value for inner in layer._flatten_layers()  # pylint: disable=protected-access
+          for value in inner._get_own_losses()]  # pylint: disable=protected-access
+
+
+@contextlib.contextmanager
+def losses_as(model, losses):
+  """`model.losses` is `losses` (a non-empty list) in the block, as Keras's
+  JAX trainer sets it for `compute_loss`."""
+  held = model._losses_override  # pylint: disable=protected-access
+  held.extend(losses)
+  try:
+    yield
+  finally:
+    held.clear()
+
+
 def compute_loss(model, **kwargs):
   """`model`'s loss as Keras's own steps compute it (`Model._compute_loss`,
   with every wrapper `PATCHES` put around it)."""

@@ -36,8 +36,9 @@ TensorFlow that module has only `list_devices`. `patches.PATCHES` adds these
 - `_to_backend_mesh` (what `DeviceMesh.backend_mesh` calls; Keras's calls
   DTensor, which needs `dtensor.initialize_accelerator_system()`): the
   `replicator_strategy.mesh.Mesh` of the DeviceMesh, axes named by role
-  (the batch axis first, as ModelParallel defaults to, where the names are
-  not roles). `TensorLayout.backend_layout` is that mesh and the axes.
+  (where the names are not roles, by position, `mesh.POSITIONAL_ROLES`: the
+  batch axis first, as ModelParallel defaults to; group, batch, stage and
+  model for 4 axes). `TensorLayout.backend_layout` is that mesh and the axes.
 
 >>> import keras
 >>> import replicator_strategy as rs
@@ -62,14 +63,12 @@ from replicator_strategy import global_batch_input
 from replicator_strategy import mesh as mesh_lib
 from replicator_strategy import options as options_lib
 from replicator_strategy import replica_context
+from replicator_strategy import warn_once
 from replicator_strategy.cluster import config as cluster_lib
 from replicator_strategy.keras import _internal as ki
 from replicator_strategy.model_parallel import layouts as layouts_lib
 
-_warned = set()  # The layouts distribute_tensor warned of.
-# The roles of a mesh's axes not named by role, by their number.
-_POSITIONAL_ROLES = {1: ("batch",), 2: ("batch", "model"),
-                     3: ("group", "batch", "model")}
+_warned = warn_once.Once()  # The layouts distribute_tensor warned of.
 
 
 def _cluster():
@@ -208,9 +207,8 @@ def distribute_tensor(tensor, layout):
 
 def warn_unapplied(axes, why):
   """Warns, once per layout, that the tensor layout `axes` is not applied."""
-  if (axes, why) in _warned:
+  if not _warned((axes, why)):
     return
-  _warned.add((axes, why))
   warnings.warn(
       f"keras.distribution asked for the layout {axes} of a tensor, which "
       f"ReplicatorStrategy leaves as it is on TensorFlow: {why}. The values "
@@ -274,7 +272,7 @@ def to_backend_mesh(to_backend_mesh_of_keras):
     names = tuple(device_mesh.axis_names)
     roles = None
     if not set(names) <= set(mesh_lib.ROLES):  # By position: batch first.
-      roles = dict(zip(_POSITIONAL_ROLES.get(len(names), ()), names))
+      roles = dict(zip(mesh_lib.POSITIONAL_ROLES.get(len(names), ()), names))
     return mesh_lib.Mesh.from_device_mesh(device_mesh, roles)
 
   return wrapper

@@ -60,12 +60,13 @@ import tensorflow as tf
 
 from replicator_strategy import devices as devices_lib
 from replicator_strategy import strategy as strategy_lib
+from replicator_strategy import warn_once
 from replicator_strategy.keras import _internal as ki
 from replicator_strategy.model_parallel import layouts as layouts_lib
 
 _strategies = weakref.WeakKeyDictionary()  # Distribution -> its strategy.
 _default = None  # The strategy this module made TF's default, if any.
-_warned = set()  # Distribution classes warned of as not served.
+_warned = warn_once.Once()  # Distribution classes warned of as not served.
 _local = threading.local()  # .open: scopes open; .pending; .setting.
 
 
@@ -334,10 +335,8 @@ def _made_for(distribution):
 
 def _warn_unserved(distribution):
   """Another kind of Distribution: Keras records it, nothing serves it."""
-  kind = type(distribution)
-  if kind in _warned:
+  if not _warned(type(distribution)):
     return
-  _warned.add(kind)
   warnings.warn(
       f"keras.distribution.set_distribution({describe(distribution)}): only "
       f"a DataParallel or a ModelParallel (or a subclass) is served by a "

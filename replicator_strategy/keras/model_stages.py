@@ -116,7 +116,17 @@ def layer_graph(model):
       name=model.name, inputs=tuple(names[id(t)] for t in graph.inputs),
       outputs=tuple(names[id(t)] for t in graph.outputs), calls=tuple(calls),
       feed=functools.partial(_feed, model, graph),
-      pack=functools.partial(_internal.pack_outputs, graph))
+      pack=functools.partial(_internal.pack_outputs, graph),
+      added_losses=_added_losses)
+
+
+def _added_losses(layer):
+  """The losses `layer`'s latest call added, each summed to a float scalar
+  as `Model.compute_loss` sums them (a Keras op, not a layer, adds none)."""
+  if not isinstance(layer, keras.Layer):
+    return []
+  return [keras.ops.sum(keras.ops.cast(loss, keras.config.floatx()))
+          for loss in _internal.added_losses(layer)]
 
 
 def _with_masks(tensor_names, tensors, names):

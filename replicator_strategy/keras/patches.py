@@ -56,6 +56,7 @@ from replicator_strategy.keras import replica_loss
 from replicator_strategy.keras import sequence_parallel
 from replicator_strategy.keras import sharded_optimizer
 from replicator_strategy.keras import sharded_weights
+from replicator_strategy.keras import stage_placement
 from replicator_strategy.keras import sync_group_rounds
 from replicator_strategy.keras import sync_round_logs
 
@@ -242,6 +243,12 @@ PATCHES = (
             _GROUPS + ": answered by the first group's weights")
       for name in ("predict", "evaluate", "predict_on_batch",
                    "test_on_batch")),
+    Patch(_MODEL, "_symbolic_build",
+          stage_placement.stages_placed_before_slots,
+          _PIPELINE + ": the model whose optimizer is built there"),
+    Patch(_OPTIMIZER, "build", stage_placement.placed_before_slots,
+          _PIPELINE + ", building the optimizer of the model that "
+          "_symbolic_build builds: its stages placed first"),
     Patch(_MODEL, "train_step", pipeline_steps.pipelined_train_step,
           _PIPELINE + ": a replica's step through the schedule"),
     # predict_step, outer to inner: forward_through_stages,

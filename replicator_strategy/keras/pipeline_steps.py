@@ -13,9 +13,13 @@ device's step on the same batch. `evaluate` and `predict` run Keras's own
 steps, the model's call stage by stage, each on its device
 (`forward_through_stages`, `stage_by_stage_call`).
 
-The loss must be a mean over the rows (Keras's default reduction); a model
-with regularization losses (`model.losses`) or a `LossScaleOptimizer` is
-refused for now.
+The loss must be a mean over the rows (Keras's default reduction). A
+model's regularization losses count as on one device: each stage's weights'
+regularization once a step on its device, what its layers add (activity
+regularization, `add_loss`) on each micro-batch, weighted by its share of
+the rows. The optimizer's `scale_loss` (a `LossScaleOptimizer`'s scale)
+multiplies every loss before its gradient is taken, as in Keras's step; the
+optimizer unscales the summed gradients and skips a step that overflowed.
 """
 
 import functools
@@ -130,25 +134,15 @@ def _train_step(model, strategy, pipeline, data):
   # Local import: the executor imports nothing of Keras, but loads with it.
   from replicator_strategy.pipeline import executor  # pylint: disable=g-import-not-at-top
   stages = stage_placement.placed(strategy, model)
-  if model.losses:
-    raise NotImplementedError(
-        f"A pipeline does not carry regularization losses (model.losses) "
-        f"across its stages yet. Received: model {model.name!r} with "
-        f"{len(model.losses)} of them. Remove the regularizers, or train "
-        f"without `pipeline=`.")
-  if isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer):
-    raise NotImplementedError(
-        f"A pipeline does not scale its micro-batches' losses for a "
-        f"LossScaleOptimizer yet. Received: model {model.name!r} compiled "
-        f"with {type(model.optimizer).__name__} (mixed_float16 makes one). "
-        f"Use a float32 or bfloat16 policy, or train without `pipeline=`.")
   x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
   plan = schedules.schedule(pipeline.schedule, pipeline.stages,
                             pipeline.microbatches, pipeline.virtual)
 
   def micro_loss(y, y_pred, sample_weight):
-    return ki.compute_loss(model, x=None, y=y, y_pred=y_pred,
-                           sample_weight=sample_weight, training=True)
+    # model.losses, counted by `extra_loss` instead, count 0 here.
+    with ki.losses_as(model, [tf.zeros((), keras.config.floatx())]):
+      return ki.compute_loss(model, x=None, y=y, y_pred=y_pred,
+                             sample_weight=sample_weight, training=True)
 
   # Each micro-batch's loss counts in the per-output loss logs as a batch
   # would: they are put back, and the whole batch's loss counted once below.
@@ -156,15 +150,34 @@ def _train_step(model, strategy, pipeline, data):
   before = [tf.identity(v.value) for v in logged]
   step = executor.run(plan, stages, _stage_devices(strategy, stages),
                       stages_lib.model_inputs(stages, x), y, micro_loss,
-                      sample_weight=sample_weight, training=True)
+                      sample_weight=sample_weight, training=True,
+                      extra_loss=_extra_loss,
+                      scale_loss=model.optimizer.scale_loss)
   model.optimizer.apply_gradients(
       zip(step.gradients, executor.variables(stages)))
   y_pred = stages[-1].graph.pack(tf.nest.flatten(step.outputs))
   for variable, value in zip(logged, before):
     variable.assign(value)
-  loss = ki.compute_loss(model, x=x, y=y, y_pred=y_pred,
-                         sample_weight=sample_weight, training=True)
+  # model.losses: what the step's `extra_loss` counted, before the update.
+  with ki.losses_as(model, [tf.cast(step.extra, keras.config.floatx())]):
+    loss = ki.compute_loss(model, x=x, y=y, y_pred=y_pred,
+                           sample_weight=sample_weight, training=True)
   rows = tf.shape(tf.nest.flatten(x)[0])[0]
   ki.loss_tracker(model).update_state(
       ki.loss.unscale_loss_for_distribution(loss), sample_weight=rows)
   return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+
+
+def _extra_loss(stage, added):
+  """A stage's part of `model.losses` (`executor.run`'s `extra_loss`): its
+  weights' regularization (`added` None), or what its layers added on a
+  micro-batch; its gradient scaled as the replica's share of the batch, as
+  Keras's step scales `model.losses`."""
+  if added is None:
+    terms = [keras.ops.sum(v.regularizer(v))
+             for v in stage.trainable_variables
+             if getattr(v, "regularizer", None) is not None]
+    if not terms:
+      return None
+    added = sum(terms[1:], terms[0])
+  return ki.loss.scale_loss_for_distribution(added)

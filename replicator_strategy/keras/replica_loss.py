@@ -17,6 +17,7 @@ import warnings
 import keras
 import tensorflow as tf
 
+from replicator_strategy import warn_once
 from replicator_strategy.keras import _internal as ki
 from replicator_strategy.keras import replicas
 
@@ -117,8 +118,7 @@ def warn_override_unscaled(compute_loss):
     cls = type(self)
     if (cls.compute_loss is not keras.Model.compute_loss and
         not _scaling_whole_loss() and replicas.in_our_replicas() and
-        cls not in _warned_overrides):
-      _warned_overrides.add(cls)
+        _warned_overrides(cls)):
       warnings.warn(
           f"ReplicatorStrategy: {cls.__qualname__}.compute_loss calls "
           f"super().compute_loss() from a step of its own (a custom "
@@ -135,4 +135,4 @@ def warn_override_unscaled(compute_loss):
   return wrapper
 
 
-_warned_overrides = set()
+_warned_overrides = warn_once.Once()

@@ -8,8 +8,10 @@ stages (`model_stages.split_model`) and makes every variable of stage s
 again on each replica's stage-s device, with the value it holds, and gives
 the Keras variable the new one (a weight the layout map splits, in parts
 over the stage's model-axis devices): layers, the optimizer's lists and saves hold
-the Keras variable, so they read the new one. An optimizer built before
-gets its slots moved with their weights. Later calls get the same stages.
+the Keras variable, so they read the new one. The optimizer that `fit`
+builds makes each slot on its weight's devices (the stages are placed just
+before); one built before gets its slots moved with their weights. Later
+calls get the same stages.
 
 >>> import keras
 >>> import replicator_strategy as rs
@@ -23,6 +25,8 @@ gets its slots moved with their weights. Later calls get the same stages.
 """
 
 import contextlib
+import functools
+import threading
 import weakref
 
 import tensorflow as tf
@@ -63,6 +67,45 @@ def stages_of(strategy, model):
   return stages
 
 
+# The model whose `_symbolic_build` runs now (each replica's thread, or
+# the caller's): its optimizer's build places its stages first.
+_building = threading.local()
+
+
+def stages_placed_before_slots(symbolic_build):
+  """`Model._symbolic_build` (fit, evaluate and predict build the model and
+  its optimizer there): under a pipeline, the model marked for
+  `placed_before_slots`."""
+
+  @functools.wraps(symbolic_build)
+  def wrapper(self, *args, **kwargs):
+    if pipeline_of(self.distribute_strategy) is None:
+      return symbolic_build(self, *args, **kwargs)
+    previous = getattr(_building, "model", None)
+    _building.model = self
+    try:
+      return symbolic_build(self, *args, **kwargs)
+    finally:
+      _building.model = previous
+
+  return wrapper
+
+
+def placed_before_slots(build):
+  """`Optimizer.build`, for the model `stages_placed_before_slots` marked:
+  its stages placed first, so that each slot is made on its weight's stage
+  devices (`colocate_vars_with` the weight), not moved there after."""
+
+  @functools.wraps(build)
+  def wrapper(self, *args, **kwargs):
+    model = getattr(_building, "model", None)
+    if model is not None and not self.built:
+      stages_of(model.distribute_strategy, model)
+    return build(self, *args, **kwargs)
+
+  return wrapper
+
+
 def placed(strategy, model):
   """`model`'s stages as `stages_of` cut and placed them: in a step traced
   in a replica, where no variable may be made."""
@@ -93,8 +136,10 @@ def place(strategy, stages, optimizer=None):
     for variable in stage.variables:
       for v in (variable, *slots.get(variable.path, ())):
         move(strategy, v, logical_device)
-  if optimizer is not None and optimizer.built:
-    ki.reindex_weights(optimizer)  # Built with slots or none (plain SGD).
+  # Built with slots or none (plain SGD); a LossScaleOptimizer's inner one too.
+  for built in (optimizer, getattr(optimizer, "inner_optimizer", None)):
+    if built is not None and built.built:
+      ki.reindex_weights(built)
 
 
 def slots_by_weight(optimizer):

@@ -3,12 +3,16 @@
 `ReplicatorStrategy(layout_map=...)` takes a `keras.distribution.LayoutMap`
 over a 2-D `DeviceMesh`: its batch axis (`batch_dim_name`, default the
 mesh's first) is the replicas, its other axis (the model axis) each
-replica's logical devices. A variable whose Keras path a key matches (as
-Keras matches them: the exact key, else one `re.fullmatch`) and whose layout
-names the model axis in one dimension is a `split_variables.SplitVariable`
-split along that dimension; every other variable is replicated over the
-model axis. A layout that names the batch axis in a dimension shards the
-weight over the replicas along it (ZeRO-3 for that weight: a
+replica's logical devices. A mesh with a stage axis (a pipeline's) or a
+group axis (sync groups) too, named by role or through the strategy's
+`axis_roles`, is read as a row per stage of each replica.
+
+A variable whose Keras path a key matches (as Keras matches them: the
+exact key, else one `re.fullmatch`) and whose layout names the model axis
+in one dimension is a `split_variables.SplitVariable` split along that
+dimension; every other variable is replicated over the model axis. A
+layout that names the batch axis in a dimension shards the weight over the
+replicas along it (ZeRO-3 for that weight: a
 `sharding.variables.ShardedVariable`, or, split too, a
 `sharded_parts.ShardedSplitVariable`).
 
@@ -34,6 +38,9 @@ import threading
 from absl import logging
 import numpy as np
 import tensorflow as tf
+
+from replicator_strategy import mesh as mesh_lib
+from replicator_strategy import warn_once
 
 _creating = threading.local()  # .variable: (path, shape) being created.
 
@@ -65,23 +72,27 @@ def placement_given():
 class ModelLayouts:
   """A `keras.distribution.LayoutMap`, as the replicas' device groups."""
 
-  def __init__(self, layout_map, batch_dim_name=None):
+  def __init__(self, layout_map, batch_dim_name=None, axis_roles=None):
     mesh = getattr(layout_map, "device_mesh", None)
     if mesh is None or not hasattr(mesh, "axis_names"):
       raise ValueError(
           f"Expected `layout_map` to be a keras.distribution.LayoutMap over a "
           f"keras.distribution.DeviceMesh. Received: {layout_map!r}.")
     names, devices = list(mesh.axis_names), np.asarray(mesh.devices)
-    if len(names) == 3 and "stage" in names:  # A pipeline's: a row a stage.
-      names, devices = _stages_as_rows(names, devices, batch_dim_name)
+    roles = dict(axis_roles or {})
+    if batch_dim_name is not None:
+      roles.setdefault("batch", batch_dim_name)
+    if len(names) > 2:  # A row per (group, batch, stage): a stage's devices.
+      names, devices = _as_rows(names, devices, roles)
     if len(names) != 2:
       raise ValueError(
           f"ReplicatorStrategy(layout_map=...) takes a 2-D DeviceMesh: a batch "
           f"axis (the replicas) and a model axis (each replica's devices), or "
-          f"a 3-D one with a \"stage\" axis too (a pipeline's). Received a "
+          f"one with a stage axis (a pipeline's) or a group axis (sync "
+          f"groups) too, named by role or through `axis_roles`. Received a "
           f"mesh of shape {tuple(mesh.shape)} with axes {names}. Build it as "
           f"DeviceMesh((replicas, k), ('batch', 'model'), devices).")
-    batch = names[0] if batch_dim_name is None else batch_dim_name
+    batch = roles.get("batch", names[0])
     if batch not in names:
       raise ValueError(
           f"`batch_dim_name={batch_dim_name!r}` names no axis of the layout "
@@ -96,7 +107,7 @@ class ModelLayouts:
         tuple(_device_name(d) for d in row) for row in devices)
     self.devices_per_replica = len(self.device_groups[0])
     self.matched_keys = set()
-    self._warned_keys = set()
+    self._warned_keys = warn_once.Once()
 
   def split_axis(self, path, shape):
     """The dimension the model axis splits the variable at `path`, or None."""
@@ -155,28 +166,38 @@ class ModelLayouts:
     A renamed layer otherwise leaves its weights silently replicated.
     """
     unmatched = [key for key in self.layout_map
-                 if key not in self.matched_keys | self._warned_keys and
+                 if key not in self.matched_keys and
                  not key.endswith("/output")]  # Those match tensors.
-    for key in unmatched:
+    for key in filter(self._warned_keys, unmatched):
       logging.warning(
           "ReplicatorStrategy: the layout map key %r matches no variable "
           "created in the strategy's scope, so nothing is split by it. Keys "
           "match a variable's full path (`variable.path`, e.g. "
           "'sequential/dense/kernel') with re.fullmatch: start the key with "
           "'.*' to match any model name.", key)
-    self._warned_keys.update(unmatched)
 
 
-def _stages_as_rows(names, devices, batch_dim_name):
-  """A (batch, stage, model) mesh's axis names and devices as a 2-D mesh's:
-  a row per stage of each replica, in that order; the model axis across."""
-  others = [n for n in names if n != "stage"]
-  batch = others[0] if batch_dim_name is None else batch_dim_name
-  model = [n for n in others if n != batch][0] if batch in others else None
-  if model is None:
+def _as_rows(names, devices, roles):
+  """A mesh's axis names and devices as a 2-D mesh's: a row per stage of
+  each replica of each group, in that order (`mesh.ROLES`'), the model axis
+  across. `roles` (role -> axis name) names the axes whose names are not
+  their roles; where none is a role, their position does
+  (`mesh.POSITIONAL_ROLES`)."""
+  if not roles and not set(names) & set(mesh_lib.ROLES):
+    roles = dict(zip(mesh_lib.POSITIONAL_ROLES.get(len(names), ()), names))
+  name_of = {role: roles.get(role, role) for role in mesh_lib.ROLES}
+  others = [n for n in names if n not in (name_of["group"], name_of["stage"])]
+  if len(others) != 2:
     return names, devices  # The 2-D check names the mistake.
-  devices = devices.transpose([names.index(n) for n in (batch, "stage", model)])
-  return [batch, model], devices.reshape(-1, devices.shape[-1])
+  batch = roles.get("batch", others[0])
+  model = [n for n in others if n != batch]
+  if batch not in others or len(model) != 1:
+    return names, devices
+  name_of.update(batch=batch, model=model[0])
+  order = [names.index(name_of[role]) for role in mesh_lib.ROLES
+           if name_of[role] in names]
+  devices = devices.transpose(order)
+  return [batch, model[0]], devices.reshape(-1, devices.shape[-1])
 
 
 def _one_dimension(path, axes, name, verb, over):

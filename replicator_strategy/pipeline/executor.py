@@ -32,7 +32,10 @@ and the gradients, summed over the micro-batches, are the whole batch's:
 True
 
 The loss function must average over the micro-batch's rows (as Keras's
-losses do by default); a regularization loss is the caller's to add.
+losses do by default). Losses beyond it come through `extra_loss`: a
+stage's weights' own (regularization), once a step on the stage's device,
+and what its layers add on each micro-batch (activity regularization,
+`add_loss`), weighted by the micro-batch's share as its loss is.
 """
 
 import typing
@@ -40,16 +43,19 @@ import typing
 import tensorflow as tf
 
 from replicator_strategy.pipeline import schedules
+from replicator_strategy.pipeline import stages as stages_lib
 
 
 class Step(typing.NamedTuple):
   """What `run` returns (a nest, so a `tf.function` may return it): the
   batch's `loss`, the `gradients` of `variables(stages)` (None where the loss
-  does not depend on one) and the model's `outputs` (one tensor, or a list
-  for several outputs), rows in the batch's order."""
+  does not depend on one; multiplied by `scale_loss` if given), the model's
+  `outputs` (one tensor, or a list for several outputs), rows in the batch's
+  order, and `extra`, the part of `loss` that `extra_loss` gave (0 without)."""
   loss: tf.Tensor
   gradients: list
   outputs: object
+  extra: tf.Tensor
 
 
 def variables(stages):
@@ -58,7 +64,7 @@ def variables(stages):
 
 
 def run(plan, stages, stage_devices, x, y, loss_fn, sample_weight=None,
-        training=True):
+        training=True, extra_loss=None, scale_loss=None):
   """Runs one replica's step through `plan` (a `schedules.Schedule`).
 
   Args:
@@ -72,6 +78,15 @@ def run(plan, stages, stage_devices, x, y, loss_fn, sample_weight=None,
     loss_fn: `(y, y_pred, sample_weight) -> scalar`, the micro-batch's mean
       loss; `y_pred` is the tensor "output:0", or the list of "output:i".
     training: passed to each stage.
+    extra_loss: None, or `(stage, added) -> scalar or None`, a stage's loss
+      beyond `loss_fn`'s: called once a step with `added=None` (a loss of
+      the stage's weights alone, its regularization), and on each micro-batch
+      whose forward added losses (`Stage` returns their sum as
+      `stages.ADDED_LOSS`), with that sum weighted by the micro-batch's
+      share of the rows. Each value is added to the loss, and its gradient
+      to the stage's.
+    scale_loss: None, or `loss -> loss`, applied to every loss before its
+      gradient is taken (a loss scale); `Step.loss` stays unscaled.
 
   Returns:
     A `Step`: loss and gradients equal to one device's on the whole batch.
@@ -79,7 +94,8 @@ def run(plan, stages, stage_devices, x, y, loss_fn, sample_weight=None,
   schedules.check(plan)
   devices = _stage_devices(plan, stages, stage_devices)
   sources = _sources(stages)
-  step = _Run(plan, stages, devices, sources, training)
+  step = _Run(plan, stages, devices, sources, training, extra_loss,
+              scale_loss or (lambda loss: loss))
   step.split_batch(x, y, sample_weight)
   for action in schedules.timeline(plan).order():
     device = plan.device_of(action.stage)
@@ -92,6 +108,10 @@ def run(plan, stages, stage_devices, x, y, loss_fn, sample_weight=None,
         step.previous[device] = [
             tf.group(*tf.nest.flatten(produced, expand_composites=True),
                      name="done")]
+  for j in range(len(stages)):
+    with tf.device(devices[j]), tf.name_scope(f"R{j}"), (
+        tf.control_dependencies(step.previous[plan.device_of(j)])):
+      step.R(j)
   return step.result()
 
 
@@ -99,9 +119,12 @@ class _Run:
   """The state of one step: the micro-batches, each (stage, micro-batch)'s
   tape, inputs and outputs, the gradients sent back, the sums."""
 
-  def __init__(self, plan, stages, devices, sources, training):
+  def __init__(self, plan, stages, devices, sources, training, extra_loss,
+               scale_loss):
     self.plan, self.stages, self.devices = plan, stages, devices
     self.sources, self.training = sources, training
+    self.extra_loss, self.scale_loss = extra_loss, scale_loss
+    self.extras = []  # What `extra_loss` added to the loss.
     self.previous = [[] for _ in plan]
     self.tapes, self.feeds, self.targets, self.values = {}, {}, {}, {}
     self.sent = {}  # (producer, name, micro) -> gradients from consumers.
@@ -144,14 +167,20 @@ class _Run:
     tape = tf.GradientTape(persistent=self.plan.split_backward)
     with tape:
       tape.watch([feeds[n] for n in self._differentiable(j, feeds)])
-      out = stage(feeds, training=self.training)
+      out = dict(stage(feeds, training=self.training))
+      added = self._added(j, m, out.pop(stages_lib.ADDED_LOSS, None))
       if j == len(self.stages) - 1:
         y_pred = _model_outputs(out)
         loss = _scalar(loss_fn(self.y[m], y_pred, self.weights[m]))
         loss = tf.math.multiply_no_nan(loss, tf.cast(self.shares[m], loss.dtype))
+        if added is not None:
+          loss += tf.cast(added, loss.dtype)
         self.losses.append(loss)
         self.outputs.append(tf.nest.flatten(y_pred))
-        out = dict(out, **{"loss:": loss})
+        out["loss:"] = self.scale_loss(loss)
+      elif added is not None:
+        self.losses.append(added)
+        out["loss:"] = self.scale_loss(added)
     self.tapes[j, m], self.feeds[j, m] = tape, feeds
     for name, value in out.items():
       self.values[j, name, m] = value
@@ -190,15 +219,44 @@ class _Run:
     self._finish(j, m, found)
     return [g for g in found if g is not None]
 
+  def R(self, j):  # noqa: N802
+    """Stage j's `extra_loss` of its weights alone, once a step; its
+    gradient added to the stage's sums."""
+    if self.extra_loss is None:
+      return
+    weights = list(self.stages[j].trainable_variables)
+    with tf.GradientTape() as tape:
+      loss = self.extra_loss(self.stages[j], None)
+      if loss is None:
+        return
+      self.extras.append(loss)
+      self.losses.append(loss)
+      scaled = self.scale_loss(loss)
+    self._accumulate(j, tape.gradient(scaled, weights))
+
   def result(self):
     with tf.device(self.devices[-1]):
       loss = tf.add_n(self.losses)
+      extra = (tf.add_n([tf.cast(e, loss.dtype) for e in self.extras])
+               if self.extras else tf.zeros((), loss.dtype))
       outputs = [tf.concat(parts, 0) for parts in zip(*self.outputs)]
     gradients = []
     for j, stage in enumerate(self.stages):
       gradients += self.sums.get(j, [None] * len(stage.trainable_variables))
     return Step(loss, gradients,
-                outputs[0] if len(outputs) == 1 else outputs)
+                outputs[0] if len(outputs) == 1 else outputs, extra)
+
+  def _added(self, j, m, added):
+    """The `extra_loss` of what stage j's layers added on micro-batch m,
+    weighted by its share of the rows, or None."""
+    if added is None or self.extra_loss is None:
+      return None
+    added = tf.math.multiply_no_nan(
+        added, tf.cast(self.shares[m], added.dtype))
+    added = self.extra_loss(self.stages[j], added)
+    if added is not None:
+      self.extras.append(added)
+    return added
 
   def _differentiable(self, j, feeds):
     return [n for n in self.stages[j].inputs if feeds[n].dtype.is_floating]
@@ -209,6 +267,9 @@ class _Run:
     if j == len(self.stages) - 1:
       return [self.values[j, "loss:", m]], None
     targets, grads = [], []
+    if (j, "loss:", m) in self.values:  # What its layers added.
+      targets.append(self.values[j, "loss:", m])
+      grads.append(tf.ones_like(targets[0]))
     for name in self.stages[j].outputs:
       sent = self.sent.pop((j, name, m), None)
       if sent:
@@ -222,6 +283,10 @@ class _Run:
     del self.tapes[j, m], self.feeds[j, m], self.targets[j, m]
     for name in (*self.stages[j].outputs, "loss:"):
       self.values.pop((j, name, m), None)
+    self._accumulate(j, found)
+
+  def _accumulate(self, j, found):
+    """Adds weight gradients `found` of stage j to its sums."""
     sums = self.sums.setdefault(
         j, [None] * len(self.stages[j].trainable_variables))
     for i, grad in enumerate(found):

@@ -37,13 +37,21 @@ class LayerCall:
 class LayerGraph:
   """A model as calls: `inputs` ("input:<i>"), `outputs` (the names of the
   tensors the model returns), `feed(x)` (the model's input `x` by name, as
-  the model converts it) and `pack(flat)` (outputs in the model's structure)."""
+  the model converts it), `pack(flat)` (outputs in the model's structure)
+  and `added_losses(layer)` (the scalar losses a layer's latest call added,
+  such as activity regularization; None: layers add none)."""
   name: str
   inputs: tuple
   outputs: tuple
   calls: tuple
   feed: Callable
   pack: Callable
+  added_losses: Callable = None
+
+
+# What a stage returns, besides its outputs, when its layers added losses:
+# their sum.
+ADDED_LOSS = "added_loss:"
 
 
 def output_name(i):
@@ -86,10 +94,16 @@ class Stage:
           f"Pass the previous stage's outputs (or `model_inputs(stages, x)` "
           f"to the first stage).")
     values = {name: tensors[name] for name in self.inputs}
+    added = []
     for call in self.calls:
       values.update(call.run(values, training))
+      if self.graph.added_losses is not None:
+        added += self.graph.added_losses(call.layer)
     aliases = {output_name(i): name for i, name in enumerate(self.graph.outputs)}
-    return {name: values[aliases.get(name, name)] for name in self.outputs}
+    out = {name: values[aliases.get(name, name)] for name in self.outputs}
+    if added:
+      out[ADDED_LOSS] = sum(added[1:], added[0])
+    return out
 
   def __repr__(self):
     return (f"<Stage {self.index}: {len(self.calls)} calls, "

@@ -47,6 +47,7 @@ from absl import logging
 import tensorflow as tf
 
 from replicator_strategy import _tf_internal as tfi
+from replicator_strategy import warn_once
 from replicator_strategy.collectives import compression as compression_lib
 from replicator_strategy.collectives import per_replica
 from replicator_strategy.collectives import reduce_op as reduce_op_lib
@@ -276,8 +277,7 @@ def _dense(gradient):
   more than once in a batch. SGD's and Lion's math is linear in the gradient
   and does not differ.
   """
-  if isinstance(gradient, tf.IndexedSlices) and not _warned_dense:
-    _warned_dense.append(True)
+  if isinstance(gradient, tf.IndexedSlices) and _warned_dense():
     logging.warning(
         "shard_optimizer_state=True makes a sparse gradient (an Embedding's, "
         "say) dense before cutting it into shards. Optimizers that square "
@@ -291,7 +291,7 @@ def _dense(gradient):
   return tf.convert_to_tensor(gradient)
 
 
-_warned_dense = []
+_warned_dense = warn_once.Once()
 
 
 def _from_wire(devices, received, dtype):

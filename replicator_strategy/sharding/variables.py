@@ -40,6 +40,7 @@ from replicator_strategy import _tf_internal as tfi
 from replicator_strategy.collectives import compression as compression_lib
 from replicator_strategy.collectives import per_replica
 from replicator_strategy import options as options_lib
+from replicator_strategy import warn_once
 from replicator_strategy.sharding import exchange
 
 
@@ -267,9 +268,8 @@ def gather_whole(ctx, layout, shard_value, shard, logical_device=0):
 def _warn_dense(shape):
   """Warns, once per shape, that a sparse gradient of a gathered weight is
   made dense before its reduce-scatter."""
-  if shape in _warned_dense:
+  if not _warned_dense(tuple(shape)):
     return
-  _warned_dense.add(shape)
   logging.warning(
       "ReplicatorStrategy: a weight of shape %s, sharded over the replicas "
       "and read whole, gets a sparse gradient (an Embedding's table split "
@@ -284,7 +284,7 @@ def _warn_dense(shape):
       list(shape))
 
 
-_warned_dense = set()
+_warned_dense = warn_once.Once()
 
 
 def lookup(variable, ids):

@@ -165,10 +165,6 @@ def _layout(axes, mesh=None):
 
 class DistributeTensorTest(unittest.TestCase):
 
-  def setUp(self):
-    super().setUp()
-    distribution_backend._warned.clear()  # pylint: disable=protected-access
-
   def test_eager_without_a_strategy_warns_once_per_layout(self):
     x = tf.ones((4, 2))
     with warnings.catch_warnings(record=True) as caught:

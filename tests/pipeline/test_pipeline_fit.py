@@ -184,28 +184,6 @@ class PipelineFitTest(parameterized.TestCase):
                                 r"strategy.pipeline_stages\(model\) once"):
       strategy.run(tf.function(model.train_step), args=(data(),))
 
-  def test_a_loss_scale_optimizer_is_refused(self):
-    strategy = rs.ReplicatorStrategy(pipeline=rs.Pipeline(stages=2))
-    with strategy.scope():
-      model = mlp()
-      model.compile(keras.optimizers.LossScaleOptimizer(
-          keras.optimizers.SGD()), "mse")
-    with self.assertRaisesRegex(NotImplementedError,
-                                r"LossScaleOptimizer yet.*float32"):
-      model.fit(*data(), batch_size=BATCH, verbose=0)
-
-  def test_regularization_losses_are_refused(self):
-    strategy = rs.ReplicatorStrategy(pipeline=rs.Pipeline(stages=2))
-    with strategy.scope():
-      model = keras.Sequential([
-          keras.Input((8,)), keras.layers.Dense(4),
-          keras.layers.Dense(3, kernel_regularizer="l2")])
-      model.compile("sgd", "mse")
-    with self.assertRaisesRegex(NotImplementedError,
-                                r"regularization losses.*Remove the"):
-      model.fit(*data(), batch_size=BATCH, verbose=0)
-
-
 
 def two_in_two_out():
   """Two inputs, a skip connection across the cut, two outputs."""
