@@ -126,6 +126,24 @@ class PipelineLayoutsTest(parameterized.TestCase):
         "CPU:0": half + 8 * 4, "CPU:1": half,
         "CPU:2": half + (8 + 8 * 3 + 3) * 4, "CPU:3": half})
 
+  def test_interleaved_stages_split_their_kernels(self):
+    # 4 virtual stages, 2 a stage: each Megatron pair cut between the
+    # stages, each kernel in halves on its stage's devices.
+    model = assert_trains_as_one_device(
+        stage_by_model(2, "interleaved_1f1b", virtual=2,
+                       split=("down_0", "up_1", "down_1")),
+        build=megatron_mlp)
+    first, second = ["CPU:0", "CPU:1"], ["CPU:2", "CPU:3"]
+    self.assertEqual(
+        {w.path.partition("/")[2]: [c.device[-5:] for c in w.value.values]
+         for w in model.weights},
+        {"up_0/kernel": first, "up_0/bias": first,  # Virtual stage 0.
+         "down_0/kernel": second, "down_0/bias": second[:1],  # 1.
+         "up_1/kernel": first, "up_1/bias": first,  # 2.
+         "down_1/kernel": second, "down_1/bias": second[:1],  # 3, the head:
+         "head/kernel": second[:1], "head/bias": second[:1]})
+    self.assertEqual(held_bytes(model)["CPU:1"], (8 * 8 + 8) * 2 * 4)
+
   def test_a_batch_stage_model_mesh(self):
     mesh = keras.distribution.DeviceMesh(
         (1, 2, 2), ("batch", "stage", "model"), DEVICES)
