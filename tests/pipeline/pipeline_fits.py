@@ -23,6 +23,30 @@ def mlp(layer=keras.layers.Dense, widths=(16, 16, 16, 3)):
       for i, width in enumerate(widths)])
 
 
+# Megatron's rules for megatron_mlp: each "up" column-parallel, each "down"
+# row-parallel.
+MEGATRON_RULES = {".*up_.*/kernel": (None, "model"), ".*up_.*/bias": ("model",),
+                  ".*down_.*/kernel": ("model", None)}
+
+
+def megatron_mlp():
+  """Two Megatron pairs (up column-parallel, down row-parallel), a head."""
+  layers = [keras.Input((8,))]
+  for i in range(2):
+    layers += [keras.layers.Dense(16, activation="tanh", name=f"up_{i}"),
+               keras.layers.Dense(8, activation="tanh", name=f"down_{i}")]
+  return keras.Sequential(layers + [keras.layers.Dense(3, name="head")])
+
+
+def layout_map(mesh, rules=None):
+  """A LayoutMap over `mesh` with `rules` (pattern -> axes), Megatron's
+  rules for megatron_mlp unless given."""
+  layouts = keras.distribution.LayoutMap(mesh)
+  for pattern, axes in (rules or MEGATRON_RULES).items():
+    layouts[pattern] = axes
+  return layouts
+
+
 def data():
   rng = np.random.default_rng(0)
   return (rng.normal(size=(ROWS, 8)).astype(np.float32),

@@ -8,8 +8,13 @@ GPipe, 1F1B, interleaved 1F1B and ZB-H1. An output layout and attention split
 by heads split over their own stage's devices.
 """
 
+import json
 import os
+import pathlib
+import subprocess
+import sys
 import tempfile
+import unittest
 from unittest import mock
 
 import keras
@@ -26,29 +31,12 @@ from pipeline_fits import assert_trains_as_one_device
 from pipeline_fits import data
 from pipeline_fits import fit
 from pipeline_fits import held_bytes
+from pipeline_fits import layout_map
+from pipeline_fits import megatron_mlp
 from pipeline_fits import one_device
 
 DEVICES = [f"/cpu:{i}" for i in range(4)]
-# Megatron's rules for megatron_mlp: each "up" column-parallel, each "down"
-# row-parallel.
-MEGATRON_RULES = {".*up_.*/kernel": (None, "model"), ".*up_.*/bias": ("model",),
-                  ".*down_.*/kernel": ("model", None)}
-
-
-def megatron_mlp():
-  """Two Megatron pairs (up column-parallel, down row-parallel), a head."""
-  layers = [keras.Input((8,))]
-  for i in range(2):
-    layers += [keras.layers.Dense(16, activation="tanh", name=f"up_{i}"),
-               keras.layers.Dense(8, activation="tanh", name=f"down_{i}")]
-  return keras.Sequential(layers + [keras.layers.Dense(3, name="head")])
-
-
-def layout_map(mesh, rules=None):
-  layouts = keras.distribution.LayoutMap(mesh)
-  for pattern, axes in (rules or MEGATRON_RULES).items():
-    layouts[pattern] = axes
-  return layouts
+HERE = pathlib.Path(__file__).resolve().parent
 
 
 def stage_by_model(microbatches, schedule="1f1b", split=("up_1",),
@@ -193,3 +181,46 @@ class PipelineLayoutsTest(parameterized.TestCase):
     # by heads, then attention on each device over its heads, all on the
     # second stage's devices.
     self.assertEqual(devices, [["CPU:2", "CPU:3"]] * 8)
+
+
+@pytest.mark.slow  # A fresh process on 8 logical CPUs.
+class BatchStageModelTest(unittest.TestCase):
+  """2 pipelines x 2 stages x 2 model devices (`three_axes_main.py`)."""
+
+  @classmethod
+  def setUpClass(cls):
+    super().setUpClass()
+    env = dict(os.environ, PYTHONPATH=str(HERE.parents[1]))
+    env.pop("TF_CONFIG", None)
+    done = subprocess.run(
+        [sys.executable, str(HERE / "three_axes_main.py")],
+        capture_output=True, text=True, env=env, timeout=300, check=False)
+    if done.returncode:
+      raise AssertionError(done.stderr[-3000:])
+    cls.results = json.loads(done.stdout.splitlines()[-1])
+
+  def test_fit_is_one_devices(self):
+    assert_equal_weights([np.array(w) for w in self.results["weights"]],
+                         self.results["one_device_weights"])
+    for name, values in self.results["one_device_history"].items():
+      np.testing.assert_allclose(self.results["history"][name], values,
+                                 rtol=1e-5, err_msg=name)
+
+  def test_each_device_holds_half_its_stages_split_kernels(self):
+    self.maxDiff = None
+
+    def on(*devices, shape):
+      return [[shape, f"CPU:{d}"] for d in devices]
+
+    # Each pipeline's copy: the first on devices 0-3, the second on 4-7.
+    self.assertEqual(self.results["parts"], {
+        "up_0/kernel": on(0, 1, 4, 5, shape=[8, 8]),
+        "up_0/bias": on(0, 1, 4, 5, shape=[8]),
+        "down_0/kernel": on(0, 1, 4, 5, shape=[8, 8]),
+        "down_0/bias": on(0, 4, shape=[8]),
+        "up_1/kernel": on(2, 3, 6, 7, shape=[8, 8]),
+        "up_1/bias": on(2, 3, 6, 7, shape=[8]),
+        "down_1/kernel": on(2, 3, 6, 7, shape=[8, 8]),
+        "down_1/bias": on(2, 6, shape=[8]),
+        "head/kernel": on(2, 6, shape=[8, 3]),
+        "head/bias": on(2, 6, shape=[3])})
