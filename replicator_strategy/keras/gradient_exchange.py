@@ -19,6 +19,7 @@ all-reduce sends 16-bit floats (`replicator_strategy.collectives.compression`).
 """
 
 import functools
+import itertools
 
 import keras
 import tensorflow as tf
@@ -198,8 +199,8 @@ def split_in_parts(all_reduce_sum_gradients):
 def _sum_parts(replica_context, parts_list, wire=None):
   """Each of `parts_list` (`Parts`, one per gradient) summed over the
   replicas in sync, part by part: part j among every replica's part j, on
-  its own device (logical device j), within each sync group. Returns their
-  `Parts`.
+  its own device (the same logical device in each replica), within each sync
+  group. Returns their `Parts`.
 
   `wire`: the 16-bit dtype dense float parts travel as
   (`collectives.compression`), or None. In a replica's control flow (a
@@ -209,41 +210,48 @@ def _sum_parts(replica_context, parts_list, wire=None):
   extended = ctx.strategy.extended
   if extended.num_replicas_in_all_groups == 1:
     return list(parts_list)
-  exchanges = [logical_devices.communicator_on(extended, j)
-               for j in range(extended.logical_devices.per_replica)]
-  n = len(parts_list)
-  columns = [[] for _ in exchanges]
-  for parts in parts_list:
-    for j, piece in enumerate(parts.pieces):
-      with tf.device(parts.devices[j]):
+  # Each piece's logical device: part j of a later pipeline stage's weight
+  # is on that stage's device j, not the replica's.
+  ids = [[extended.logical_devices.device_id(ctx.local_index, d)
+          for d in parts.devices] for parts in parts_list]
+  used = sorted({i for row in ids for i in row})
+  exchanges = {i: logical_devices.communicator_on(extended, i) for i in used}
+  columns = {i: [] for i in used}
+  for parts, row in zip(parts_list, ids):
+    for piece, device, i in zip(parts.pieces, parts.devices, row):
+      with tf.device(device):
         if not ctx.can_merge and isinstance(piece, tf.IndexedSlices):
           piece = tf.convert_to_tensor(piece)
-        columns[j].append(compression_lib.to_wire(piece, wire))
+        columns[i].append(compression_lib.to_wire(piece, wire))
   if ctx.can_merge:
 
     def merge_fn(strategy, *values):
       del strategy
-      return [total for j, communicator in enumerate(exchanges)
-              for total in communicator.cross_device_ops.batch_reduce(
-                  tf.distribute.ReduceOp.SUM,
-                  [(v, v) for v in values[j * n:(j + 1) * n]])]
+      values, totals = iter(values), []
+      for i in used:
+        totals += exchanges[i].cross_device_ops.batch_reduce(
+            tf.distribute.ReduceOp.SUM,
+            [(v, v) for v in itertools.islice(values, len(columns[i]))])
+      return totals
 
-    flat = ctx.merge_call(merge_fn, args=tuple(v for c in columns for v in c))
-    summed = [flat[j * n:(j + 1) * n] for j in range(len(exchanges))]
+    flat = iter(ctx.merge_call(merge_fn, args=tuple(
+        v for i in used for v in columns[i])))
+    summed = {i: [next(flat) for _ in columns[i]] for i in used}
   else:
-    summed = []
-    for communicator, column in zip(exchanges, columns):
-      collectives = communicator.replica_collectives
-      keys = exchange.collective_keys(ctx, len(column), collectives)
-      summed.append(collectives.all_reduce(
-          ctx.local_index, reduce_op_lib.ReduceOp.SUM, column, keys))
+    summed = {}
+    for i in used:
+      collectives = exchanges[i].replica_collectives
+      keys = exchange.collective_keys(ctx, len(columns[i]), collectives)
+      summed[i] = collectives.all_reduce(
+          ctx.local_index, reduce_op_lib.ReduceOp.SUM, columns[i], keys)
+  summed = {i: iter(totals) for i, totals in summed.items()}
   out = []
-  for i, parts in enumerate(parts_list):
+  for parts, row in zip(parts_list, ids):
     pieces = []
-    for j, piece in enumerate(parts.pieces):
-      total = summed[j][i]
+    for piece, device, i in zip(parts.pieces, parts.devices, row):
+      total = next(summed[i])
       if not isinstance(total, tf.IndexedSlices):
-        with tf.device(parts.devices[j]):
+        with tf.device(device):
           total = compression_lib.from_wire(total, piece.dtype)
       pieces.append(total)
     out.append(parts.with_pieces(pieces))

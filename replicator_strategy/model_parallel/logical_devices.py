@@ -109,6 +109,18 @@ class LogicalDevices:
           return stage
     return stages[0] if len(stages) == 1 else self.groups[local_replica]
 
+  def device_id(self, local_replica, device):
+    """The logical device id of `device` (a part's) in the local replica:
+    with pipeline stages, a stage's part j is not on logical device j."""
+    wanted = tf.DeviceSpec.from_string(device)
+    for i, candidate in enumerate(self.groups[local_replica]):
+      if _same_device(wanted, candidate):
+        return i
+    raise ValueError(
+        f"Device {device!r} is not one of replica {local_replica}'s devices "
+        f"{self.groups[local_replica]}: a split weight's parts must be on its "
+        f"replica's devices.")
+
   def on_device(self, local_replica, logical_device_id):
     """A `tf.device` scope on the local replica's logical device."""
     i = self.check(logical_device_id, "ReplicaContext.logical_device")

@@ -14,7 +14,11 @@ import numpy as np
 
 import replicator_strategy as rs
 
-from test_pipeline_fit import data, initial_weights, mlp  # noqa: I001
+from pipeline_fits import BATCH  # noqa: I001
+from pipeline_fits import assert_equal_weights
+from pipeline_fits import data
+from pipeline_fits import initial_weights
+from pipeline_fits import mlp
 
 
 def pipelined():
@@ -27,40 +31,48 @@ def pipelined():
   return model
 
 
+def weights_loaded(model, path):
+  model.load_weights(path)
+  return model
+
+
+def assert_same_weights(got, want):
+  for a, b in zip(got.get_weights(), want.get_weights(), strict=True):
+    np.testing.assert_array_equal(a, b)
+
+
 class PipelineCheckpointTest(unittest.TestCase):
 
   def setUp(self):
     super().setUp()
     self.dir = tempfile.mkdtemp()
 
-  def test_weights_file_to_no_strategy_and_back(self):
+  def save_and_load(self, file_name, save, load):
+    """(model, loaded, path): a pipelined model fitted, saved to `path`
+    with `save(model, path)`, and `load(path)`, which holds its weights."""
     model = pipelined()
-    x, y = data()
-    model.fit(x, y, batch_size=16, verbose=0)
-    path = os.path.join(self.dir, "m.weights.h5")
-    model.save_weights(path)
-    plain = mlp()
-    plain.load_weights(path)
-    for a, b in zip(plain.get_weights(), model.get_weights()):
-      np.testing.assert_array_equal(a, b)
+    model.fit(*data(), batch_size=BATCH, verbose=0)
+    path = os.path.join(self.dir, file_name)
+    save(model, path)
+    loaded = load(path)
+    assert_same_weights(loaded, model)
+    return model, loaded, path
+
+  def test_weights_file_to_no_strategy_and_back(self):
+    model, plain, path = self.save_and_load(
+        "m.weights.h5", keras.Model.save_weights,
+        lambda path: weights_loaded(mlp(), path))
     # And back: into a pipeline whose stages are placed already.
     again = pipelined()
+    x, _ = data()
     again.predict(x[:16], verbose=0)
-    again.load_weights(path)
-    for a, b in zip(again.get_weights(), model.get_weights()):
-      np.testing.assert_array_equal(a, b)
+    assert_same_weights(weights_loaded(again, path), model)
     np.testing.assert_allclose(again.predict(x, verbose=0),
                                plain.predict(x, verbose=0), rtol=1e-5)
 
   def test_keras_file_loads_without_a_strategy(self):
-    model = pipelined()
-    x, y = data()
-    model.fit(x, y, batch_size=16, verbose=0)
-    path = os.path.join(self.dir, "m.keras")
-    model.save(path)
-    loaded = keras.models.load_model(path)
-    for a, b in zip(loaded.get_weights(), model.get_weights()):
-      np.testing.assert_array_equal(a, b)
+    model, loaded, path = self.save_and_load(
+        "m.keras", keras.Model.save, keras.models.load_model)
     # The optimizer's slots (on the stages' devices) are saved too.
     self.assertEqual(len(loaded.optimizer.variables),
                      len(model.optimizer.variables))
@@ -73,10 +85,9 @@ class PipelineCheckpointTest(unittest.TestCase):
         pipeline=rs.Pipeline(stages=2, microbatches=2))
     with strategy.scope():
       piped = keras.models.load_model(path)
-    piped.fit(x, y, batch_size=16, verbose=0)
-    loaded.fit(x, y, batch_size=16, verbose=0)
-    for a, b in zip(piped.get_weights(), loaded.get_weights()):
-      np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    piped.fit(*data(), batch_size=BATCH, verbose=0)
+    loaded.fit(*data(), batch_size=BATCH, verbose=0)
+    assert_equal_weights(piped.get_weights(), loaded.get_weights())
 
 
 if __name__ == "__main__":

@@ -3,128 +3,154 @@ rules inside each stage) trains as one device does.
 
 2 stages x 2 model devices: each stage's column- and row-parallel Dense
 kernels are in halves on its two devices; after a few Adam steps of `fit`
-the weights, the loss and the metrics equal one device's (rtol 1e-5). An
-output layout and attention split by heads split over their own stage's
-devices.
+the weights, the loss and the metrics equal one device's (rtol 1e-5), with
+GPipe, 1F1B, interleaved 1F1B and ZB-H1. An output layout and attention split
+by heads split over their own stage's devices.
 """
 
-import contextlib
+import json
 import os
+import pathlib
+import subprocess
+import sys
 import tempfile
+import unittest
 from unittest import mock
 
 import keras
 import numpy as np
+import pytest
 from absl.testing import parameterized
 
 import replicator_strategy as rs
 from replicator_strategy.model_parallel import megatron
 
-ROWS, BATCH, DEVICES = 48, 16, [f"/cpu:{i}" for i in range(4)]
+from pipeline_fits import BATCH  # noqa: I001
+from pipeline_fits import assert_equal_weights
+from pipeline_fits import assert_trains_as_one_device
+from pipeline_fits import data
+from pipeline_fits import fit
+from pipeline_fits import held_bytes
+from pipeline_fits import layout_map
+from pipeline_fits import megatron_mlp
+from pipeline_fits import one_device
+
+DEVICES = [f"/cpu:{i}" for i in range(4)]
+HERE = pathlib.Path(__file__).resolve().parent
 
 
-def megatron_mlp():
-  """Two Megatron pairs (up column-parallel, down row-parallel), a head."""
-  layers = [keras.Input((8,))]
-  for i in range(2):
-    layers += [keras.layers.Dense(16, activation="tanh", name=f"up_{i}"),
-               keras.layers.Dense(8, activation="tanh", name=f"down_{i}")]
-  return keras.Sequential(layers + [keras.layers.Dense(3, name="head")])
-
-
-def layout_map(mesh):
-  layouts = keras.distribution.LayoutMap(mesh)
-  layouts[".*up_.*/kernel"] = (None, "model")
-  layouts[".*up_.*/bias"] = ("model",)
-  layouts[".*down_.*/kernel"] = ("model", None)
-  return layouts
-
-
-def data():
-  rng = np.random.default_rng(0)
-  return (rng.normal(size=(ROWS, 8)).astype(np.float32),
-          rng.normal(size=(ROWS, 3)).astype(np.float32))
-
-
-def fit(strategy=None):
-  keras.utils.set_random_seed(0)
-  weights = megatron_mlp().get_weights()
-  with strategy.scope() if strategy else contextlib.nullcontext():
-    model = megatron_mlp()
-    model.set_weights(weights)
-    model.compile(keras.optimizers.Adam(0.01), "mse", metrics=["mae"])
-  history = model.fit(*data(), batch_size=BATCH, shuffle=False, verbose=0)
-  return model, history.history
-
-
-def stage_by_model(microbatches, schedule):
-  """2 stages ("up_1" starts the second) x 2 model devices, one replica."""
+def stage_by_model(microbatches, schedule="1f1b", split=("up_1",),
+                   rules=None, **pipeline):
+  """2 stages (`split` names where the later ones start) x 2 model devices,
+  one replica."""
   mesh = keras.distribution.DeviceMesh((2, 2), ("batch", "model"), DEVICES)
   return rs.ReplicatorStrategy(
-      layout_map=layout_map(mesh),
+      layout_map=layout_map(mesh, rules),
       pipeline=rs.Pipeline(stages=2, microbatches=microbatches,
-                           schedule=schedule, split=["up_1"]))
+                           schedule=schedule, split=list(split), **pipeline))
+
+
+def dense_sandwich():
+  return keras.Sequential([
+      keras.Input((8,)), keras.layers.Dense(8, name="a"),
+      keras.layers.Dense(16, name="mid"), keras.layers.Dense(8, name="down")])
+
+
+def attention():
+  x = keras.Input((4, 8))
+  h = keras.layers.Dense(8, name="proj")(x)
+  return keras.Model(x, keras.layers.MultiHeadAttention(2, 4, name="mha")(h, h))
+
+
+def autoencoding():
+  """(x, x): the batches of a model whose outputs are its inputs' shape."""
+  x, _ = data()
+  return x, x
+
+
+def sequences():
+  x = np.random.default_rng(0).normal(size=(32, 4, 8)).astype(np.float32)
+  return x, x
+
+
+def fit_both(rules, split, **case):
+  """Fits `case` on one device and on stage_by_model with `rules`, split
+  at `split`, and compares them; returns the devices of each
+  `megatron.assembled` call as the pipelined step is traced."""
+  one_device(**case)
+  with mock.patch.object(megatron, "assembled",
+                         wraps=megatron.assembled) as assembled:
+    assert_trains_as_one_device(
+        stage_by_model(2, split=[split], rules=rules), **case)
+  return [[d[-5:] for d in call.args[1]] for call in assembled.call_args_list]
 
 
 class PipelineLayoutsTest(parameterized.TestCase):
 
-  @classmethod
-  def setUpClass(cls):
-    super().setUpClass()
-    model, cls.history = fit()
-    cls.weights = model.get_weights()
-
-  def assert_trains_as_one_device(self, strategy):
-    model, history = fit(strategy)
-    for a, b in zip(model.get_weights(), self.weights):
-      np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
-    for name in ("loss", "mae"):
-      np.testing.assert_allclose(history[name], self.history[name], rtol=1e-5)
-    return model
-
   @parameterized.named_parameters(
-      ("1_micro_1f1b", 1, "1f1b"),
       ("2_micro_gpipe", 2, "gpipe"),
-      ("4_micro_1f1b", 4, "1f1b"),
-      ("4_micro_gpipe", 4, "gpipe"),
       ("4_micro_zb_h1", 4, "zb_h1"),  # The backward split in two.
   )
   def test_one_step_is_one_devices(self, microbatches, schedule):
-    self.assert_trains_as_one_device(stage_by_model(microbatches, schedule))
+    assert_trains_as_one_device(stage_by_model(microbatches, schedule),
+                                build=megatron_mlp)
+
+  @parameterized.named_parameters(
+      ("1_micro_1f1b", 1, "1f1b"),
+      ("4_micro_1f1b", 4, "1f1b"),
+      ("4_micro_gpipe", 4, "gpipe"),
+  )
+  @pytest.mark.slow
+  def test_more_steps_are_one_devices(self, microbatches, schedule):
+    assert_trains_as_one_device(stage_by_model(microbatches, schedule),
+                                build=megatron_mlp)
 
   def test_each_stage_splits_its_kernels_over_its_devices(self):
-    model = self.assert_trains_as_one_device(stage_by_model(2, "1f1b"))
-    held = {}  # device -> bytes of the model's weights it holds.
-    for weight in model.weights:
-      for component in weight.value.values:
-        device = component.device[-5:]
-        held[device] = held.get(device, 0) + (
-            np.prod(component.shape) * component.dtype.size)
+    model = assert_trains_as_one_device(stage_by_model(2),
+                                        build=megatron_mlp)
     half = (8 * 16 + 16 + 16 * 8) // 2 * 4  # up's kernel and bias, down's.
     # The rest on its stage's first device: down's bias (8), the head's.
-    self.assertEqual(held, {"CPU:0": half + 8 * 4, "CPU:1": half,
-                            "CPU:2": half + (8 + 8 * 3 + 3) * 4,
-                            "CPU:3": half})
+    self.assertEqual(held_bytes(model), {
+        "CPU:0": half + 8 * 4, "CPU:1": half,
+        "CPU:2": half + (8 + 8 * 3 + 3) * 4, "CPU:3": half})
+
+  def test_interleaved_stages_split_their_kernels(self):
+    # 4 virtual stages, 2 a stage: each Megatron pair cut between the
+    # stages, each kernel in halves on its stage's devices.
+    model = assert_trains_as_one_device(
+        stage_by_model(2, "interleaved_1f1b", virtual=2,
+                       split=("down_0", "up_1", "down_1")),
+        build=megatron_mlp)
+    first, second = ["CPU:0", "CPU:1"], ["CPU:2", "CPU:3"]
+    self.assertEqual(
+        {w.path.partition("/")[2]: [c.device[-5:] for c in w.value.values]
+         for w in model.weights},
+        {"up_0/kernel": first, "up_0/bias": first,  # Virtual stage 0.
+         "down_0/kernel": second, "down_0/bias": second[:1],  # 1.
+         "up_1/kernel": first, "up_1/bias": first,  # 2.
+         "down_1/kernel": second, "down_1/bias": second[:1],  # 3, the head:
+         "head/kernel": second[:1], "head/bias": second[:1]})
+    self.assertEqual(held_bytes(model)["CPU:1"], (8 * 8 + 8) * 2 * 4)
 
   def test_a_batch_stage_model_mesh(self):
     mesh = keras.distribution.DeviceMesh(
         (1, 2, 2), ("batch", "stage", "model"), DEVICES)
-    self.assert_trains_as_one_device(rs.ReplicatorStrategy(
+    assert_trains_as_one_device(rs.ReplicatorStrategy(
         mesh=mesh, layout_map=layout_map(mesh),
-        pipeline=rs.Pipeline(stages=2, microbatches=2, split=["up_1"])))
+        pipeline=rs.Pipeline(stages=2, microbatches=2, split=["up_1"])),
+        build=megatron_mlp)
 
   def test_a_keras_file_loads_and_trains_on(self):
-    plain, _ = fit()
+    plain, _ = fit(megatron_mlp)
     path = os.path.join(tempfile.mkdtemp(), "m.keras")
     plain.save(path)
     # Loaded with its optimizer built, its slots move (split) with their
     # weights; it trains on as it does on one device, and saves the whole.
-    with stage_by_model(2, "1f1b").scope():
+    with stage_by_model(2).scope():
       piped = keras.models.load_model(path)
     piped.fit(*data(), batch_size=BATCH, shuffle=False, verbose=0)
     plain.fit(*data(), batch_size=BATCH, shuffle=False, verbose=0)
-    for a, b in zip(piped.get_weights(), plain.get_weights()):
-      np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    assert_equal_weights(piped.get_weights(), plain.get_weights())
     kernel = piped.get_layer("up_0").kernel.value
     self.assertEqual([(c.shape.as_list(), c.device[-5:]) for c in kernel.values],
                      [([8, 8], "CPU:0"), ([8, 8], "CPU:1")])
@@ -134,74 +160,67 @@ class PipelineLayoutsTest(parameterized.TestCase):
       np.testing.assert_array_equal(a, b)
 
   def test_an_output_layout_splits_over_its_stages_devices(self):
-    def model():
-      return keras.Sequential([
-          keras.Input((8,)), keras.layers.Dense(8, name="a"),
-          keras.layers.Dense(16, name="mid"),
-          keras.layers.Dense(8, name="down")])
-
-    keras.utils.set_random_seed(0)
-    weights = model().get_weights()
-    x, _ = data()
-    one = model()
-    one.set_weights(weights)
-    one.compile(keras.optimizers.Adam(0.01), "mse")
-    one.fit(x, x, batch_size=BATCH, shuffle=False, verbose=0)
-    mesh = keras.distribution.DeviceMesh((2, 2), ("batch", "model"), DEVICES)
-    layouts = keras.distribution.LayoutMap(mesh)
-    layouts[".*mid/output"] = (None, "model")  # For the row-parallel down.
-    layouts[".*down/kernel"] = ("model", None)
-    strategy = rs.ReplicatorStrategy(layout_map=layouts, pipeline=rs.Pipeline(
-        stages=2, microbatches=2, split=["mid"]))
-    with strategy.scope():
-      piped = model()
-      piped.set_weights(weights)
-      piped.compile(keras.optimizers.Adam(0.01), "mse")
-    with mock.patch.object(megatron, "assembled",
-                           wraps=megatron.assembled) as assembled:
-      piped.fit(x, x, batch_size=BATCH, shuffle=False, verbose=0)
-    for a, b in zip(piped.get_weights(), one.get_weights()):
-      np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    devices = fit_both(
+        # mid's output in column parts, for the row-parallel down.
+        {".*mid/output": (None, "model"), ".*down/kernel": ("model", None)},
+        "mid", build=dense_sandwich, batches=autoencoding, metrics=())
     # mid's output, once a micro-batch as the step is traced: in parts on
     # the second stage's devices, not the replica's four.
-    self.assertEqual([[d[-5:] for d in call.args[1]]
-                      for call in assembled.call_args_list],
-                     [["CPU:2", "CPU:3"]] * 2)
+    self.assertEqual(devices, [["CPU:2", "CPU:3"]] * 2)
 
   def test_attention_splits_by_heads_over_its_stages_devices(self):
-    def model():
-      x = keras.Input((4, 8))
-      h = keras.layers.Dense(8, name="proj")(x)
-      return keras.Model(x, keras.layers.MultiHeadAttention(
-          2, 4, name="mha")(h, h))
-
-    keras.utils.set_random_seed(0)
-    weights = model().get_weights()
-    x = np.random.default_rng(0).normal(size=(32, 4, 8)).astype(np.float32)
-    # SGD: the key's bias has no gradient but rounding, which Adam magnifies.
-    one = model()
-    one.set_weights(weights)
-    one.compile(keras.optimizers.SGD(0.1), "mse")
-    one.fit(x, x, batch_size=BATCH, shuffle=False, verbose=0)
-    mesh = keras.distribution.DeviceMesh((2, 2), ("batch", "model"), DEVICES)
-    layouts = keras.distribution.LayoutMap(mesh)
-    layouts[".*mha/(query|key|value)/kernel"] = (None, "model", None)
-    layouts[".*mha/(query|key|value)/bias"] = ("model", None)
-    layouts[".*mha/attention_output/kernel"] = ("model", None, None)
-    strategy = rs.ReplicatorStrategy(layout_map=layouts, pipeline=rs.Pipeline(
-        stages=2, microbatches=2, split=["mha"]))
-    with strategy.scope():
-      piped = model()
-      piped.set_weights(weights)
-      piped.compile(keras.optimizers.SGD(0.1), "mse")
-    with mock.patch.object(megatron, "assembled",
-                           wraps=megatron.assembled) as assembled:
-      piped.fit(x, x, batch_size=BATCH, shuffle=False, verbose=0)
-    for a, b in zip(piped.get_weights(), one.get_weights()):
-      np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    devices = fit_both(
+        {".*mha/(query|key|value)/kernel": (None, "model", None),
+         ".*mha/(query|key|value)/bias": ("model", None),
+         ".*mha/attention_output/kernel": ("model", None, None)},
+        # SGD: the key's bias has no gradient but rounding, which Adam
+        # magnifies.
+        "mha", build=attention, batches=sequences, metrics=(),
+        optimizer=keras.optimizers.SGD, learning_rate=0.1)
     # Each micro-batch (the step traced once): query, key and value in parts
     # by heads, then attention on each device over its heads, all on the
     # second stage's devices.
-    self.assertEqual([[d[-5:] for d in call.args[1]]
-                      for call in assembled.call_args_list],
-                     [["CPU:2", "CPU:3"]] * 8)
+    self.assertEqual(devices, [["CPU:2", "CPU:3"]] * 8)
+
+
+@pytest.mark.slow  # A fresh process on 8 logical CPUs.
+class BatchStageModelTest(unittest.TestCase):
+  """2 pipelines x 2 stages x 2 model devices (`three_axes_main.py`)."""
+
+  @classmethod
+  def setUpClass(cls):
+    super().setUpClass()
+    env = dict(os.environ, PYTHONPATH=str(HERE.parents[1]))
+    env.pop("TF_CONFIG", None)
+    done = subprocess.run(
+        [sys.executable, str(HERE / "three_axes_main.py")],
+        capture_output=True, text=True, env=env, timeout=300, check=False)
+    if done.returncode:
+      raise AssertionError(done.stderr[-3000:])
+    cls.results = json.loads(done.stdout.splitlines()[-1])
+
+  def test_fit_is_one_devices(self):
+    assert_equal_weights([np.array(w) for w in self.results["weights"]],
+                         self.results["one_device_weights"])
+    for name, values in self.results["one_device_history"].items():
+      np.testing.assert_allclose(self.results["history"][name], values,
+                                 rtol=1e-5, err_msg=name)
+
+  def test_each_device_holds_half_its_stages_split_kernels(self):
+    self.maxDiff = None
+
+    def on(*devices, shape):
+      return [[shape, f"CPU:{d}"] for d in devices]
+
+    # Each pipeline's copy: the first on devices 0-3, the second on 4-7.
+    self.assertEqual(self.results["parts"], {
+        "up_0/kernel": on(0, 1, 4, 5, shape=[8, 8]),
+        "up_0/bias": on(0, 1, 4, 5, shape=[8]),
+        "down_0/kernel": on(0, 1, 4, 5, shape=[8, 8]),
+        "down_0/bias": on(0, 4, shape=[8]),
+        "up_1/kernel": on(2, 3, 6, 7, shape=[8, 8]),
+        "up_1/bias": on(2, 3, 6, 7, shape=[8]),
+        "down_1/kernel": on(2, 3, 6, 7, shape=[8, 8]),
+        "down_1/bias": on(2, 6, shape=[8]),
+        "head/kernel": on(2, 6, shape=[8, 3]),
+        "head/bias": on(2, 6, shape=[3])})
