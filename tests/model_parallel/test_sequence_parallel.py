@@ -123,7 +123,7 @@ def one_device(how):
   return fit(transformer()) if how == "fit" else custom_loop(None)
 
 
-def assert_equal_to_one_device(test, have, want):
+def assert_equal_to_one_device(have, want):
   np.testing.assert_allclose(have[0], want[0], rtol=1e-5)
   for h, w in zip(have[1], want[1], strict=True):
     np.testing.assert_allclose(h, w, rtol=1e-5, atol=1e-6)
@@ -139,23 +139,23 @@ class TrainingTest(unittest.TestCase):
 
   def test_fit_on_a_2_by_2_mesh_equals_one_device(self):
     _, model = sequence_parallel(2, 2)
-    assert_equal_to_one_device(self, fit(model), one_device("fit"))
+    assert_equal_to_one_device(fit(model), one_device("fit"))
 
   @pytest.mark.slow
   def test_fit_on_a_1_by_2_mesh_equals_one_device(self):
     _, model = sequence_parallel(1, 2)
-    assert_equal_to_one_device(self, fit(model), one_device("fit"))
+    assert_equal_to_one_device(fit(model), one_device("fit"))
 
   @pytest.mark.slow
   def test_a_custom_loop_on_a_1_by_2_mesh_equals_one_device(self):
     strategy = rs.ReplicatorStrategy(layout_map=layout_map(1, 2))
-    assert_equal_to_one_device(self, custom_loop(strategy),
+    assert_equal_to_one_device(custom_loop(strategy),
                                one_device("custom_loop"))
 
   @pytest.mark.slow
   def test_a_custom_loop_on_a_2_by_2_mesh_equals_one_device(self):
     strategy = rs.ReplicatorStrategy(layout_map=layout_map(2, 2))
-    assert_equal_to_one_device(self, custom_loop(strategy),
+    assert_equal_to_one_device(custom_loop(strategy),
                                one_device("custom_loop"))
 
 
