@@ -7,9 +7,10 @@ contender in a fresh process:
 
 - "tensor parallel": the Megatron split alone; the LayerNorm, dropout and
   residual activations between the pairs are whole on every device;
-- "+ sequence parallel": the attention output's and down's `output` keys
-  split the sequence (`(None, "model", None)`), so those regions hold 1/k
-  of the sequence per device;
+- "+ sequence parallel": the token embedding's, the attention output's and
+  down's `output` keys split the sequence (`(None, "model", None)`), so the
+  LayerNorms, dropouts and residual adds between the pairs hold 1/k of the
+  sequence per device;
 - "+ SP, selective remat": and `keras.RematScope(mode="larger_than")`
   recomputes the layers whose outputs are the largest in the backward;
 - "+ SP, full remat": and `keras.RematScope(mode="full")`.
@@ -41,11 +42,15 @@ DEVICES = 4
 TP, SP, SELECTIVE, FULL = ("tensor parallel", "+ sequence parallel",
                            "+ SP, selective remat", "+ SP, full remat")
 NAMES = (TP, SP, SELECTIVE, FULL)
-REMAT = {SELECTIVE: "larger_than", FULL: "full"}
+REMAT = {SELECTIVE: "activations", FULL: "full"}
 # The row-parallel layers whose sums become reduce-scatters along the
 # sequence: what follows them, up to the next column layer, runs in parts.
-SEQUENCE_LAYOUT = {".*(attention_output|down)/output": (None, "model", None)}
-NORMS_AND_DROPOUTS = "(norm|dropout)"  # In the names of those layers' ops.
+# The token embedding's too, so that the first block starts in parts.
+SEQUENCE_LAYOUT = {".*(tokens|attention_output|down)/output":
+                   (None, "model", None)}
+# The blocks' LayerNorms and dropouts (in their ops' names): what sequence
+# parallelism cuts. The final LayerNorm feeds the whole logits on device 0.
+NORMS_AND_DROPOUTS = r"block\d+_(norm|dropout)"
 MB = 2 ** 20
 
 
