@@ -12,7 +12,8 @@ contender in a fresh process:
   LayerNorms, dropouts and residual adds between the pairs hold 1/k of the
   sequence per device;
 - "+ SP, selective remat": and `keras.RematScope(mode="larger_than")`
-  recomputes the layers whose outputs are the largest in the backward;
+  recomputes the layers whose outputs are larger than a block's (the MLP's
+  up projection and gelu) in the backward;
 - "+ SP, full remat": and `keras.RematScope(mode="full")`.
 
 Each step is traced (`strategy.run(model.train_step, ...)` in a
@@ -42,7 +43,6 @@ DEVICES = 4
 TP, SP, SELECTIVE, FULL = ("tensor parallel", "+ sequence parallel",
                            "+ SP, selective remat", "+ SP, full remat")
 NAMES = (TP, SP, SELECTIVE, FULL)
-REMAT = {SELECTIVE: "activations", FULL: "full"}
 # The row-parallel layers whose sums become reduce-scatters along the
 # sequence: what follows them, up to the next column layer, runs in parts.
 # The token embedding's too, so that the first block starts in parts.
@@ -89,13 +89,23 @@ def strategy(name):
   return rs.ReplicatorStrategy(layout_map=layout_map)
 
 
+def remat_scope(name, size):
+  """The contender's `keras.RematScope`: for the selective one, the layers
+  whose outputs are larger than a block's (Keras counts the rows a call
+  gets): the MLP's "up" with its gelu, the largest activations between the
+  pairs and the cheapest to recompute, and attention's inner softmax."""
+  _, seq, width, _, _ = size["memory_transformer"]
+  if name == SELECTIVE:
+    return keras.RematScope(
+        mode="larger_than",
+        output_size_threshold=size["memory_batch"] * seq * width)
+  return keras.RematScope(mode="full" if name == FULL else None)
+
+
 def _built(name, size):
   with strategy(name).scope() as scope_strategy:
     keras.utils.set_random_seed(0)  # The same weights in every contender.
-    if name in REMAT:
-      with keras.RematScope(mode=REMAT[name]):
-        model = transformer(size)
-    else:
+    with remat_scope(name, size):
       model = transformer(size)
     model.compile(
         optimizer=keras.optimizers.Adam(1e-4),
