@@ -1,8 +1,9 @@
 """Bytes of live tensors per device in a traced training step.
 
-`live_bytes(graph)` walks the step's graph in creation order (the order the
-forward and then the backward built it, which is the order the tape keeps
-activations for) and keeps each op's outputs alive from the op to their
+`live_bytes(graph)` walks the ops of the step's graph that run (what its
+outputs or a stateful op needs) in creation order (the order the forward and
+then the backward built them, which is the order the tape keeps activations
+for) and keeps each op's outputs alive from the op to their
 last reader on the same device; a tensor read on another device is a copy
 there, alive from when it was made (TF sends it then) to its last reader
 there. A variable's read
@@ -65,9 +66,28 @@ def _device(op):
   return tf.DeviceSpec.from_string(op.device).to_string() if op.device else ""
 
 
+def _run(graph):
+  """A function graph's ops that run, in creation order: those its outputs
+  or a stateful op needs (TF prunes the others, as a concatenation recorded
+  for a layer that reads parts)."""
+  ops = graph.get_operations()
+  if not hasattr(graph, "outputs"):  # A plain graph: each op may be fetched.
+    return ops
+  roots = [t.op for t in graph.outputs] + list(graph.control_outputs) + [
+      op for op in ops if op.op_def is None or op.op_def.is_stateful]
+  needed, pending = set(), list(roots)
+  while pending:
+    op = pending.pop()
+    if op.name in needed:
+      continue
+    needed.add(op.name)
+    pending += [t.op for t in op.inputs] + list(op.control_inputs)
+  return [op for op in ops if op.name in needed]
+
+
 def live_bytes(graph):
   """The `Live` bytes of `graph`'s ops, in their creation order."""
-  ops = graph.get_operations()
+  ops = _run(graph)
   order = {op: i for i, op in enumerate(ops)}
   # The forward ends where the first gradient op was made: the ops after it
   # (the tape's sums of gradients too, made outside its name scope) are the
