@@ -5,7 +5,8 @@ rules inside each stage) trains as one device does.
 kernels are in halves on its two devices; after a few Adam steps of `fit`
 the weights, the loss and the metrics equal one device's (rtol 1e-5), with
 GPipe, 1F1B, interleaved 1F1B and ZB-H1. An output layout and attention split
-by heads split over their own stage's devices.
+by heads split over their own stage's devices. Two such pipelines side by
+side (batch 2 x stage 2 x model 2) run in a fresh process on 8 logical CPUs.
 """
 
 import json
