@@ -43,20 +43,24 @@ def assert_same_weights(got, want):
 
 class PipelineCheckpointTest(unittest.TestCase):
 
+  @classmethod
+  def setUpClass(cls):
+    super().setUpClass()
+    cls.fitted = pipelined()  # Each test saves it, none changes it.
+    cls.fitted.fit(*data(), batch_size=BATCH, verbose=0)
+
   def setUp(self):
     super().setUp()
     self.dir = tempfile.mkdtemp()
 
   def save_and_load(self, file_name, save, load):
-    """(model, loaded, path): a pipelined model fitted, saved to `path`
+    """(model, loaded, path): the fitted pipelined model, saved to `path`
     with `save(model, path)`, and `load(path)`, which holds its weights."""
-    model = pipelined()
-    model.fit(*data(), batch_size=BATCH, verbose=0)
     path = os.path.join(self.dir, file_name)
-    save(model, path)
+    save(self.fitted, path)
     loaded = load(path)
-    assert_same_weights(loaded, model)
-    return model, loaded, path
+    assert_same_weights(loaded, self.fitted)
+    return self.fitted, loaded, path
 
   def test_weights_file_to_no_strategy_and_back(self):
     model, plain, path = self.save_and_load(
