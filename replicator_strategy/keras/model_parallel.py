@@ -184,11 +184,13 @@ def output_layouts(layer_call):
     if not isinstance(ctx, replica_context.ReplicaContext):
       return outputs
     axis = sequence_parallel.output_axis(f"{self.path}/output", outputs)
+    if axis is None:  # No key, or not one tensor (an RNN cell's states).
+      return outputs
     devices = sequence_parallel.model_devices(outputs)
     # Computed in parts (a column layer's, a sequence-parallel one's):
     # left so.
-    if axis is None or any(megatron.parts_of(outputs, len(devices), a)
-                           for a in range(outputs.shape.rank)):
+    if any(megatron.parts_of(outputs, len(devices), a)
+           for a in range(outputs.shape.rank)):
       return outputs
     parts = [megatron.on_device(device, tf.identity, part)
              for device, part in zip(devices, megatron.split(
