@@ -3,8 +3,8 @@
 Timings are not checked (a unit test is no place for them); the full run and
 its table live in docs/performance.md. The quick run leaves out the
 `model_parallel` section (its five contenders trace a transformer each, about
-45 s of CPU); two of them run here in this process instead, as does the
-`pipeline` section (a profiled step of each schedule).
+45 s of CPU); two of them run here in this process instead, as do the
+`pipeline` section (a profiled step of each schedule) and the `memory` one.
 """
 
 import json
@@ -21,7 +21,7 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]  # Holds `benchmarks`.
 # Sections the quick run leaves out (tested in this process below).
-IN_PROCESS = ("model_parallel", "pipeline")
+IN_PROCESS = ("model_parallel", "pipeline", "memory")
 
 
 def _import_benchmarks():
@@ -270,6 +270,49 @@ class BenchmarkSmokeTest(unittest.TestCase):
     table = "\n".join(section.table(options, rows))
     self.assertIn("is the one to compare with the simulated", table)
     self.assertIn("pipe/data", table)
+
+  def test_memory_counts_what_sequence_parallelism_and_remat_save(self):
+    options_lib, registry = _import_benchmarks()
+    options = options_lib.Options(quick=True, sections=("memory",))
+    section = registry["memory"]
+    row, = section.fresh(options)
+    tp, sp, selective, full = row["ms"]
+    self.assertEqual([tp, sp, selective, full], [
+        "tensor parallel", "+ sequence parallel", "+ SP, selective remat",
+        "+ SP, full remat"])
+    self.assertTrue(row["agree"], row)  # Each equals one device.
+    norms = row["norm_dropout_mb"]
+    # The blocks' LayerNorms and dropouts: whole on device 0 without
+    # sequence parallelism, a quarter of the sequence a device with it (and
+    # their outputs, read by the exchange alone, no longer held).
+    self.assertLessEqual(norms[sp], 1.1 * norms[tp] / 4)
+    held = row["held_mb"]
+    self.assertLess(held[sp], held[tp])
+    self.assertLess(held[selective], held[sp])
+    self.assertLess(held[full], 0.2 * held[sp])
+    self.assertLessEqual(row["peak_mb"][full], row["peak_mb"][sp])
+    table = "\n".join(section.table(options, [row]))
+    self.assertIn("Activation memory: transformer", table)
+
+  def test_memory_trace_counts_copies_and_leaves_out_what_is_pruned(self):
+    _import_benchmarks()
+    from benchmarks import memory_trace  # pylint: disable=g-import-not-at-top
+    import tensorflow as tf  # pylint: disable=g-import-not-at-top
+
+    @tf.function
+    def step(x):
+      with tf.device("/cpu:0"):
+        a = x * 2.0               # 1 KiB on device 0, read on device 1.
+        unused = tf.concat([a, a], 0)  # Pruned: nothing reads it.
+        del unused
+      with tf.device("/cpu:1"):
+        b = a + 1.0               # The copy of a (1 KiB), then b (1 KiB).
+      return tf.reduce_sum(b)
+
+    graph = step.get_concrete_function(tf.ones([256])).graph
+    peak = {d[-5:]: v for d, v in memory_trace.live_bytes(graph).peak.items()
+            if d}
+    self.assertEqual(peak, {"CPU:0": 1024, "CPU:1": 2048})
 
   def test_pipeline_timelines_draw_a_measured_step_small(self):
     options_lib, _ = _import_benchmarks()
