@@ -125,15 +125,18 @@ def _parallel(layer, inputs, equation, product, bias_letters):
       else:
         bias_parts = [tf.cast(layer.bias, dtype)] * k
 
-    def part(x, w, *bias):
-      y = product(x, w)
+    def finish(y, *bias):
       if bias:
         y = y + bias[0]
       return activation(y) if per_part else y
 
-    outputs = megatron.column_parallel(
-        part, sequence_parallel.gathered(inputs), kernel_parts, devices,
-        None if bias_parts is None else [(b,) for b in bias_parts])
+    extra_parts = None if bias_parts is None else [(b,) for b in bias_parts]
+    outputs = sequence_parallel.column_output(
+        inputs, product, finish, kernel_parts, extra_parts)
+    if outputs is None:
+      outputs = megatron.column_parallel(
+          lambda x, w, *bias: finish(product(x, w), *bias), inputs,
+          kernel_parts, devices, extra_parts)
     whole = megatron.assembled(outputs, devices, axis)
     return whole if per_part else activation(whole)
   products = megatron.row_products(

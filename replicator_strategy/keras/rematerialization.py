@@ -162,9 +162,7 @@ def _after(x, dys):
     if not here:
       with tf.control_dependencies(dys[:1]):
         return tf.identity(x)
-    first = tf.reduce_max(tf.reshape(here[0], [-1])[:1])  # -inf if empty.
-    ready = tf.cast(first, tf.bool)
-    zero = tf.where(ready == ready, 0.0, float("nan"))  # Not folded away.
+    zero = megatron.zero_after(here[0])
     if x.dtype.is_floating:
       return x + tf.cast(zero, x.dtype)
     with tf.control_dependencies([zero]):

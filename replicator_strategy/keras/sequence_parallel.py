@@ -11,8 +11,9 @@ of the sum. What follows takes the parts as they are, each on its device:
 - `add_in_parts`: `keras.ops.add`, a functional model's `x + y` and `Add`
   (a residual), the other operand cut where it lives if it is whole;
 
-until a column-parallel layer all-gathers its input (`gathered`), once per
-tensor however many layers read it (attention's query, key and value).
+until a column-parallel layer all-gathers its input (`column_output`), once
+per tensor however many layers read it (attention's query, key and value),
+and again in the backward for its kernel's gradient.
 """
 
 import functools
@@ -96,18 +97,23 @@ def row_output(layer, products, devices, dtype):
   return megatron.assembled(parts, devices, axis)
 
 
-def gathered(inputs):
-  """A column-parallel layer's input: `inputs`, or where it is in parts
-  along the sequence, a whole copy on each device (one all-gather per
-  tensor and graph, shared by the layers that read it)."""
+def column_output(inputs, product, finish, kernel_parts, extra_parts):
+  """A column-parallel layer's output parts where `inputs` is in parts along
+  the sequence, else None: on each device `product` of a whole all-gathered
+  (once per tensor and graph, shared by the layers that read it), gathered
+  again in the backward (`sequence_parallel.column_parallel`), then
+  `finish(y, *extra_parts[i])` (the bias, the activation)."""
   found = sequence_parts(inputs)
   if found is None:
-    return inputs
+    return None
   parts, axis, devices = found
   gathers = tfi.owned_by(tf.compat.v1.get_default_graph(), "sequence_gathers")
   if inputs.ref() not in gathers:
-    gathers[inputs.ref()] = sequence_parallel.all_gather(parts, devices, axis)
-  return gathers[inputs.ref()]
+    gathers[inputs.ref()] = sequence_parallel.gathered(parts, devices, axis)
+  products = sequence_parallel.column_parallel(
+      product, gathers[inputs.ref()], kernel_parts)
+  return [megatron.on_device(d, finish, y, *(extra_parts[i] if extra_parts else ()))
+          for i, (d, y) in enumerate(zip(devices, products))]
 
 
 def norm_in_parts(call):

@@ -77,12 +77,20 @@ def summed_on(grad, device):
     return tf.add_n(list(grad.op.inputs))
 
 
+def zero_after(tensor):
+  """A scalar 0.0 computed from `tensor` on its device: added to a value,
+  it makes the value wait for `tensor` by data (XLA ignores control
+  dependencies), at the cost of a scalar moved."""
+  with tf.device(tensor.device):
+    first = tf.reduce_max(tf.reshape(tensor, [-1])[:1])  # -inf if empty.
+    ready = tf.cast(first, tf.bool)
+    return tf.where(ready == ready, 0.0, float("nan"))  # Not folded away.
+
+
 def column_parallel(fn, x, kernel_parts, devices, extra_parts=None):
-  """`[fn(x, kernel_parts[i], *extra_parts[i]) on devices[i]]`; `x` a tensor,
-  or a list of one copy per device (a sequence-parallel all-gather's)."""
-  xs = x if isinstance(x, list) else [x] * len(devices)
+  """`[fn(x, kernel_parts[i], *extra_parts[i]) on devices[i]]`."""
   return [on_device(d, fn, x, w, *(extra_parts[i] if extra_parts else ()))
-          for i, (d, x, w) in enumerate(zip(devices, xs, kernel_parts))]
+          for i, (d, w) in enumerate(zip(devices, kernel_parts))]
 
 
 def row_products(fn, x_parts, kernel_parts, devices):

@@ -5,9 +5,10 @@ Megatron MLP, LayerNormalizations, dropout, residuals), its row-parallel
 layers' outputs split along the sequence by the layout map, trains with
 `fit` and a custom loop as one device does, on (1, 2) and (2, 2) meshes; a
 traced step exchanges, per block forward, 2 all-gathers and 2
-reduce-scatters and sums no whole-sequence product; the LayerNorms and
-dropouts between the Megatron pairs compute 1/k of the sequence on each
-device.
+reduce-scatters and sums no whole-sequence product; backward, it gathers
+the column layers' inputs again (2 all-gathers more per block), so no
+whole sequence is held from the forward; the LayerNorms and dropouts
+between the Megatron pairs compute 1/k of the sequence on each device.
 
 Marked `slow`: the (1, 2) mesh's `fit`, the custom loops.
 """
@@ -200,6 +201,23 @@ def _exchanges(ops):
   return scopes
 
 
+def _backward(ops):
+  """`ops` from the first gradient op on: the backward pass and the update."""
+  return ops[next(i for i, op in enumerate(ops)
+                  if op.name.startswith("gradient_tape/")):]
+
+
+def _readers(tensor):
+  """The ops that read `tensor`, through identities and reshapes."""
+  readers = []
+  for op in tensor.consumers():
+    if op.type in ("Identity", "IdentityN", "Reshape"):
+      readers += [r for t in op.outputs for r in _readers(t)]
+    else:
+      readers.append(op)
+  return readers
+
+
 class ExchangesTest(unittest.TestCase):
   """What a replica's devices exchange, in a traced step of 2 blocks."""
 
@@ -249,3 +267,34 @@ class ExchangesTest(unittest.TestCase):
     self.assertGreater(len(ops), 40)
     self.assertEqual({(op.outputs[0].shape[1], _device_index(op))
                       for op in ops}, {(SEQ // 2, 0), (SEQ // 2, 1)})
+
+  def test_the_backward_reads_no_whole_sequence_the_forward_gathered(self):
+    # Each device keeps its part of a column layer's input for the backward
+    # (Megatron-SP), not the whole its forward all-gathered.
+    ops = traced_step()
+    backward = _backward(ops)
+    wholes = {t.name for op in ops[:len(ops) - len(backward)]
+              if "/sequence_all_gather/" in op.name for t in op.outputs
+              if t.shape.rank == 3 and t.shape[1] == SEQ}
+    self.assertGreater(len(wholes), 2 * 2 * 2)
+    self.assertEqual([op.name for op in backward
+                      if any(t.name in wholes for t in op.inputs)], [])
+
+  def test_each_block_gathers_its_column_layers_inputs_again_backward(self):
+    # Attention's input (shared by query, key and value) and up's: on each
+    # device, read there by the kernels' gradients (and by the product made
+    # again for the tape to differentiate, its value unread).
+    concats = [op for op in _backward(traced_step())
+               if "/sequence_all_gather_again/" in op.name and
+               op.type == "ConcatV2"]
+    self.assertEqual(collections.Counter(
+        (re.search(r"block\d", op.name).group(), _device_index(op))
+        for op in concats), {(block, device): 2 for block in (
+            "block0", "block1") for device in (0, 1)})
+    for op in concats:
+      readers = [r for r in _readers(op.outputs[0])
+                 if r.name.startswith("gradient_tape/")]
+      self.assertEqual([r.type for r in readers],
+                       ["Einsum"] * 3 if "attention" in op.name else ["MatMul"])
+      self.assertEqual({_device_index(r) for r in readers},
+                       {_device_index(op)})
