@@ -243,6 +243,7 @@ class SparseGradientTest(unittest.TestCase):
   def one_device(name, positions=True):
     return fit_gpt(_GPT_OPTIMIZERS[name], None, positions)
 
+  @pytest.mark.slow
   @parameterized.expand([(f"{name}_{n}_replicas", name, n)
                          for name, n in (("adam", 2), ("adam", 4),
                                          ("adamw", 4))])

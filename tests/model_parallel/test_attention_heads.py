@@ -143,6 +143,7 @@ class ScoresTest(unittest.TestCase):
   """`return_attention_scores=True`: the scores (before dropout, as Keras
   returns them) and the output, and training on both, equal one device's."""
 
+  @pytest.mark.slow
   def test_fit_on_the_scores_on_a_2_by_2_mesh_equals_one_device(self):
     _, model = split_model(2, scores=True)
     assert_equal_to_one_device(self, fit(model, scores=True),

@@ -138,6 +138,7 @@ def sequence_parallel(replicas, model):
 
 class TrainingTest(unittest.TestCase):
 
+  @pytest.mark.slow
   def test_fit_on_a_2_by_2_mesh_equals_one_device(self):
     _, model = sequence_parallel(2, 2)
     assert_equal_to_one_device(fit(model), one_device("fit"))

@@ -17,6 +17,7 @@ from unittest import mock
 import keras
 import numpy as np
 from parameterized import parameterized
+import pytest
 import tensorflow as tf
 
 import replicator_strategy as rs
@@ -118,6 +119,7 @@ class MegatronMlpTest(unittest.TestCase):
                        ] + slots:
         assert_a_quarter_per_device(self, [variable])
 
+  @pytest.mark.slow
   @parameterized.expand([
       # Keras sums the gradients before clipping: the shards' are gathered.
       ("clipping", {"global_clipnorm": 0.5}),

@@ -21,6 +21,7 @@ import weakref
 
 import keras
 import numpy as np
+import pytest
 from parameterized import parameterized
 import tensorflow as tf
 
@@ -261,6 +262,7 @@ class ExecutorTest(unittest.TestCase):
     for got, want in zip(step.gradients, grads):
       np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
 
+  @pytest.mark.slow
   def test_fewer_rows_than_microbatches(self):
     self.assert_step_equals_one_device(mlp, "1f1b", 2, 1, 4, rows=3)
     self.assert_step_equals_one_device(mlp, "zb_h1", 2, 1, 4, rows=3,

@@ -177,6 +177,7 @@ def two_in_two_out():
 
 class FunctionalPipelineTest(unittest.TestCase):
 
+  @pytest.mark.slow
   def test_inputs_outputs_sample_weights_and_partial_batches(self):
     keras.utils.set_random_seed(0)
     start = two_in_two_out().get_weights()

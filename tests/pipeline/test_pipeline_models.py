@@ -63,6 +63,7 @@ def pipelined(stages, microbatches, schedule, devices=4):
 
 class DeepModelsTest(parameterized.TestCase):
 
+  @pytest.mark.slow
   @parameterized.named_parameters(("4_stages_8_micro_zb_h1", 4, "zb_h1"))
   def test_eight_blocks_in_eight_micro_batches(self, stages, schedule):
     # 2 stages: 2 pipelines, each cutting its 8 rows into 8 micro-batches.
@@ -79,6 +80,7 @@ class DeepModelsTest(parameterized.TestCase):
     assert_trains_as_one_device(pipelined(stages, 8, schedule),
                                 build=eight_blocks)
 
+  @pytest.mark.slow
   def test_a_transformer_in_one_pipeline(self):
     # One pipeline, not two: its step is traced in half the time.
     assert_trains_as_one_device(pipelined(2, 2, "1f1b", devices=2),
