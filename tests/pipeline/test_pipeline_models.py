@@ -1,9 +1,11 @@
 """Deeper models under a pipeline's `fit` train as one device does.
 
-An 8-block MLP in 8 micro-batches over 2 and 4 stages (1F1B, ZB-H1), and a
+An 8-block MLP in 8 micro-batches over 2 and 4 stages (1F1B, ZB-H1); a
 transformer block written as a Functional model (attention, LayerNormalization
-and residual adds that cross the stages' cuts) over 2 stages in 2 and 4
-micro-batches with every schedule: after a few Adam steps the weights, the loss
+and residual adds that cross the stages' cuts) over 2 stages in 1, 2, 4 and 8
+micro-batches; and two such blocks in one pipeline over 4 stages in 1, 2, 4
+and 8 micro-batches; the transformers with every schedule (interleaved 1F1B
+with 2 virtual stages a device): after a few Adam steps the weights, the loss
 and the metrics equal one device's (rtol 1e-5).
 """
 
@@ -20,6 +22,8 @@ from pipeline_fits import mlp
 
 layers = keras.layers
 
+SCHEDULES = ("gpipe", "1f1b", "zb_h1", "interleaved_1f1b")
+
 
 def eight_blocks():
   # As wide as each other: with narrower blocks between wider ones, a first
@@ -28,21 +32,32 @@ def eight_blocks():
   return mlp(widths=(16,) * 7 + (3,))
 
 
-def transformer(width=8, length=4):
-  """A pre-norm transformer block and a head: 10 layers, enough for 2
-  stages of 2 virtual stages each."""
+def transformer(width=8, length=4, blocks=1):
+  """`blocks` pre-norm transformer blocks and a head: 7 layers a block and 3
+  more (10 for one block, enough for 2 stages of 2 virtual stages each; 17 for
+  two, enough for 4 stages of 2)."""
   tokens = keras.Input((length, width))
   x = layers.Dense(width, name="embed")(tokens)
-  h = layers.LayerNormalization(name="norm1")(x)
-  # No biases in the projections: the key's bias has no gradient but
-  # rounding, which Adam magnifies.
-  h = layers.MultiHeadAttention(2, 4, use_bias=False, name="attention")(h, h)
-  x = layers.Add(name="residual1")([x, h])
-  h = layers.LayerNormalization(name="norm2")(x)
-  h = layers.Dense(2 * width, activation="gelu", name="up")(h)
-  x = layers.Add(name="residual2")([x, layers.Dense(width, name="down")(h)])
+  for block in range(blocks):
+    # One block keeps its layers' plain names.
+    prefix = f"block{block}_" if blocks > 1 else ""
+    h = layers.LayerNormalization(name=f"{prefix}norm1")(x)
+    # No biases in the projections: the key's bias has no gradient but
+    # rounding, which Adam magnifies.
+    h = layers.MultiHeadAttention(2, 4, use_bias=False,
+                                  name=f"{prefix}attention")(h, h)
+    x = layers.Add(name=f"{prefix}residual1")([x, h])
+    h = layers.LayerNormalization(name=f"{prefix}norm2")(x)
+    h = layers.Dense(2 * width, activation="gelu", name=f"{prefix}up")(h)
+    x = layers.Add(name=f"{prefix}residual2")(
+        [x, layers.Dense(width, name=f"{prefix}down")(h)])
   pooled = layers.GlobalAveragePooling1D(name="pool")(x)
   return keras.Model(tokens, layers.Dense(3, name="head")(pooled))
+
+
+def two_blocks():
+  # A function, not a partial: one device's run is cached by `build`.
+  return transformer(blocks=2)
 
 
 def sequences():
@@ -100,3 +115,23 @@ class DeepModelsTest(parameterized.TestCase):
   def test_a_transformer_over_two_stages(self, microbatches, schedule):
     assert_trains_as_one_device(pipelined(2, microbatches, schedule),
                                 build=transformer, batches=sequences)
+
+  @parameterized.named_parameters(
+      (f"{m}_micro_{schedule}", m, schedule) for m in (1, 8)
+      for schedule in SCHEDULES)
+  @pytest.mark.slow
+  def test_a_transformer_over_two_stages_in_one_and_eight(
+      self, microbatches, schedule):
+    # 2 pipelines of 8 rows: 8 micro-batches are a row each.
+    assert_trains_as_one_device(pipelined(2, microbatches, schedule),
+                                build=transformer, batches=sequences)
+
+  @parameterized.named_parameters(
+      (f"{m}_micro_{schedule}", m, schedule) for m in (1, 2, 4, 8)
+      for schedule in SCHEDULES)
+  @pytest.mark.slow
+  def test_two_transformer_blocks_over_four_stages(self, microbatches,
+                                                   schedule):
+    # One pipeline over the 4 devices; interleaved: 8 virtual stages.
+    assert_trains_as_one_device(pipelined(4, microbatches, schedule),
+                                build=two_blocks, batches=sequences)
