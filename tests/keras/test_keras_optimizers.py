@@ -243,10 +243,10 @@ class SparseGradientTest(unittest.TestCase):
   def one_device(name, positions=True):
     return fit_gpt(_GPT_OPTIMIZERS[name], None, positions)
 
-  @pytest.mark.slow
   @parameterized.expand([(f"{name}_{n}_replicas", name, n)
                          for name, n in (("adam", 2), ("adam", 4),
                                          ("adamw", 4))])
+  @pytest.mark.slow
   def test_keras_io_gpt_trains_as_on_one_device(self, _, name, n):
     losses, weights = fit_gpt(_GPT_OPTIMIZERS[name],
                               topology.strategy_over(n))

@@ -119,13 +119,13 @@ class MegatronMlpTest(unittest.TestCase):
                        ] + slots:
         assert_a_quarter_per_device(self, [variable])
 
-  @pytest.mark.slow
   @parameterized.expand([
       # Keras sums the gradients before clipping: the shards' are gathered.
       ("clipping", {"global_clipnorm": 0.5}),
       # The accumulators are sharded as the weights, updated in a tf.cond.
       ("gradient_accumulation", {"gradient_accumulation_steps": 2}),
   ])
+  @pytest.mark.slow
   def test_adam_options_train_as_one_device(self, _, adam_options):
 
     def mlp():

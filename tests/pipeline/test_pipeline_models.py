@@ -78,8 +78,8 @@ def pipelined(stages, microbatches, schedule, devices=4):
 
 class DeepModelsTest(parameterized.TestCase):
 
-  @pytest.mark.slow
   @parameterized.named_parameters(("4_stages_8_micro_zb_h1", 4, "zb_h1"))
+  @pytest.mark.slow
   def test_eight_blocks_in_eight_micro_batches(self, stages, schedule):
     # 2 stages: 2 pipelines, each cutting its 8 rows into 8 micro-batches.
     assert_trains_as_one_device(pipelined(stages, 8, schedule),
