@@ -55,24 +55,8 @@ MB = 2 ** 20
 
 
 def transformer(size):
-  """`model_parallel.transformer`'s blocks with Megatron's dropouts."""
-  vocab, seq, width, heads, blocks = size["memory_transformer"]
-  ids = keras.Input((seq,), dtype="int32")
-  x = keras.layers.Embedding(vocab, width, name="tokens")(ids)
-  for i in range(blocks):
-    h = keras.layers.LayerNormalization(name=f"block{i}_norm1")(x)
-    h = keras.layers.MultiHeadAttention(
-        heads, width // heads, name=f"block{i}_attention")(
-            h, h, use_causal_mask=True)
-    x = x + keras.layers.Dropout(0.1, seed=i, name=f"block{i}_dropout1")(h)
-    h = keras.layers.LayerNormalization(name=f"block{i}_norm2")(x)
-    h = keras.layers.Dense(4 * width, activation="gelu", name=f"block{i}_up")(h)
-    h = keras.layers.Dense(width, name=f"block{i}_down")(h)
-    x = x + keras.layers.Dropout(0.1, seed=blocks + i,
-                                 name=f"block{i}_dropout2")(h)
-  x = keras.layers.LayerNormalization(name="final_norm")(x)
-  return keras.Model(ids, keras.layers.Dense(vocab, name="logits")(x),
-                     name="transformer")
+  """`model_parallel.transformer` with Megatron's dropouts (rate 0.1)."""
+  return model_parallel.transformer(size, "memory_transformer", dropout=0.1)
 
 
 def strategy(name):

@@ -56,19 +56,28 @@ TP_ZERO3_LAYOUT = {**LAYOUT, ".*tokens/embeddings": (None, "model"),
                    ".*logits/bias": ("model",)}
 
 
-def transformer(size):
-  """Token embedding, `blocks` pre-norm blocks, logits over the vocabulary."""
-  vocab, seq, width, heads, blocks = size["transformer"]
+def transformer(size, key="transformer", dropout=0.0):
+  """Token embedding, `blocks` pre-norm blocks, logits over the vocabulary;
+  `size[key]` is (vocabulary, sequence, width, heads, blocks). With a
+  `dropout` rate, Megatron's dropouts after attention and after "down"."""
+  vocab, seq, width, heads, blocks = size[key]
+
+  def dropped(h, i, j):
+    if not dropout:
+      return h
+    return keras.layers.Dropout(dropout, seed=j * blocks + i,
+                                name=f"block{i}_dropout{j + 1}")(h)
+
   ids = keras.Input((seq,), dtype="int32")
   x = keras.layers.Embedding(vocab, width, name="tokens")(ids)
   for i in range(blocks):
     h = keras.layers.LayerNormalization(name=f"block{i}_norm1")(x)
-    x = x + keras.layers.MultiHeadAttention(
+    x = x + dropped(keras.layers.MultiHeadAttention(
         heads, width // heads, name=f"block{i}_attention")(
-            h, h, use_causal_mask=True)
+            h, h, use_causal_mask=True), i, 0)
     h = keras.layers.LayerNormalization(name=f"block{i}_norm2")(x)
     h = keras.layers.Dense(4 * width, activation="gelu", name=f"block{i}_up")(h)
-    x = x + keras.layers.Dense(width, name=f"block{i}_down")(h)
+    x = x + dropped(keras.layers.Dense(width, name=f"block{i}_down")(h), i, 1)
   x = keras.layers.LayerNormalization(name="final_norm")(x)
   return keras.Model(ids, keras.layers.Dense(vocab, name="logits")(x),
                      name="transformer")
