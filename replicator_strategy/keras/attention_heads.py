@@ -21,20 +21,18 @@ import functools
 import tensorflow as tf
 
 from replicator_strategy import random_rows
-from replicator_strategy import replica_context
 from replicator_strategy.keras import _internal as ki
 from replicator_strategy.keras import random_layers
+from replicator_strategy.keras import sequence_parallel
 from replicator_strategy.model_parallel import megatron
 
 
 def _parts_by_heads(query, key, value):
   """(query, key and value parts, their devices), or (None, None) where
   they are not in parts by heads on this replica's devices."""
-  ctx = tf.distribute.get_replica_context()
-  if not isinstance(ctx, replica_context.ReplicaContext):
+  devices = sequence_parallel.model_devices(query)
+  if devices is None:
     return None, None
-  devices = ctx.strategy.extended.logical_devices.model_devices(
-      ctx.local_index, query.device)
   parts = [megatron.parts_of(t, len(devices), -2) for t in (query, key, value)]
   if len(devices) == 1 or any(p is None for p in parts):
     return None, None
