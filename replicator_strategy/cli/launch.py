@@ -153,6 +153,12 @@ def exit_status(returncode):
   return 128 - returncode if returncode < 0 else returncode
 
 
+def _how_it_ended(returncode):
+  if returncode < 0:
+    return f"was killed by {signal.Signals(-returncode).name}"
+  return f"exited with status {returncode}"
+
+
 def _signal_group(process, sig):
   try:
     os.killpg(process.pid, sig)
@@ -299,12 +305,13 @@ class _Launch:
       statuses = [p.poll() for p in workers]
       failed = [(i, s) for i, s in enumerate(statuses) if s not in (None, 0)]
       if failed:
-        index, returncode = failed[0]
-        status = exit_status(returncode)
-        how = (f"was killed by {signal.Signals(-returncode).name}"
-               if returncode < 0 else f"exited with status {status}")
-        self.console.say(f"worker {index} {how}; stopping the others.")
-        return status, True
+        # A worker that lost a peer exits with an error soon after it: when
+        # one poll finds both gone, the one a signal killed is the cause.
+        failed.sort(key=lambda failure: (failure[1] > 0, failure[0]))
+        self.console.say("; ".join(
+            f"worker {index} {_how_it_ended(returncode)}"
+            for index, returncode in failed) + "; stopping the others.")
+        return exit_status(failed[0][1]), True
       if all(s == 0 for s in statuses):
         return 0, False
       if self.deadline is not None and time.monotonic() > self.deadline:

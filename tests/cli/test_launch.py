@@ -270,6 +270,25 @@ class LaunchTest(unittest.TestCase):
     self.assertIn("worker 1 was killed by SIGKILL; stopping the others",
                   done.stderr)
 
+  def test_a_killed_worker_is_named_first_when_its_peer_failed_too(self):
+    # Worker 0 fails when worker 1 dies under it; if one poll finds both
+    # ended, the signal that killed worker 1 is the cause to name first.
+    with tempfile.TemporaryDirectory() as out:
+      launcher, pids = start_sleepers(out)
+      launcher.send_signal(signal.SIGSTOP)  # Both end before it looks.
+      try:
+        os.kill(pids[2], signal.SIGKILL)
+        os.kill(pids[0], signal.SIGTERM)  # It exits with status 143.
+        wait_for(lambda: not alive(pids[0]) and not alive(pids[2]))
+      finally:
+        launcher.send_signal(signal.SIGCONT)
+      restarted = pathlib.Path(out, "pids0")
+      wait_for(lambda: int(restarted.read_text().split()[0]) != pids[0])
+      launcher.send_signal(signal.SIGTERM)
+      _, stderr = launcher.communicate(timeout=30)
+    self.assertIn("worker 1 was killed by SIGKILL; worker 0 exited with "
+                  "status 143; stopping the others", stderr)
+
   def test_max_restarts_restarts_every_worker_on_fresh_ports(self):
     # Worker 1 fails on the first two starts; each start logs its TF_CONFIG.
     script = (
