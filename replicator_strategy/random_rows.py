@@ -140,3 +140,30 @@ def uniform_slice(shape, seed, axis, first, whole, dtype=tf.float32,
   values = tf.reshape(runs, shape)
   values.set_shape(static)
   return values
+
+
+def dropout_part(x, rate, seed, axis, index, count, first_row=0):
+  """`tf.nn.experimental.stateless_dropout` for part `index` of `count`
+  equal parts along `axis` (> 0) of a larger batch: `x` is that part of
+  rows `first_row`... (`uniform_slice`'s values).
+
+  The dimensions known when tracing are passed as such: where all are, the
+  draw is one op per row, which XLA compiles with the ops around it (its
+  values then XLA's, as one device compiled with XLA draws them).
+
+  >>> seed = tf.constant([7, 0])
+  >>> whole = tf.nn.experimental.stateless_dropout(tf.ones([5, 8, 2]), 0.5, seed)
+  >>> part = dropout_part(tf.ones([3, 4, 2]), 0.5, seed, axis=1, index=1,
+  ...                     count=2, first_row=2)
+  >>> bool(tf.reduce_all(part == whole[2:, 4:]))
+  True
+  """
+
+  def uniform(shape, dtype):
+    shape = [shape[j] if d is None else d
+             for j, d in enumerate(x.shape.as_list())]
+    length = tf.cast(shape[axis], tf.int64)
+    return uniform_slice(shape, seed, axis, index * length, count * length,
+                         dtype, first_row)
+
+  return tf.nn.experimental.general_dropout(x, rate, uniform_sampler=uniform)
