@@ -10,7 +10,7 @@ as they are. So the attention reads query, key and value in parts only:
   each device the units of its heads that one device keeps: the seed is
   drawn once per call, as one device draws it, and each device draws that
   draw's values for its heads and its replica's rows
-  (`random_rows.uniform_slice`);
+  (`random_rows.dropout_part`);
 - `return_attention_scores=True` returns each device's scores (before the
   dropout, as Keras returns them) assembled along the heads axis, recorded
   in parts (`megatron.assembled`).

@@ -194,7 +194,7 @@ class UniformSliceTest(unittest.TestCase):
     whole = tf.random.stateless_uniform([7, 6, 3, 5], seed, dtype=dtype)
 
     @tf.function(input_signature=[tf.TensorSpec([None, 2, 3, 5], dtype)])
-    def unknown_rows(x):  # Rows known only when running: drawn in a loop.
+    def unknown_rows(x):  # Rows known only when running: whole runs drawn.
       return random_rows.uniform_slice(tf.shape(x), seed, 1, 4, 6, dtype, 3)
 
     known = random_rows.uniform_slice([4, 2, 3, 5], seed, 1, 4, 6, dtype, 3)
