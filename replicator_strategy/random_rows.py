@@ -107,14 +107,20 @@ def uniform_slice(shape, seed, axis, first, whole, dtype=tf.float32,
   `axis` (> 0) of a larger draw: its dimension `axis` is `whole` long, of
   which `shape` (the slice's) holds `first`...; its rows from `first_row` on.
 
-  Each index before `axis` holds one run of the draw's values: one draw
-  each, of the slice's values alone (in a loop where their number is known
-  only when running, which XLA's auto-clustering leaves out).
+  Each index before `axis` holds one run of the draw's values. Where their
+  number is known when tracing, each run draws the slice's values alone, one
+  op each. Otherwise the rows' whole runs are drawn at once (whole / slice
+  times the values; a loop of runs would be one XLA's auto-clustering
+  leaves out, drawing TF's values under XLA) and the slice taken from each.
 
   >>> seed = tf.constant([7, 0])
   >>> whole = tf.random.stateless_uniform([6, 4, 3], seed)
   >>> part = uniform_slice([2, 2, 3], seed, 1, first=2, whole=4, first_row=3)
   >>> bool(tf.reduce_all(part == whole[3:5, 2:]))
+  True
+  >>> rows = tf.function(lambda: uniform_slice(
+  ...     tf.constant([2, 2, 3]), seed, 1, first=2, whole=4, first_row=3))()
+  >>> bool(tf.reduce_all(rows == part))
   True
   """
   dtype = tf.as_dtype(dtype)
@@ -122,21 +128,51 @@ def uniform_slice(shape, seed, axis, first, whole, dtype=tf.float32,
   shape = tf.cast(tf.convert_to_tensor(shape), tf.int64)
   inner = tf.reduce_prod(shape[axis + 1:])
   before = tf.cast(first_row, tf.int64) * tf.reduce_prod(shape[1:axis])
-  starts = ((before + tf.range(tf.reduce_prod(shape[:axis]))) * whole +
-            first) * inner
+  rows = tf.reduce_prod(shape[:axis])
   run = static[axis:].num_elements() if static.rank else None
   if run is None:
     run = shape[axis] * inner
 
-  def draw(start):
-    return _values(tf.raw_ops.StatelessRandomUniformV2, run, start, seed,
+  def draw(count, start):
+    return _values(tf.raw_ops.StatelessRandomUniformV2, count, start, seed,
                    dtype)
 
   count = static[:axis].num_elements() if static.rank else None
   if count:  # One op each, which XLA's clusters take in (not a loop).
-    runs = tf.stack([draw(starts[j]) for j in range(count)])
-  else:  # Unknown before running, or none.
-    runs = tf.map_fn(draw, starts, fn_output_signature=dtype)
+    runs = tf.stack([draw(run, ((before + j) * whole + first) * inner)
+                     for j in range(count)])
+  else:  # Unknown when tracing, or none: the whole runs, then the slice.
+    runs = tf.reshape(draw(rows * whole * inner, before * whole * inner),
+                      tf.stack([rows, whole * inner]))
+    runs = tf.slice(runs, tf.stack([0, first * inner]),
+                    tf.stack([rows, tf.cast(run, tf.int64)]))
   values = tf.reshape(runs, shape)
   values.set_shape(static)
   return values
+
+
+def dropout_part(x, rate, seed, axis, index, count, first_row=0):
+  """`tf.nn.experimental.stateless_dropout` for part `index` of `count`
+  equal parts along `axis` (> 0) of a larger batch: `x` is that part of
+  rows `first_row`... (`uniform_slice`'s values).
+
+  The dimensions known when tracing are passed as such: where all are, the
+  draw is one op per row, which XLA compiles with the ops around it (its
+  values then XLA's, as one device compiled with XLA draws them).
+
+  >>> seed = tf.constant([7, 0])
+  >>> whole = tf.nn.experimental.stateless_dropout(tf.ones([5, 8, 2]), 0.5, seed)
+  >>> part = dropout_part(tf.ones([3, 4, 2]), 0.5, seed, axis=1, index=1,
+  ...                     count=2, first_row=2)
+  >>> bool(tf.reduce_all(part == whole[2:, 4:]))
+  True
+  """
+
+  def uniform(shape, dtype):
+    shape = [shape[j] if d is None else d
+             for j, d in enumerate(x.shape.as_list())]
+    length = tf.cast(shape[axis], tf.int64)
+    return uniform_slice(shape, seed, axis, index * length, count * length,
+                         dtype, first_row)
+
+  return tf.nn.experimental.general_dropout(x, rate, uniform_sampler=uniform)

@@ -10,15 +10,13 @@ as they are. So the attention reads query, key and value in parts only:
   each device the units of its heads that one device keeps: the seed is
   drawn once per call, as one device draws it, and each device draws that
   draw's values for its heads and its replica's rows
-  (`random_rows.uniform_slice`);
+  (`random_rows.dropout_part`);
 - `return_attention_scores=True` returns each device's scores (before the
   dropout, as Keras returns them) assembled along the heads axis, recorded
   in parts (`megatron.assembled`).
 """
 
 import functools
-
-import tensorflow as tf
 
 from replicator_strategy import random_rows
 from replicator_strategy.keras import _internal as ki
@@ -46,16 +44,9 @@ def _heads_dropout(attention, heads_axis, first_row):
   seed = ki.draw_seed(layer.seed_generator)  # Once per call, as on one device.
 
   def dropout(scores, i):
-    def uniform(shape, dtype):
-      # The dimensions known before running, as XLA needs them.
-      shape = [shape[j] if d is None else d
-               for j, d in enumerate(scores.shape.as_list())]
-      return random_rows.uniform_slice(
-          shape, seed, heads_axis, i * scores.shape[heads_axis],
-          attention.num_heads, dtype, first_row)
-
-    return tf.nn.experimental.general_dropout(
-        scores, layer.rate, uniform_sampler=uniform)
+    return random_rows.dropout_part(
+        scores, layer.rate, seed, heads_axis, i,
+        attention.num_heads // scores.shape[heads_axis], first_row)
 
   return dropout
 

@@ -160,26 +160,7 @@ def _gathered_again(gather, dy):
 
 def dropout(x, rate, seed, first_row, index, k, axis):
   """`tf.nn.experimental.stateless_dropout` of part `index` of k along `axis`
-  of rows `first_row`... of a larger batch: what one device draws there.
-
-  Viewed as rows of one part's length (a row per part of each slice of
-  the dimensions before `axis`), one device's draw has this part's values
-  in every k-th row from `index` on; each is drawn where it starts
-  (`random_rows`), at the cost of the part's own values.
-  """
-
-  def uniform(shape, dtype):
-    shape = tf.cast(shape, tf.int64)
-    chunk = tf.reduce_prod(shape[axis:])
-    start = tf.cast(first_row, tf.int64) * tf.reduce_prod(shape[1:axis])
-
-    def row(r):
-      return random_rows.uniform(
-          tf.stack([tf.constant(1, tf.int64), chunk]), seed, dtype=dtype,
-          first_row=(start + r) * k + index)[0]
-
-    rows = tf.map_fn(row, tf.range(tf.reduce_prod(shape[:axis])),
-                     fn_output_signature=tf.TensorSpec([None], dtype))
-    return tf.reshape(rows, shape)
-
-  return tf.nn.experimental.general_dropout(x, rate, uniform_sampler=uniform)
+  of rows `first_row`... of a larger batch: what one device draws there
+  (`random_rows.dropout_part`), with XLA too where `x`'s shape is known
+  when tracing."""
+  return random_rows.dropout_part(x, rate, seed, axis, index, k, first_row)

@@ -10,7 +10,8 @@ the column layers' inputs again (2 all-gathers more per block), so no
 whole sequence is held from the forward; the LayerNorms and dropouts
 between the Megatron pairs compute 1/k of the sequence on each device.
 
-Marked `slow`: the (1, 2) mesh's `fit`, the custom loops.
+Marked `slow`: the (1, 2) mesh's `fit` (with and without XLA), the custom
+loops.
 """
 
 import collections
@@ -63,11 +64,15 @@ def transformer(blocks=1):
     h = keras.layers.Dense(WIDTH, name=f"block{b}_down")(h)
     x = x + keras.layers.Dropout(0.2, name=f"block{b}_drop2")(h)
   x = keras.layers.LayerNormalization(name="final_norm")(x)
-  model = keras.Model(ids, keras.layers.Dense(VOCAB, name="logits")(x))
+  return compiled(keras.Model(ids, keras.layers.Dense(VOCAB, name="logits")(x)))
+
+
+def compiled(model, jit_compile=False):
   # SGD: the key bias's gradient is zero but for rounding, which Adam's
   # normalization would make a step of the learning rate's size.
   model.compile(keras.optimizers.SGD(0.1),
-                keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+                keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                jit_compile=jit_compile)
   return model
 
 
@@ -76,9 +81,16 @@ def data():
   return ids[:, :-1].astype(np.int32), ids[:, 1:].astype(np.int32)
 
 
-def fit(model):
+def fit(model, dataset=False):
+  """The losses and weights after 2 steps of `fit`; from a `tf.data`
+  dataset, whose batch size is unknown when the step is traced."""
   x, y = data()
-  history = model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+  if dataset:
+    history = model.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(8),
+                        epochs=1, verbose=0)
+  else:
+    history = model.fit(x, y, batch_size=8, epochs=1, shuffle=False,
+                        verbose=0)
   return history.history["loss"], model.get_weights()
 
 
@@ -121,6 +133,8 @@ def custom_loop(strategy, steps=2):
 
 @functools.cache
 def one_device(how):
+  if how == "xla":
+    return fit(compiled(transformer(), jit_compile=True))
   return fit(transformer()) if how == "fit" else custom_loop(None)
 
 
@@ -147,6 +161,22 @@ class TrainingTest(unittest.TestCase):
   def test_fit_on_a_1_by_2_mesh_equals_one_device(self):
     _, model = sequence_parallel(1, 2)
     assert_equal_to_one_device(fit(model), one_device("fit"))
+
+  @pytest.mark.slow
+  def test_fit_under_xla_on_a_1_by_2_mesh_equals_one_device_under_xla(self):
+    # XLA draws other dropout values than TF's kernels: one device's under
+    # XLA, each device's slice of them drawn inside its XLA cluster.
+    _, model = sequence_parallel(1, 2)
+    assert_equal_to_one_device(fit(compiled(model, jit_compile=True)),
+                               one_device("xla"))
+
+  @pytest.mark.slow
+  def test_fit_under_xla_with_rows_unknown_when_tracing_equals_one_device(self):
+    # The dropouts draw the rows' whole runs at once, which XLA compiles
+    # too (a loop over the rows it would leave out, drawing TF's values).
+    _, model = sequence_parallel(1, 2)
+    assert_equal_to_one_device(
+        fit(compiled(model, jit_compile=True), dataset=True), one_device("xla"))
 
   @pytest.mark.slow
   def test_a_custom_loop_on_a_1_by_2_mesh_equals_one_device(self):
