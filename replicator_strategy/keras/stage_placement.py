@@ -37,6 +37,8 @@ from replicator_strategy.keras import _internal as ki
 from replicator_strategy.keras import model_stages
 from replicator_strategy.model_parallel import layouts
 from replicator_strategy.model_parallel import split_variables
+from replicator_strategy.sharding import creation
+from replicator_strategy.sharding import variables as sharded_variables
 
 # A model keeps its cut, (a weak reference to the strategy, its stages),
 # itself (`ki.keep_pipeline_stages`): the stages refer to the model, so a
@@ -177,10 +179,15 @@ def move(strategy, variable, logical_device):
   if tuple(c.device for c in held.values) == tuple(
       d for group in groups for d in group):
     return
-  # A split weight (or slot) is made split again, along its axis.
-  creating = layouts.creating(
-      variable.path, held.whole_shape, (held.axis, None)) if (
-      split) else contextlib.nullcontext()
+  # A split weight (or slot) is made split again, along its axis; a slot
+  # sliced over the replicas (sharded optimizer state) sliced again.
+  if split:
+    creating = layouts.creating(variable.path, held.whole_shape,
+                                (held.axis, None))
+  elif isinstance(held, sharded_variables.ShardedVariable):
+    creating = creation.requesting(flat=True)
+  else:
+    creating = contextlib.nullcontext()
   with strategy.scope(), devices.for_variables(logical_device), creating:
     moved = tf.Variable(
         initial_value=tf.identity(held.read_value()), trainable=held.trainable,

@@ -1,0 +1,121 @@
+"""Pipelines with sharded optimizer state train as one device does.
+
+Two pipelines of 2 stages on the 4 logical CPUs (batch 2 x stage 2), with
+`Sharding(optimizer_state=True)`: each slot of a stage's weight is held once
+over the two pipelines, a flat half on that stage's device of each, and
+updated there; the weights, the loss, the metrics and Adam's slots after
+`fit` equal one device's (rtol 1e-5), and the weights save and load as one
+device's.
+"""
+
+import os
+import tempfile
+import unittest
+
+import keras
+import numpy as np
+import pytest
+
+import replicator_strategy as rs
+from replicator_strategy.keras import stage_placement
+from replicator_strategy.sharding import variables as sharded_variables
+
+from pipeline_fits import ATOL  # noqa: I001
+from pipeline_fits import BATCH
+from pipeline_fits import RTOL
+from pipeline_fits import assert_equal_weights
+from pipeline_fits import assert_trains_as_one_device
+from pipeline_fits import data
+from pipeline_fits import fit
+from pipeline_fits import initial_weights
+from pipeline_fits import mlp
+from pipeline_fits import one_device
+
+
+def two_sharded_pipelines(schedule="1f1b"):
+  mesh = keras.distribution.DeviceMesh(
+      (2, 2), ("batch", "stage"), [f"/cpu:{i}" for i in range(4)])
+  return rs.ReplicatorStrategy(
+      mesh=mesh, sharding=rs.Sharding(optimizer_state=True),
+      pipeline=rs.Pipeline(stages=2, microbatches=2, schedule=schedule))
+
+
+def compiled(strategy, placed_first=False):
+  """`mlp` with its optimizer built, after its stages are placed or, not
+  `placed_first`, before (its slots then move with their weights)."""
+  with strategy.scope():
+    model = mlp()
+    model.set_weights(initial_weights())
+    model.compile(keras.optimizers.Adam(0.01), "mse")
+    if placed_first:
+      strategy.pipeline_stages(model)
+    model.optimizer.build(model.trainable_variables)
+  return model
+
+
+def assert_slots_sliced_on_their_stages(test, strategy, model):
+  """Each of Adam's m and v of a stage's weight: a flat half (padded) on
+  that stage's device of each pipeline."""
+  devices = strategy.extended.logical_devices
+  slots = stage_placement.slots_by_weight(model.optimizer)
+  for stage in strategy.pipeline_stages(model):
+    own = tuple(devices.stage_devices(r)[stage.index][0] for r in range(2))
+    for weight in stage.trainable_variables:
+      test.assertEqual(len(slots[weight.path]), 2, weight.path)
+      half = -(-int(np.prod(weight.shape)) // 2)
+      for slot in slots[weight.path]:
+        test.assertIsInstance(slot.value, sharded_variables.ShardedVariable)
+        test.assertEqual(slot.value.shard_devices, own, slot.path)
+        test.assertEqual([c.shape.as_list() for c in slot.value.values],
+                         [[half], [half]], slot.path)
+
+
+class PipelineShardedSlotsTest(unittest.TestCase):
+
+  def test_slots_made_for_placed_stages(self):
+    strategy = two_sharded_pipelines()
+    model = compiled(strategy, placed_first=True)
+    assert_slots_sliced_on_their_stages(self, strategy, model)
+
+  def test_slots_made_first_move_sliced_with_their_weights(self):
+    strategy = two_sharded_pipelines()
+    model = compiled(strategy)  # Slots made on the first devices.
+    assert_slots_sliced_on_their_stages(self, strategy, model)
+
+
+@pytest.mark.slow
+class PipelineShardedStateTest(unittest.TestCase):
+
+  @classmethod
+  def setUpClass(cls):
+    super().setUpClass()
+    cls.strategy = two_sharded_pipelines()
+    cls.model = assert_trains_as_one_device(cls.strategy)
+
+  def test_fit_slices_each_slot_on_its_stage(self):
+    assert_slots_sliced_on_their_stages(self, self.strategy, self.model)
+
+  def test_slots_are_one_devices(self):
+    plain, _ = fit()
+    # Adam's iterations, learning rate, then each weight's m and v in order.
+    for got, want in zip(self.model.optimizer.variables,
+                         plain.optimizer.variables, strict=True):
+      np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=RTOL,
+                                 atol=ATOL, err_msg=got.path)
+
+  def test_weights_file_loads_without_a_strategy(self):
+    path = os.path.join(tempfile.mkdtemp(), "m.weights.h5")
+    self.model.save_weights(path)
+    plain = mlp()
+    plain.load_weights(path)
+    assert_equal_weights(plain.get_weights(), self.model.get_weights())
+
+  def test_zb_h1_with_slots_moved_to_their_stages(self):
+    strategy = two_sharded_pipelines("zb_h1")
+    model = compiled(strategy)
+    model.fit(*data(), batch_size=BATCH, shuffle=False, verbose=0)
+    assert_equal_weights(model.get_weights(), one_device()[0])
+
+
+if __name__ == "__main__":
+  unittest.main()
