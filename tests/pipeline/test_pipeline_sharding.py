@@ -1,11 +1,15 @@
-"""Pipelines with sharded optimizer state train as one device does.
+"""Pipelines with sharded state train as one device does.
 
-Two pipelines of 2 stages on the 4 logical CPUs (batch 2 x stage 2), with
-`Sharding(optimizer_state=True)`: each slot of a stage's weight is held once
-over the two pipelines, a flat half on that stage's device of each, and
-updated there; the weights, the loss, the metrics and Adam's slots after
-`fit` equal one device's (rtol 1e-5), and the weights save and load as one
-device's.
+Two pipelines of 2 stages on the 4 logical CPUs (batch 2 x stage 2):
+
+- `Sharding(optimizer_state=True)` (ZeRO-1/2): each slot of a stage's
+  weight is held once over the two pipelines, a flat half on that stage's
+  device of each, and updated there;
+- `Sharding(weights="batch")` (ZeRO-3): each stage's weights, and their
+  slots, are cut by rows over the two pipelines, on the stage's devices.
+
+The weights, the loss, the metrics and Adam's slots after `fit` equal one
+device's (rtol 1e-5), and the weights save and load as one device's.
 """
 
 import os
@@ -14,10 +18,12 @@ import unittest
 
 import keras
 import numpy as np
+from absl.testing import parameterized
 import pytest
 
 import replicator_strategy as rs
 from replicator_strategy.keras import stage_placement
+from replicator_strategy.sharding import layout as layout_lib
 from replicator_strategy.sharding import variables as sharded_variables
 
 from pipeline_fits import ATOL  # noqa: I001
@@ -31,12 +37,15 @@ from pipeline_fits import initial_weights
 from pipeline_fits import mlp
 from pipeline_fits import one_device
 
+SLICED_STATE = rs.Sharding(optimizer_state=True)
+SHARDED_WEIGHTS = rs.Sharding(weights="batch")
 
-def two_sharded_pipelines(schedule="1f1b"):
+
+def two_pipelines(sharding, schedule="1f1b"):
   mesh = keras.distribution.DeviceMesh(
       (2, 2), ("batch", "stage"), [f"/cpu:{i}" for i in range(4)])
   return rs.ReplicatorStrategy(
-      mesh=mesh, sharding=rs.Sharding(optimizer_state=True),
+      mesh=mesh, sharding=sharding,
       pipeline=rs.Pipeline(stages=2, microbatches=2, schedule=schedule))
 
 
@@ -53,34 +62,44 @@ def compiled(strategy, placed_first=False):
   return model
 
 
-def assert_slots_sliced_on_their_stages(test, strategy, model):
-  """Each of Adam's m and v of a stage's weight: a flat half (padded) on
-  that stage's device of each pipeline."""
+def assert_sliced_on_their_stages(test, strategy, model):
+  """Each of Adam's m and v of a stage's weight (with sharded weights, the
+  weight too) in halves, one on that stage's device of each pipeline: flat
+  slices of sharded optimizer state, rows of sharded weights."""
   devices = strategy.extended.logical_devices
   slots = stage_placement.slots_by_weight(model.optimizer)
+  sharded_weights = strategy.extended.options.sharding.weights is not None
   for stage in strategy.pipeline_stages(model):
     own = tuple(devices.stage_devices(r)[stage.index][0] for r in range(2))
     for weight in stage.trainable_variables:
       test.assertEqual(len(slots[weight.path]), 2, weight.path)
-      half = -(-int(np.prod(weight.shape)) // 2)
-      for slot in slots[weight.path]:
-        test.assertIsInstance(slot.value, sharded_variables.ShardedVariable)
-        test.assertEqual(slot.value.shard_devices, own, slot.path)
-        test.assertEqual([c.shape.as_list() for c in slot.value.values],
-                         [[half], [half]], slot.path)
+      if sharded_weights:
+        rows = layout_lib.RowLayout.split(list(weight.shape), 2, 2)
+        halves = [list(rows.shard_shape(i)) for i in range(2)]
+      else:
+        halves = [[-(-int(np.prod(weight.shape)) // 2)]] * 2
+      held = [v.value for v in slots[weight.path]]
+      if sharded_weights:
+        held.append(weight.value)
+      for variable in held:
+        test.assertIsInstance(variable, sharded_variables.ShardedVariable)
+        test.assertEqual(variable.shard_devices, own, variable.name)
+        test.assertEqual([c.shape.as_list() for c in variable.values], halves,
+                         variable.name)
 
 
-class PipelineShardedSlotsTest(unittest.TestCase):
+class PipelineShardingPlacedTest(parameterized.TestCase):
 
-  def test_slots_made_for_placed_stages(self):
-    strategy = two_sharded_pipelines()
-    model = compiled(strategy, placed_first=True)
-    assert_slots_sliced_on_their_stages(self, strategy, model)
-
-  def test_slots_made_first_move_sliced_with_their_weights(self):
-    strategy = two_sharded_pipelines()
-    model = compiled(strategy)  # Slots made on the first devices.
-    assert_slots_sliced_on_their_stages(self, strategy, model)
+  @parameterized.named_parameters(
+      ("state_slots_made_for_placed_stages", SLICED_STATE, True),
+      ("state_slots_made_first_move", SLICED_STATE, False),
+      ("weights_and_slots_made_for_placed_stages", SHARDED_WEIGHTS, True),
+      ("weights_and_slots_made_first_move", SHARDED_WEIGHTS, False),
+  )
+  def test_sliced_on_their_stages(self, sharding, placed_first):
+    strategy = two_pipelines(sharding)
+    model = compiled(strategy, placed_first)
+    assert_sliced_on_their_stages(self, strategy, model)
 
 
 @pytest.mark.slow
@@ -89,11 +108,11 @@ class PipelineShardedStateTest(unittest.TestCase):
   @classmethod
   def setUpClass(cls):
     super().setUpClass()
-    cls.strategy = two_sharded_pipelines()
+    cls.strategy = two_pipelines(SLICED_STATE)
     cls.model = assert_trains_as_one_device(cls.strategy)
 
   def test_fit_slices_each_slot_on_its_stage(self):
-    assert_slots_sliced_on_their_stages(self, self.strategy, self.model)
+    assert_sliced_on_their_stages(self, self.strategy, self.model)
 
   def test_slots_are_one_devices(self):
     plain, _ = fit()
@@ -110,11 +129,28 @@ class PipelineShardedStateTest(unittest.TestCase):
     plain.load_weights(path)
     assert_equal_weights(plain.get_weights(), self.model.get_weights())
 
-  def test_zb_h1_with_slots_moved_to_their_stages(self):
-    strategy = two_sharded_pipelines("zb_h1")
+
+class PipelineShardingFitTest(parameterized.TestCase):
+
+  @parameterized.named_parameters(
+      ("state_zb_h1", SLICED_STATE, "zb_h1"),
+      ("weights_1f1b", SHARDED_WEIGHTS, "1f1b"),
+      ("weights_gpipe", SHARDED_WEIGHTS, "gpipe"),
+      ("weights_and_state_zb_h1",
+       rs.Sharding(optimizer_state=True, weights="batch"), "zb_h1"),
+  )
+  @pytest.mark.slow
+  def test_fit_with_slots_moved_to_their_stages(self, sharding, schedule):
+    strategy = two_pipelines(sharding, schedule)
     model = compiled(strategy)
     model.fit(*data(), batch_size=BATCH, shuffle=False, verbose=0)
     assert_equal_weights(model.get_weights(), one_device()[0])
+    assert_sliced_on_their_stages(self, strategy, model)
+    path = os.path.join(tempfile.mkdtemp(), "m.weights.h5")
+    model.save_weights(path)
+    plain = mlp()
+    plain.load_weights(path)
+    assert_equal_weights(plain.get_weights(), model.get_weights())
 
 
 if __name__ == "__main__":
