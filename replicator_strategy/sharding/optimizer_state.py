@@ -49,8 +49,8 @@ import tensorflow as tf
 from replicator_strategy import _tf_internal as tfi
 from replicator_strategy import warn_once
 from replicator_strategy.collectives import compression as compression_lib
-from replicator_strategy.collectives import per_replica
 from replicator_strategy.collectives import packing
+from replicator_strategy.collectives import per_replica
 from replicator_strategy.collectives import reduce_op as reduce_op_lib
 from replicator_strategy.model_parallel import logical_devices
 from replicator_strategy.sharding import exchange as shard_exchange

@@ -8,10 +8,12 @@ Two pipelines of 2 stages on the 4 logical CPUs (batch 2 x stage 2):
 - `Sharding(weights="batch")` (ZeRO-3): each stage's weights, and their
   slots, are cut by rows over the two pipelines, on the stage's devices.
 
-The weights, the loss, the metrics and Adam's slots after `fit` equal one
-device's (rtol 1e-5), and the weights save and load as one device's.
+The weights, the loss, the metrics and Adam's slots after `fit` (also with
+gradient accumulation), and `evaluate` and `predict` after it, equal one
+device's (rtol 1e-5); the weights save and load as one device's.
 """
 
+import functools
 import os
 import tempfile
 import unittest
@@ -151,6 +153,24 @@ class PipelineShardingFitTest(parameterized.TestCase):
     plain = mlp()
     plain.load_weights(path)
     assert_equal_weights(plain.get_weights(), model.get_weights())
+
+  @parameterized.named_parameters(
+      ("state", SLICED_STATE),  # Each replica steps its slice in a tf.cond.
+      ("weights", SHARDED_WEIGHTS),
+  )
+  @pytest.mark.slow
+  def test_accumulated_steps_then_evaluate_and_predict(self, sharding):
+    accumulating = functools.partial(keras.optimizers.Adam,
+                                     gradient_accumulation_steps=2)
+    model = assert_trains_as_one_device(two_pipelines(sharding),
+                                        optimizer=accumulating)
+    plain, _ = fit(optimizer=accumulating)
+    x, y = data()
+    np.testing.assert_allclose(model.predict(x, verbose=0),
+                               plain.predict(x, verbose=0), rtol=RTOL,
+                               atol=ATOL)
+    np.testing.assert_allclose(model.evaluate(x, y, verbose=0),
+                               plain.evaluate(x, y, verbose=0), rtol=RTOL)
 
 
 if __name__ == "__main__":
