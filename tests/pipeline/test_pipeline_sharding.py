@@ -92,12 +92,17 @@ def assert_sliced_on_their_stages(test, strategy, model):
 
 class PipelineShardingPlacedTest(parameterized.TestCase):
 
+  def test_slots_made_for_placed_stages_are_sliced_there(self):
+    strategy = two_pipelines(SLICED_STATE)
+    model = compiled(strategy, placed_first=True)
+    assert_sliced_on_their_stages(self, strategy, model)
+
   @parameterized.named_parameters(
-      ("state_slots_made_for_placed_stages", SLICED_STATE, True),
       ("state_slots_made_first_move", SLICED_STATE, False),
       ("weights_and_slots_made_for_placed_stages", SHARDED_WEIGHTS, True),
       ("weights_and_slots_made_first_move", SHARDED_WEIGHTS, False),
   )
+  @pytest.mark.slow
   def test_sliced_on_their_stages(self, sharding, placed_first):
     strategy = two_pipelines(sharding)
     model = compiled(strategy, placed_first)
