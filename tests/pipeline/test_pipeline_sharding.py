@@ -10,7 +10,7 @@ Two pipelines of 2 stages on the 4 logical CPUs (batch 2 x stage 2):
 
 The weights, the loss, the metrics and Adam's slots after `fit` (also with
 gradient accumulation), and `evaluate` and `predict` after it, equal one
-device's (rtol 1e-5); the weights save and load as one device's.
+device's (rtol 1e-5); the weights and slots save and load as one device's.
 """
 
 import functools
@@ -135,6 +135,23 @@ class PipelineShardedStateTest(unittest.TestCase):
     plain = mlp()
     plain.load_weights(path)
     assert_equal_weights(plain.get_weights(), self.model.get_weights())
+
+  def test_keras_file_holds_the_slots_whole(self):
+    path = os.path.join(tempfile.mkdtemp(), "m.keras")
+    self.model.save(path)
+    loaded = keras.models.load_model(path)
+    for got, want in zip(loaded.optimizer.variables,
+                         self.model.optimizer.variables, strict=True):
+      np.testing.assert_array_equal(got.numpy(), want.numpy())
+    # Loaded into sharded pipelines (its slots sliced as they load, then
+    # moved to their stages), it trains on as the model loaded without.
+    strategy = two_pipelines(SLICED_STATE)
+    with strategy.scope():
+      piped = keras.models.load_model(path)
+    piped.fit(*data(), batch_size=BATCH, shuffle=False, verbose=0)
+    loaded.fit(*data(), batch_size=BATCH, shuffle=False, verbose=0)
+    assert_equal_weights(piped.get_weights(), loaded.get_weights())
+    assert_sliced_on_their_stages(self, strategy, piped)
 
 
 class PipelineShardingFitTest(parameterized.TestCase):
