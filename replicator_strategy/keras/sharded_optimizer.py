@@ -146,21 +146,26 @@ def sharded_update_step(backend_update_step):
       if not weights:
         return None
     update = functools.partial(_update_shard, self)
+
+    def step(exchange, summed, grads, learning_rate):
+      # Each logical device's weights (a pipeline stage's) among its devices.
+      return sharded.step_on_their_devices(
+          strategy, lambda grads, device: exchange(strategy, grads, summed,
+                                                   device),
+          grads, weights, learning_rate, update)
+
     ctx = tf.distribute.get_replica_context()
     if ctx is None:  # Called in cross-replica context: the gradients are global.
-      return sharded.step(sharded.AllReplicas(strategy, grads, summed=True),
-                          weights, learning_rate, update)
+      return step(sharded.AllReplicas, True, grads, learning_rate)
     # keras.gradient_exchange sums the gradients first where the optimizer clips.
     summed = step_context.gradients_summed(self)
     if not replica_context.merge_call_possible():
       # Inside control flow (gradient accumulation's tf.cond): each replica
       # steps its own shard through run-time collectives.
-      return sharded.step(sharded.OneReplica(strategy, grads, summed),
-                          weights, learning_rate, update)
+      return step(sharded.OneReplica, summed, grads, learning_rate)
 
-    def merge_fn(strategy, grads, learning_rate):
-      return sharded.step(sharded.AllReplicas(strategy, grads, summed),
-                          weights, learning_rate, update)
+    def merge_fn(_, grads, learning_rate):
+      return step(sharded.AllReplicas, summed, grads, learning_rate)
 
     return ctx.merge_call(merge_fn, args=(list(grads), learning_rate))
 

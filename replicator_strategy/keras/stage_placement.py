@@ -37,6 +37,8 @@ from replicator_strategy.keras import _internal as ki
 from replicator_strategy.keras import model_stages
 from replicator_strategy.model_parallel import layouts
 from replicator_strategy.model_parallel import split_variables
+from replicator_strategy.sharding import creation
+from replicator_strategy.sharding import layout as layout_lib
 
 # A model keeps its cut, (a weak reference to the strategy, its stages),
 # itself (`ki.keep_pipeline_stages`): the stages refer to the model, so a
@@ -134,8 +136,9 @@ def place(strategy, stages, optimizer=None):
   for stage in stages:
     logical_device = stage_logical_device(strategy, stage.index)
     for variable in stage.variables:
-      for v in (variable, *slots.get(variable.path, ())):
-        move(strategy, v, logical_device)
+      move(strategy, variable, logical_device)
+      for slot in slots.get(variable.path, ()):
+        move(strategy, slot, logical_device, weight=variable)
   # Built with slots or none (plain SGD); a LossScaleOptimizer's inner one too.
   for built in (optimizer, getattr(optimizer, "inner_optimizer", None)):
     if built is not None and built.built:
@@ -160,9 +163,11 @@ def slots_by_weight(optimizer):
   return found
 
 
-def move(strategy, variable, logical_device):
+def move(strategy, variable, logical_device, weight=None):
   """Makes the Keras `variable` (of `strategy`) anew on each replica's
-  `logical_device`, with its value; nothing to do where it is already."""
+  `logical_device`, with its value; nothing to do where it is already.
+  `weight`: the Keras weight (moved already) that `variable` is an
+  optimizer slot of."""
   held = ki.backend_variable(variable)
   if not isinstance(held, tfi.values.DistributedVariable):
     raise ValueError(
@@ -178,12 +183,28 @@ def move(strategy, variable, logical_device):
       d for group in groups for d in group):
     return
   # A split weight (or slot) is made split again, along its axis.
-  creating = layouts.creating(
-      variable.path, held.whole_shape, (held.axis, None)) if (
-      split) else contextlib.nullcontext()
+  if split:
+    creating = layouts.creating(variable.path, held.whole_shape,
+                                (held.axis, None))
+  elif weight is not None:
+    creating = _beside(strategy, weight, held)
+  else:
+    creating = contextlib.nullcontext()
   with strategy.scope(), devices.for_variables(logical_device), creating:
     moved = tf.Variable(
         initial_value=tf.identity(held.read_value()), trainable=held.trainable,
         name=held.name.split(":")[0], dtype=held.dtype,
         aggregation=held.aggregation, synchronization=held.synchronization)
   ki.set_backend_variable(variable, moved)
+
+
+@contextlib.contextmanager
+def _beside(strategy, weight, held):
+  """Variables made inside are made as the optimizer makes a slot of
+  `weight` like `held`: beside it, sliced over the replicas where `held`
+  was (sharded optimizer state), sharded as it is where it is sharded."""
+  flat = isinstance(getattr(held, "layout", None), layout_lib.FlatLayout)
+  reads_whole = getattr(held, "replica_reads", None) == "whole"
+  with strategy.extended.colocate_vars_with(ki.backend_variable(weight)):
+    with creation.requesting(flat=flat, reads_whole=reads_whole):
+      yield

@@ -121,6 +121,11 @@ class LogicalDevices:
         f"{self.groups[local_replica]}: a split weight's parts must be on its "
         f"replica's devices.")
 
+  def of_variable(self, variable):
+    """The logical device id that the distributed `variable`'s components
+    are on (a pipeline stage's, or the one it was made for)."""
+    return self.device_id(0, variable.values[0].device)
+
   def on_device(self, local_replica, logical_device_id):
     """A `tf.device` scope on the local replica's logical device."""
     i = self.check(logical_device_id, "ReplicaContext.logical_device")

@@ -301,6 +301,13 @@ def stage_groups(logical):
                for group in logical.groups)
 
 
+def _part_groups(variable):
+  """Each replica's devices that the split `variable`'s parts are on."""
+  devices = [c.device for c in variable.values]
+  k = variable.num_parts
+  return tuple(tuple(devices[i:i + k]) for i in range(0, len(devices), k))
+
+
 def create(strategy, next_creator, axis, on_read=None,
            on_write=SplitVariable, **kwargs):
   """A `SplitVariable`: parts of the whole initial value, on every replica.
@@ -316,10 +323,12 @@ def create(strategy, next_creator, axis, on_read=None,
         f"replica's devices; ReplicatorStrategy splits an on-read variable "
         f"only as a Keras optimizer's gradient accumulator. Create it outside "
         f"`colocate_vars_with` of the split weight.")
-  kwargs.pop("colocate_with", None)
+  weight = kwargs.pop("colocate_with", None)
   kwargs.pop("shape", None)
   communicator = strategy.extended.communicator
-  groups = stage_groups(strategy.extended.logical_devices)
+  # A slot goes beside its split weight's parts (a later pipeline stage's).
+  groups = (_part_groups(weight) if isinstance(weight, SplitVariable) else
+            stage_groups(strategy.extended.logical_devices))
   k = len(groups[0])
   with tf.init_scope(), tf.device(groups[0][0]):
     initial_value = communicator.initial_value(kwargs["initial_value"],

@@ -8,7 +8,8 @@ The strategy's variable creator hands every new variable's arguments to
   Keras's slots are): as the weight is, read inside a replica as its shard,
   or whole where its `SlotRequest` says `reads_whole` (EMA copies);
 - its `SlotRequest` says `flat` (`shard_optimizer_state`'s slots): flattened
-  over every replica (`FlatLayout`), refused inside a replica;
+  over every replica (`FlatLayout`) on its weight's logical device (a
+  pipeline stage's), refused inside a replica;
 - `variable_partitioner` cuts it, a trainable weight: by rows (`RowLayout`),
   read whole inside a replica; or a layout map's batch axis names one of its
   dimensions: one shard per replica along it.
@@ -90,10 +91,15 @@ def create(strategy, next_creator, request=None, batch_axis=None,
         "whole" if request.reads_whole else "shard", weight.logical_device,
         **kwargs)
   if request.flat:
+    # On its weight's logical device (a pipeline stage's), as its weight's
+    # update runs there; made without one, where new variables go.
+    devices = strategy.extended.logical_devices
     return variables.create(
         strategy, next_creator,
         lambda whole: layout_lib.FlatLayout.of(whole.shape, num_replicas),
-        None, **kwargs)
+        None, devices.of_variable(weight) if isinstance(
+            weight, tf.distribute.DistributedValues) else devices.variables_on,
+        **kwargs)
   partitioner = strategy.extended.variable_partitioner
   if (partitioner is None and batch_axis is None) or not shardable(kwargs):
     return None

@@ -49,8 +49,11 @@ import tensorflow as tf
 from replicator_strategy import _tf_internal as tfi
 from replicator_strategy import warn_once
 from replicator_strategy.collectives import compression as compression_lib
+from replicator_strategy.collectives import packing
 from replicator_strategy.collectives import per_replica
 from replicator_strategy.collectives import reduce_op as reduce_op_lib
+from replicator_strategy.model_parallel import logical_devices
+from replicator_strategy.sharding import exchange as shard_exchange
 from replicator_strategy.sharding import layout as layout_lib
 from replicator_strategy.sharding import variables as sharded_variables
 
@@ -77,6 +80,23 @@ def step(exchange, weights, learning_rate, update):
         update_shard)
     updates.append(exchange.all_gather(layout, weight, new_shards))
   return tf.group(updates)
+
+
+def step_on_their_devices(strategy, make_exchange, gradients, weights,
+                          learning_rate, update):
+  """`step` of the `weights` on each logical device of the replicas (a
+  pipeline stage's weights on its device), over `make_exchange(gradients,
+  logical_device)`, which exchanges among every replica's that device."""
+  devices = strategy.extended.logical_devices
+  on_device = {}
+  for gradient, weight in zip(gradients, weights):
+    pair = on_device.setdefault(devices.of_variable(weight), ([], []))
+    pair[0].append(gradient)
+    pair[1].append(weight)
+  return tf.group([
+      step(make_exchange(device_gradients, i), device_weights, learning_rate,
+           update)
+      for i, (device_gradients, device_weights) in on_device.items()])
 
 
 class Exchange(abc.ABC):
@@ -113,27 +133,31 @@ class AllReplicas(Exchange):
   they are summed here, in one packed all-reduce, as 16-bit floats with the
   strategy's `gradient_compression` (every replica then reads its slice of
   the one sum in place: no more bytes than a reduce-scatter, far fewer ops).
+  The weights, their slots and the exchange are on every replica's
+  `logical_device`.
   """
 
-  def __init__(self, strategy, gradients, summed):
-    self._communicator = strategy.extended.communicator
+  def __init__(self, strategy, gradients, summed, logical_device=0):
+    self._communicator = logical_devices.communicator_on(strategy.extended,
+                                                         logical_device)
     self._wire = compression_lib.wire_dtype(strategy.gradient_compression)
     self.num_replicas = self._communicator.num_replicas
     self.gradients = [strategy.experimental_local_results(g)
                       for g in gradients]
     if self._communicator.shares_memory and not summed:
-      self.gradients = self._summed_in_place(strategy)
+      self.gradients = self._summed_in_place()
       summed = True
     self._summed = summed
 
-  def _summed_in_place(self, strategy):
+  def _summed_in_place(self):
     """Every local replica's copy of the summed gradients, on its device."""
     devices = self._communicator.devices
     sent = [per_replica.make(devices, lambda r, parts=parts:
                              compression_lib.to_wire(parts[r], self._wire))
             for parts in self.gradients]
-    sums = strategy.extended.batch_reduce_to(tf.distribute.ReduceOp.SUM,
-                                             [(g, g) for g in sent])
+    to_reduce, unpack = packing.pack(sent)
+    sums = unpack(self._communicator.cross_device_ops.batch_reduce(
+        tf.distribute.ReduceOp.SUM, [(g, g) for g in to_reduce]))
     return [_from_wire(devices, per_replica.parts(total), parts[0].dtype)
             for parts, total in zip(self.gradients, sums)]
 
@@ -211,12 +235,15 @@ class OneReplica(Exchange):
 
   Where the replicas cannot merge (a `tf.cond` of the replica function, as
   gradient accumulation's), each steps its shard through the replica
-  context's run-time collectives. `gradients` are this replica's, or, if
-  `summed`, its copy of the sum over every replica.
+  context's run-time collectives, among every replica's `logical_device`.
+  `gradients` are this replica's, or, if `summed`, its copy of the sum over
+  every replica.
   """
 
-  def __init__(self, strategy, gradients, summed):
-    communicator = strategy.extended.communicator
+  def __init__(self, strategy, gradients, summed, logical_device=0):
+    communicator = logical_devices.communicator_on(strategy.extended,
+                                                   logical_device)
+    self._logical_device = logical_device
     self._context = tf.distribute.get_replica_context()
     self._local = self._context.local_index
     self._shard = _shard(communicator, self._local)
@@ -230,9 +257,10 @@ class OneReplica(Exchange):
     gradient = _dense(gradient)
     if self._summed:
       return [layout.shard(gradient, self._shard)]
-    return [compression_lib.from_wire(self._context.reduce_scatter(
-        "sum", compression_lib.to_wire(layout.padded_flat(gradient),
-                                       self._wire), axis=0), gradient.dtype)]
+    return [compression_lib.from_wire(shard_exchange.reduce_scatter(
+        self._context, compression_lib.to_wire(layout.padded_flat(gradient),
+                                               self._wire), 0,
+        self._logical_device), gradient.dtype)]
 
   def update_shards(self, layout, weight, gradient_shards, update_fn):
     """This replica's new shard of `weight`, as a list of one."""
@@ -243,7 +271,8 @@ class OneReplica(Exchange):
 
   def all_gather(self, layout, weight, new_shards):
     """This replica's copy of `weight` set from every replica's new shard."""
-    whole = layout.assemble([self._context.all_gather(new_shards[0], axis=0)])
+    whole = layout.assemble([shard_exchange.all_gather(
+        self._context, new_shards[0], 0, self._logical_device)])
     return tfi.component(weight, self._local).assign(whole, read_value=False)
 
 

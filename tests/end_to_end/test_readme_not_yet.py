@@ -14,6 +14,7 @@ import re
 import unittest
 from unittest import mock
 
+import keras
 import tensorflow as tf
 
 import replicator_strategy as rs
@@ -48,10 +49,9 @@ OPTIONS = {
     "`pipeline`": {"pipeline": rs.Pipeline(stages=1, microbatches=2)},
 }
 # The pairs of options the constructor refuses, as README's items name them.
-REFUSED_PAIRS = {("`pipeline`", "`shard_optimizer_state`"),
-                 ("`pipeline`", "`variable_partitioner`")}
+REFUSED_PAIRS = set()
 # Where the constructor raises NotImplementedError: TPUs, a pipeline with
-# sharding.
+# sharded weights and a layout map.
 NOT_IMPLEMENTED_SITES = 2
 
 
@@ -99,6 +99,18 @@ def refuses_persistent_tapes_through_collectives_in_a_cond(test):
     tf.function(lambda: strategy.run(fn))()
 
 
+def refuses_sharded_weights_split_in_a_pipeline(test):
+  mesh = keras.distribution.DeviceMesh(
+      (1, 2, 2), ("batch", "stage", "model"), [f"/cpu:{i}" for i in range(4)])
+  layout_map = keras.distribution.LayoutMap(mesh)
+  layout_map[".*kernel"] = (None, "model")
+  with test.assertRaisesRegex(NotImplementedError,
+                              "sharded weights .* and a layout_map"):
+    rs.ReplicatorStrategy(mesh=mesh, layout_map=layout_map,
+                          sharding=rs.Sharding(weights="batch"),
+                          pipeline=rs.Pipeline(stages=2))
+
+
 # Words that identify a README item -> the check that it is refused.
 CHECKS = {
     "TPU execution": refuses_tpus,
@@ -107,6 +119,8 @@ CHECKS = {
     "`InputReplicationMode.PER_REPLICA`": refuses_per_replica_input,
     "persistent (or nested) `GradientTape`":
         refuses_persistent_tapes_through_collectives_in_a_cond,
+    "`pipeline` with `variable_partitioner`":
+        refuses_sharded_weights_split_in_a_pipeline,
 }
 
 

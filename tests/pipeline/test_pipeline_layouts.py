@@ -185,21 +185,33 @@ class PipelineLayoutsTest(parameterized.TestCase):
     self.assertEqual(devices, [["CPU:2", "CPU:3"]] * 8)
 
 
+def three_axes_results(*args):
+  """What `three_axes_main.py *args` prints, run in a fresh process."""
+  env = dict(os.environ, PYTHONPATH=str(HERE.parents[1]))
+  env.pop("TF_CONFIG", None)
+  done = subprocess.run(
+      [sys.executable, str(HERE / "three_axes_main.py"), *args],
+      capture_output=True, text=True, env=env, timeout=300, check=False)
+  if done.returncode:
+    raise AssertionError(done.stderr[-3000:])
+  return json.loads(done.stdout.splitlines()[-1])
+
+
+def on(*devices, shape):
+  """[shape, device] of a part or copy on each of `devices` ("CPU:d")."""
+  return [[shape, f"CPU:{d}"] for d in devices]
+
+
 @pytest.mark.slow  # A fresh process on 8 logical CPUs.
 class BatchStageModelTest(unittest.TestCase):
   """2 pipelines x 2 stages x 2 model devices (`three_axes_main.py`)."""
 
+  ARGS = ()
+
   @classmethod
   def setUpClass(cls):
     super().setUpClass()
-    env = dict(os.environ, PYTHONPATH=str(HERE.parents[1]))
-    env.pop("TF_CONFIG", None)
-    done = subprocess.run(
-        [sys.executable, str(HERE / "three_axes_main.py")],
-        capture_output=True, text=True, env=env, timeout=300, check=False)
-    if done.returncode:
-      raise AssertionError(done.stderr[-3000:])
-    cls.results = json.loads(done.stdout.splitlines()[-1])
+    cls.results = three_axes_results(*cls.ARGS)
 
   def test_fit_is_one_devices(self):
     assert_equal_weights([np.array(w) for w in self.results["weights"]],
@@ -210,10 +222,6 @@ class BatchStageModelTest(unittest.TestCase):
 
   def test_each_device_holds_half_its_stages_split_kernels(self):
     self.maxDiff = None
-
-    def on(*devices, shape):
-      return [[shape, f"CPU:{d}"] for d in devices]
-
     # Each pipeline's copy: the first on devices 0-3, the second on 4-7.
     self.assertEqual(self.results["parts"], {
         "up_0/kernel": on(0, 1, 4, 5, shape=[8, 8]),
@@ -226,3 +234,29 @@ class BatchStageModelTest(unittest.TestCase):
         "down_1/bias": on(2, 6, shape=[8]),
         "head/kernel": on(2, 6, shape=[8, 3]),
         "head/bias": on(2, 6, shape=[3])})
+
+  def expected_momentum(self):
+    """Adam's m of each weight: as the weight is, beside it."""
+    return self.results["parts"]
+
+  def test_each_slot_is_on_its_weights_stage(self):
+    self.maxDiff = None
+    self.assertEqual(self.results["momentum"], self.expected_momentum())
+
+
+class ShardedStateBatchStageModelTest(BatchStageModelTest):
+  """The same, with `Sharding(optimizer_state=True)`."""
+
+  ARGS = ("--sharded-state",)
+
+  def expected_momentum(self):
+    """Split weights' slots in parts as they are; the others' a flat half on
+    their stage's first device of each pipeline (head/bias: 3 padded to 4)."""
+    return {
+        **{path: parts for path, parts in self.results["parts"].items()
+           if "kernel" in path and path != "head/kernel" or
+           path.startswith("up_")},
+        "down_0/bias": on(0, 4, shape=[4]),
+        "down_1/bias": on(2, 6, shape=[4]),
+        "head/kernel": on(2, 6, shape=[12]),
+        "head/bias": on(2, 6, shape=[2])}

@@ -66,13 +66,18 @@ class PipelineOptionsTest(unittest.TestCase):
       rs.ReplicatorStrategy(pipeline=2)
 
   def test_what_does_not_compose_yet(self):
-    pipeline = rs.Pipeline(stages=2)
-    for kwargs in (dict(shard_optimizer_state=True),
+    mesh = device_mesh((1, 2, 2), ("batch", "stage", "model"))
+    layouts = keras.distribution.LayoutMap(mesh)
+    layouts[".*kernel"] = (None, "model")
+    for kwargs in (dict(variable_partitioner=lambda shape, dtype: [2, 1]),
                    dict(sharding=rs.Sharding(weights="batch"))):
       with self.subTest(list(kwargs)), self.assertRaisesRegex(
-          NotImplementedError, r"A pipeline with .* not supported yet. "
-          r"Received: pipeline=Pipeline\(stages=2"):
-        rs.ReplicatorStrategy(pipeline=pipeline, **kwargs)
+          NotImplementedError, r"A pipeline with sharded weights \(ZeRO-3.* "
+          r"and a layout_map .* not supported yet. Received: "
+          r"pipeline=Pipeline\(stages=2.*"
+          r"sharding=rs.Sharding\(optimizer_state=True\)"):
+        rs.ReplicatorStrategy(mesh=mesh, layout_map=layouts,
+                              pipeline=rs.Pipeline(stages=2), **kwargs)
 
   def test_a_mesh_whose_stages_disagree(self):
     with self.assertRaisesRegex(ValueError, r"The mesh has 2 stage\(s\).*but "
