@@ -114,6 +114,24 @@ class _Replayed:
     return seed
 
 
+class SharedDraws:
+  """Seeds drawn by the first of several runs of the same calls, drawn
+  again by the others: a pipeline stage's forward on each micro-batch draws
+  the seeds one device draws once for the whole batch."""
+
+  def __init__(self):
+    self._seeds = None
+
+  @contextlib.contextmanager
+  def drawing(self):
+    first = self._seeds is None
+    draws = _Recorded(_draws.get()) if first else _Replayed(self._seeds)
+    with _drawing(draws):
+      yield
+    if first:
+      self._seeds = draws.seeds
+
+
 @contextlib.contextmanager
 def _drawing(draws):
   token = _draws.set(draws)

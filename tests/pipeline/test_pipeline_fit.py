@@ -46,6 +46,15 @@ def traced_mlp():
   return mlp(TracedDense)
 
 
+def dropouts():
+  """Dropout in each of the stages that `split=["dense_2"]` cuts."""
+  dense = lambda name: keras.layers.Dense(16, activation="tanh", name=name)
+  return keras.Sequential([
+      keras.Input((8,)), dense("dense_0"), keras.layers.Dropout(0.3),
+      dense("dense_1"), dense("dense_2"), keras.layers.Dropout(0.3),
+      keras.layers.Dense(3, name="dense_3")])
+
+
 def pipelined(stages, microbatches, schedule, **options):
   """Pipelines of `stages` stages over the 4 devices."""
   return rs.ReplicatorStrategy(pipeline=rs.Pipeline(
@@ -71,6 +80,22 @@ class PipelineFitTest(parameterized.TestCase):
   @pytest.mark.slow
   def test_more_steps_are_one_devices(self, stages, microbatches, schedule):
     assert_trains_as_one_device(pipelined(stages, microbatches, schedule))
+
+  @parameterized.named_parameters(
+      # 8 rows a pipeline: micro-batches of 3, 3 and 2 rows.
+      ("2_pipelines_3_micro_gpipe", ["/cpu:0", "/cpu:1", "/cpu:2", "/cpu:3"],
+       3, "gpipe"),
+      ("1_pipeline_2_micro_zb_h1", ["/cpu:0", "/cpu:1"], 2, "zb_h1"),
+  )
+  @pytest.mark.slow
+  def test_dropout_draws_one_devices_values(self, devices, microbatches,
+                                            schedule):
+    # Each micro-batch draws its rows' values, from the seed one device draws
+    # once a step.
+    assert_trains_as_one_device(rs.ReplicatorStrategy(
+        devices=devices, pipeline=rs.Pipeline(
+            stages=2, microbatches=microbatches, schedule=schedule,
+            split=["dense_2"])), build=dropouts)
 
   def test_interleaved_stages(self):
     assert_trains_as_one_device(rs.ReplicatorStrategy(
