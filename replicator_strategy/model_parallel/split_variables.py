@@ -303,7 +303,8 @@ def stage_groups(logical):
 
 def create(strategy, next_creator, axis, on_read=None,
            on_write=SplitVariable, **kwargs):
-  """A `SplitVariable`: parts of the whole initial value, on every replica.
+  """A `SplitVariable`: parts of the whole initial value, on every replica,
+  on the devices of the split variable it is colocated with, if any.
 
   An on-read variable (replicas hold their own values) is an `on_read`, a
   `SplitVariable` subclass of the same arguments; any other an `on_write`.
@@ -316,10 +317,16 @@ def create(strategy, next_creator, axis, on_read=None,
         f"replica's devices; ReplicatorStrategy splits an on-read variable "
         f"only as a Keras optimizer's gradient accumulator. Create it outside "
         f"`colocate_vars_with` of the split weight.")
-  kwargs.pop("colocate_with", None)
+  colocate_with = kwargs.pop("colocate_with", None)
   kwargs.pop("shape", None)
   communicator = strategy.extended.communicator
-  groups = stage_groups(strategy.extended.logical_devices)
+  logical = strategy.extended.logical_devices
+  if isinstance(colocate_with, SplitVariable):
+    # A slot: on its weight's devices (a later pipeline stage's, too).
+    groups = tuple(tuple(p.device for p in colocate_with.parts(r))
+                   for r in range(len(logical.groups)))
+  else:
+    groups = stage_groups(logical)
   k = len(groups[0])
   with tf.init_scope(), tf.device(groups[0][0]):
     initial_value = communicator.initial_value(kwargs["initial_value"],
