@@ -8,7 +8,8 @@ then cuts its batch into the pipeline's micro-batches and runs the
 schedule's forwards and backwards on the stages' devices
 (`pipeline.executor.run`); the gradients, summed over the micro-batches,
 are applied once, as Keras's step applies the whole batch's, and the
-metrics see the model's outputs for the whole batch. One step is one
+metrics see the model's outputs for the whole batch. Random layers draw, on
+each micro-batch, one device's values for its rows. One step is one
 device's step on the same batch. `evaluate` and `predict` run Keras's own
 steps, the model's call stage by stage, each on its device
 (`forward_through_stages`, `stage_by_stage_call`).
