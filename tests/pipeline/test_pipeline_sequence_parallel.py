@@ -6,7 +6,7 @@ devices, Megatron's rules splitting each stage's kernels over its two
 devices and the row-parallel layers' outputs (and the embedding's) split
 along the sequence: the LayerNorms, dropouts and residual adds between the
 Megatron pairs run on the sequence's halves, on the stage's own devices.
-After 3 Adam steps of `fit` the weights, the loss and the metrics equal one
+After 3 SGD steps of `fit` the weights, the loss and the metrics equal one
 device's (rtol 1e-5).
 """
 
@@ -28,6 +28,7 @@ DEVICES = [f"/cpu:{i}" for i in range(4)]
 # (docs/model-parallel.md).
 RULES = {
     ".*attention/(query|key|value)/kernel": (None, "model", None),
+    ".*attention/(query|key|value)/bias": ("model", None),
     ".*attention/attention_output/kernel": ("model", None, None),
     ".*up/kernel": (None, "model"), ".*up/bias": ("model",),
     ".*down/kernel": ("model", None),
@@ -41,10 +42,8 @@ def transformer():
   x = keras.layers.Embedding(VOCAB, WIDTH, name="tokens")(ids)
   for b in range(2):
     h = keras.layers.LayerNormalization(name=f"block{b}_norm1")(x)
-    # No biases in the projections: the key's bias has no gradient but
-    # rounding, which Adam magnifies.
     h = keras.layers.MultiHeadAttention(
-        HEADS, WIDTH // HEADS, use_bias=False, name=f"block{b}_attention")(
+        HEADS, WIDTH // HEADS, name=f"block{b}_attention")(
             h, h, use_causal_mask=True)
     x = x + keras.layers.Dropout(0.2, name=f"block{b}_drop1")(h)
     h = keras.layers.LayerNormalization(name=f"block{b}_norm2")(x)
@@ -79,5 +78,11 @@ class SequenceParallelStagesTest(parameterized.TestCase):
   )
   @pytest.mark.slow
   def test_fit_is_one_devices(self, microbatches, schedule):
+    # SGD, as tests/model_parallel/test_sequence_parallel.py: the key's bias
+    # has no gradient but rounding, which Adam would make a step; and with
+    # Adam (no biases) an element of a value kernel ends 2e-5 apart with
+    # oneDNN off, as on a (2, 2) mesh without a pipeline.
     assert_trains_as_one_device(stage_by_model(microbatches, schedule),
-                                build=transformer, batches=sequences)
+                                build=transformer, batches=sequences,
+                                optimizer=keras.optimizers.SGD,
+                                learning_rate=0.1)
