@@ -70,7 +70,7 @@ def recomputed_in_place(remat):
 
 def drawn_again(next_seed):
   """`SeedGenerator.next`: in a rematerialized call, its forward's seeds
-  recorded, and drawn again by its recompute."""
+  recorded, and drawn again by its recompute (and so in `SharedDraws`)."""
 
   @functools.wraps(next_seed)
   def wrapper(self, ordered=True):
