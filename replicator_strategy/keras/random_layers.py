@@ -87,6 +87,12 @@ def microbatch(first, count):
     _microbatch.reset(token)
 
 
+def microbatch_running():
+  """The (first, count) of the `microbatch` running now, or None: what a
+  recompute in the backward enters again to draw its forward's rows."""
+  return _microbatch.get()
+
+
 def rows_of(inputs):
   """Where `inputs`' rows lie in the global batch, or None to draw as is.
 
