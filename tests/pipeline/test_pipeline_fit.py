@@ -47,7 +47,8 @@ def traced_mlp():
 
 
 def dropouts():
-  """Dropout in each of the stages that `split=["dense_2"]` cuts."""
+  """Dropout in each of the stages that `split=["dense_2"]` cuts (in the
+  first and third of `["dense_1", "dense_2", "dense_3"]`'s)."""
   dense = lambda name: keras.layers.Dense(16, activation="tanh", name=name)
   return keras.Sequential([
       keras.Input((8,)), dense("dense_0"), keras.layers.Dropout(0.3),
@@ -83,19 +84,22 @@ class PipelineFitTest(parameterized.TestCase):
 
   @parameterized.named_parameters(
       # 8 rows a pipeline: micro-batches of 3, 3 and 2 rows.
-      ("2_pipelines_3_micro_gpipe", ["/cpu:0", "/cpu:1", "/cpu:2", "/cpu:3"],
-       3, "gpipe"),
-      ("1_pipeline_2_micro_zb_h1", ["/cpu:0", "/cpu:1"], 2, "zb_h1"),
+      ("2_pipelines_3_micro_gpipe", 4, 3, "gpipe"),
+      ("1_pipeline_2_micro_zb_h1", 2, 2, "zb_h1"),
+      # 4 virtual stages, the first and third with a dropout on device 0.
+      ("1_pipeline_2_micro_interleaved", 2, 2, "interleaved_1f1b", 2,
+       ["dense_1", "dense_2", "dense_3"]),
   )
   @pytest.mark.slow
   def test_dropout_draws_one_devices_values(self, devices, microbatches,
-                                            schedule):
+                                            schedule, virtual=1,
+                                            split=("dense_2",)):
     # Each micro-batch draws its rows' values, from the seed one device draws
     # once a step.
     assert_trains_as_one_device(rs.ReplicatorStrategy(
-        devices=devices, pipeline=rs.Pipeline(
+        devices=[f"/cpu:{i}" for i in range(devices)], pipeline=rs.Pipeline(
             stages=2, microbatches=microbatches, schedule=schedule,
-            split=["dense_2"])), build=dropouts)
+            virtual=virtual, split=list(split))), build=dropouts)
 
   def test_interleaved_stages(self):
     assert_trains_as_one_device(rs.ReplicatorStrategy(
