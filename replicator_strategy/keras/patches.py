@@ -315,7 +315,8 @@ PATCHES = (
           "keras.remat or a keras.RematScope rematerializes a call"),
     Patch(keras.random.SeedGenerator, "next", rematerialization.drawn_again,
           "in a rematerialized call: its forward's seeds recorded, replayed "
-          "by its recompute"),
+          "by its recompute; in a pipeline stage: its first micro-batch's, "
+          "by the others"),
     Patch(ki.tf_random, "uniform", random_layers.uniform_rows, _IN_ROW_LAYER),
     Patch(ki.tf_random, "normal", random_layers.normal_rows, _IN_ROW_LAYER),
     Patch(ki.tf_random, "dropout", random_layers.dropout_mask_rows,

@@ -8,7 +8,8 @@ then cuts its batch into the pipeline's micro-batches and runs the
 schedule's forwards and backwards on the stages' devices
 (`pipeline.executor.run`); the gradients, summed over the micro-batches,
 are applied once, as Keras's step applies the whole batch's, and the
-metrics see the model's outputs for the whole batch. One step is one
+metrics see the model's outputs for the whole batch. Random layers draw, on
+each micro-batch, one device's values for its rows. One step is one
 device's step on the same batch. `evaluate` and `predict` run Keras's own
 steps, the model's call stage by stage, each on its device
 (`forward_through_stages`, `stage_by_stage_call`).
@@ -22,6 +23,8 @@ multiplies every loss before its gradient is taken, as in Keras's step; the
 optimizer unscales the summed gradients and skips a step that overflowed.
 """
 
+import collections
+import contextlib
 import functools
 import threading
 
@@ -29,6 +32,8 @@ import keras
 import tensorflow as tf
 
 from replicator_strategy.keras import _internal as ki
+from replicator_strategy.keras import random_layers
+from replicator_strategy.keras import rematerialization
 from replicator_strategy.keras import stage_placement
 from replicator_strategy.pipeline import schedules
 from replicator_strategy.pipeline import stages as stages_lib
@@ -152,7 +157,8 @@ def _train_step(model, strategy, pipeline, data):
                       stages_lib.model_inputs(stages, x), y, micro_loss,
                       sample_weight=sample_weight, training=True,
                       extra_loss=_extra_loss,
-                      scale_loss=model.optimizer.scale_loss)
+                      scale_loss=model.optimizer.scale_loss,
+                      forward_context=_drawing_as_one_device())
   model.optimizer.apply_gradients(
       zip(step.gradients, executor.variables(stages)))
   y_pred = stages[-1].graph.pack(tf.nest.flatten(step.outputs))
@@ -166,6 +172,21 @@ def _train_step(model, strategy, pipeline, data):
   ki.loss_tracker(model).update_state(
       ki.loss.unscale_loss_for_distribution(loss), sample_weight=rows)
   return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+
+
+def _drawing_as_one_device():
+  """`executor.run`'s `forward_context`: a stage's random layers draw, on
+  each micro-batch, one device's values for its rows: with the seeds the
+  stage's first micro-batch drew (one device draws once a step), at the
+  micro-batch's rows of the batch."""
+  draws = collections.defaultdict(rematerialization.SharedDraws)
+
+  @contextlib.contextmanager
+  def drawing(stage, first, rows):
+    with draws[stage].drawing(), random_layers.microbatch(first, rows):
+      yield
+
+  return drawing
 
 
 def _extra_loss(stage, added):

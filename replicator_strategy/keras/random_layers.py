@@ -60,6 +60,8 @@ ROW_LAYERS = DROPOUT_LAYERS + IMAGE_LAYERS
 _drawing_for = contextvars.ContextVar("drawing_for", default=None)
 # False while `drawn_per_replica` holds (read by every replica's thread).
 _aligned = [True]
+# (first, count): the micro-batch of the replica's rows being run, if any.
+_microbatch = contextvars.ContextVar("microbatch", default=None)
 
 
 @contextlib.contextmanager
@@ -74,24 +76,46 @@ def drawn_per_replica():
     _aligned[0] = True
 
 
+@contextlib.contextmanager
+def microbatch(first, count):
+  """Inside, the layers run on the micro-batch of `count` of the replica's
+  rows from its row `first` on (a pipeline's): they draw those rows'."""
+  token = _microbatch.set((first, count))
+  try:
+    yield
+  finally:
+    _microbatch.reset(token)
+
+
+def microbatch_running():
+  """The (first, count) of the `microbatch` running now, or None: what a
+  recompute in the backward enters again to draw its forward's rows."""
+  return _microbatch.get()
+
+
 def rows_of(inputs):
   """Where `inputs`' rows lie in the global batch, or None to draw as is.
 
-  A layer's input holds k rows per row of the step's input (k = 1 but for
-  reshaped batches): its rows from k * first on, of k * total.
+  A layer's input holds k rows per row of the step's input, or of its
+  micro-batch (k = 1 but for reshaped batches): its rows from k * first on.
   """
   ctx = tf.distribute.get_replica_context()
+  micro = _microbatch.get()
   if not (_aligned[0] and isinstance(ctx, replica_context.ReplicaContext) and
-          ctx.num_replicas_in_sync > 1):
+          (ctx.num_replicas_in_sync > 1 or micro is not None)):
     return None
   rows = ctx.batch_rows()
   if rows is None:
     return None
+  first, step_rows = rows.first, rows.count
+  if micro is not None:
+    first += tf.cast(micro[0], tf.int64)
+    step_rows = tf.cast(micro[1], tf.int64)
   count = tf.shape(inputs, out_type=tf.int64)[0]
-  per_row = count // tf.maximum(rows.count, 1)
+  per_row = count // tf.maximum(step_rows, 1)
   # Not a multiple of the step's rows: not the batch; drawn as one device would.
-  per_row = tf.where(per_row * rows.count == count, per_row, 0)
-  return per_row * rows.first
+  per_row = tf.where(per_row * step_rows == count, per_row, 0)
+  return per_row * first
 
 
 def _drawing_rows(call, inputs_of):

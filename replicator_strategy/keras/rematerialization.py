@@ -19,8 +19,9 @@ one device (a Megatron layer's parts, gathered). `Recomputed`, which Keras's
 - in the backward, once a gradient reached the call (a data dependency:
   XLA ignores control dependencies), runs the call again on the device of
   its forward (a Megatron layer's parts each on theirs, as its code places
-  them), drawing the seeds its forward drew (`drawn_again`), its state
-  updates dropped (a `keras.StatelessScope`), and differentiates it.
+  them), drawing the seeds its forward drew (`drawn_again`) for the rows
+  it drew them for (a pipeline's micro-batch), its state updates dropped
+  (a `keras.StatelessScope`), and differentiates it.
 
 >>> import numpy as np
 >>> import replicator_strategy as rs
@@ -51,6 +52,7 @@ import tensorflow as tf
 
 from replicator_strategy import _tf_internal as tfi
 from replicator_strategy.keras import _internal as ki
+from replicator_strategy.keras import random_layers
 from replicator_strategy.model_parallel import megatron
 
 # The seeds of the rematerialized call running in this thread: recorded by
@@ -70,7 +72,7 @@ def recomputed_in_place(remat):
 
 def drawn_again(next_seed):
   """`SeedGenerator.next`: in a rematerialized call, its forward's seeds
-  recorded, and drawn again by its recompute."""
+  recorded, and drawn again by its recompute (and so in `SharedDraws`)."""
 
   @functools.wraps(next_seed)
   def wrapper(self, ordered=True):
@@ -112,6 +114,24 @@ class _Replayed:
           "Draw with keras.random and a SeedGenerator inside the call, the "
           "same draws whatever the pass.")
     return seed
+
+
+class SharedDraws:
+  """Seeds drawn by the first of several runs of the same calls, drawn
+  again by the others: a pipeline stage's forward on each micro-batch draws
+  the seeds one device draws once for the whole batch."""
+
+  def __init__(self):
+    self._seeds = None
+
+  @contextlib.contextmanager
+  def drawing(self):
+    first = self._seeds is None
+    draws = _Recorded(_draws.get()) if first else _Replayed(self._seeds)
+    with _drawing(draws):
+      yield
+    if first:
+      self._seeds = draws.seeds
 
 
 @contextlib.contextmanager
@@ -204,6 +224,7 @@ class Recomputed:
       return self.__wrapped__(*a, **kw)
 
     draws = _Recorded(_draws.get())
+    micro = random_layers.microbatch_running()
     with tfi.VariableWatcher() as watcher, tfi.tapes_paused(), _drawing(
         draws):
       outputs = run(feeds)
@@ -225,7 +246,9 @@ class Recomputed:
              for d, shape in zip(dys, shapes)]
       with tf.device(forward_device):
         xs = [_after(x, dys) for x in feeds]
-        with tf.GradientTape() as tape, _drawing(_Replayed(draws.seeds)):
+        with tf.GradientTape() as tape, _drawing(_Replayed(draws.seeds)), (
+            random_layers.microbatch(*micro) if micro
+            else contextlib.nullcontext()):
           tape.watch([x for x in xs if x.dtype.is_floating])
           tape.watch(variables)
           with keras.StatelessScope():

@@ -310,7 +310,8 @@ def _part_groups(variable):
 
 def create(strategy, next_creator, axis, on_read=None,
            on_write=SplitVariable, **kwargs):
-  """A `SplitVariable`: parts of the whole initial value, on every replica.
+  """A `SplitVariable`: parts of the whole initial value, on every replica,
+  on the devices of the split variable it is colocated with, if any.
 
   An on-read variable (replicas hold their own values) is an `on_read`, a
   `SplitVariable` subclass of the same arguments; any other an `on_write`.

@@ -38,6 +38,7 @@ and what its layers add on each micro-batch (activity regularization,
 `add_loss`), weighted by the micro-batch's share as its loss is.
 """
 
+import contextlib
 import typing
 
 import tensorflow as tf
@@ -64,7 +65,7 @@ def variables(stages):
 
 
 def run(plan, stages, stage_devices, x, y, loss_fn, sample_weight=None,
-        training=True, extra_loss=None, scale_loss=None):
+        training=True, extra_loss=None, scale_loss=None, forward_context=None):
   """Runs one replica's step through `plan` (a `schedules.Schedule`).
 
   Args:
@@ -87,6 +88,10 @@ def run(plan, stages, stage_devices, x, y, loss_fn, sample_weight=None,
       to the stage's.
     scale_loss: None, or `loss -> loss`, applied to every loss before its
       gradient is taken (a loss scale); `Step.loss` stays unscaled.
+    forward_context: None, or `(stage, first, rows) -> context manager`,
+      entered around stage `stage`'s forward on the micro-batch of `rows`
+      rows from row `first` of the batch (int32 scalars): what its random
+      layers draw, for one.
 
   Returns:
     A `Step`: loss and gradients equal to one device's on the whole batch.
@@ -95,7 +100,8 @@ def run(plan, stages, stage_devices, x, y, loss_fn, sample_weight=None,
   devices = _stage_devices(plan, stages, stage_devices)
   sources = _sources(stages)
   step = _Run(plan, stages, devices, sources, training, extra_loss,
-              scale_loss or (lambda loss: loss))
+              scale_loss or (lambda loss: loss),
+              forward_context or (lambda *_: contextlib.nullcontext()))
   step.split_batch(x, y, sample_weight)
   for action in schedules.timeline(plan).order():
     device = plan.device_of(action.stage)
@@ -120,10 +126,11 @@ class _Run:
   tape, inputs and outputs, the gradients sent back, the sums."""
 
   def __init__(self, plan, stages, devices, sources, training, extra_loss,
-               scale_loss):
+               scale_loss, forward_context):
     self.plan, self.stages, self.devices = plan, stages, devices
     self.sources, self.training = sources, training
     self.extra_loss, self.scale_loss = extra_loss, scale_loss
+    self.forward_context = forward_context
     self.extras = []  # What `extra_loss` added to the loss.
     self.previous = [[] for _ in plan]
     self.tapes, self.feeds, self.targets, self.values = {}, {}, {}, {}
@@ -154,6 +161,8 @@ class _Run:
       self.y, self.weights = cut_nest(y), cut_nest(sample_weight)
       self.shares = [tf.cast(sizes[m], tf.float64) / tf.cast(rows, tf.float64)
                      for m in range(m_count)]
+    self.sizes = sizes
+    self.firsts = tf.cumsum(sizes, exclusive=True)
 
   def F(self, j, m, loss_fn):  # noqa: N802 (the action's name)
     """The forward of stage j on micro-batch m, on a tape kept for B (and W)."""
@@ -165,7 +174,7 @@ class _Run:
                else self.values[producer, name, m])
       feeds[name] = tf.identity(value)  # Moved to this stage's device.
     tape = tf.GradientTape(persistent=self.plan.split_backward)
-    with tape:
+    with tape, self.forward_context(j, self.firsts[m], self.sizes[m]):
       tape.watch([feeds[n] for n in self._differentiable(j, feeds)])
       out = dict(stage(feeds, training=self.training))
       added = self._added(j, m, out.pop(stages_lib.ADDED_LOSS, None))

@@ -29,12 +29,16 @@ MEGATRON_RULES = {".*up_.*/kernel": (None, "model"), ".*up_.*/bias": ("model",),
                   ".*down_.*/kernel": ("model", None)}
 
 
-def megatron_mlp():
-  """Two Megatron pairs (up column-parallel, down row-parallel), a head."""
+def megatron_mlp(regularizer=None):
+  """Two Megatron pairs (up column-parallel, down row-parallel), a head;
+  `regularizer` on each split weight (up's kernel and bias, down's kernel)."""
   layers = [keras.Input((8,))]
   for i in range(2):
-    layers += [keras.layers.Dense(16, activation="tanh", name=f"up_{i}"),
-               keras.layers.Dense(8, activation="tanh", name=f"down_{i}")]
+    layers += [keras.layers.Dense(16, activation="tanh", name=f"up_{i}",
+                                  kernel_regularizer=regularizer,
+                                  bias_regularizer=regularizer),
+               keras.layers.Dense(8, activation="tanh", name=f"down_{i}",
+                                  kernel_regularizer=regularizer)]
   return keras.Sequential(layers + [keras.layers.Dense(3, name="head")])
 
 

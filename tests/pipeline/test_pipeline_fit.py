@@ -46,6 +46,16 @@ def traced_mlp():
   return mlp(TracedDense)
 
 
+def dropouts():
+  """Dropout in each of the stages that `split=["dense_2"]` cuts (in the
+  first and third of `["dense_1", "dense_2", "dense_3"]`'s)."""
+  dense = lambda name: keras.layers.Dense(16, activation="tanh", name=name)
+  return keras.Sequential([
+      keras.Input((8,)), dense("dense_0"), keras.layers.Dropout(0.3),
+      dense("dense_1"), dense("dense_2"), keras.layers.Dropout(0.3),
+      keras.layers.Dense(3, name="dense_3")])
+
+
 def pipelined(stages, microbatches, schedule, **options):
   """Pipelines of `stages` stages over the 4 devices."""
   return rs.ReplicatorStrategy(pipeline=rs.Pipeline(
@@ -71,6 +81,25 @@ class PipelineFitTest(parameterized.TestCase):
   @pytest.mark.slow
   def test_more_steps_are_one_devices(self, stages, microbatches, schedule):
     assert_trains_as_one_device(pipelined(stages, microbatches, schedule))
+
+  @parameterized.named_parameters(
+      # 8 rows a pipeline: micro-batches of 3, 3 and 2 rows.
+      ("2_pipelines_3_micro_gpipe", 4, 3, "gpipe"),
+      ("1_pipeline_2_micro_zb_h1", 2, 2, "zb_h1"),
+      # 4 virtual stages, the first and third with a dropout on device 0.
+      ("1_pipeline_2_micro_interleaved", 2, 2, "interleaved_1f1b", 2,
+       ["dense_1", "dense_2", "dense_3"]),
+  )
+  @pytest.mark.slow
+  def test_dropout_draws_one_devices_values(self, devices, microbatches,
+                                            schedule, virtual=1,
+                                            split=("dense_2",)):
+    # Each micro-batch draws its rows' values, from the seed one device draws
+    # once a step.
+    assert_trains_as_one_device(rs.ReplicatorStrategy(
+        devices=[f"/cpu:{i}" for i in range(devices)], pipeline=rs.Pipeline(
+            stages=2, microbatches=microbatches, schedule=schedule,
+            virtual=virtual, split=list(split))), build=dropouts)
 
   def test_interleaved_stages(self):
     assert_trains_as_one_device(rs.ReplicatorStrategy(

@@ -15,7 +15,6 @@ import pathlib
 import subprocess
 import sys
 import tempfile
-import unittest
 from unittest import mock
 
 import keras
@@ -24,6 +23,7 @@ import pytest
 from absl.testing import parameterized
 
 import replicator_strategy as rs
+from replicator_strategy.keras import stage_placement
 from replicator_strategy.model_parallel import megatron
 
 from pipeline_fits import BATCH  # noqa: I001
@@ -49,6 +49,10 @@ def stage_by_model(microbatches, schedule="1f1b", split=("up_1",),
       layout_map=layout_map(mesh, rules),
       pipeline=rs.Pipeline(stages=2, microbatches=microbatches,
                            schedule=schedule, split=list(split), **pipeline))
+
+
+def regularized_megatron_mlp():
+  return megatron_mlp(regularizer=keras.regularizers.L2(0.05))
 
 
 def dense_sandwich():
@@ -106,6 +110,12 @@ class PipelineLayoutsTest(parameterized.TestCase):
     assert_trains_as_one_device(stage_by_model(microbatches, schedule),
                                 build=megatron_mlp)
 
+  @pytest.mark.slow
+  def test_regularizers_on_split_weights(self):
+    model = assert_trains_as_one_device(stage_by_model(2),
+                                        build=regularized_megatron_mlp)
+    self.assertLen(model.losses, 6)  # Each regularizer counted once.
+
   def test_each_stage_splits_its_kernels_over_its_devices(self):
     # With 2 GPipe micro-batches (1F1B's run with the slow tests).
     model = assert_trains_as_one_device(stage_by_model(2, "gpipe"),
@@ -115,6 +125,14 @@ class PipelineLayoutsTest(parameterized.TestCase):
     self.assertEqual(held_bytes(model), {
         "CPU:0": half + 8 * 4, "CPU:1": half,
         "CPU:2": half + (8 + 8 * 3 + 3) * 4, "CPU:3": half})
+    # Adam's slots, which fit makes once the stages are placed, where their
+    # weights are, in the same parts.
+    slots = stage_placement.slots_by_weight(model.optimizer)
+    for weight in model.weights:
+      for slot in slots[weight.path]:
+        self.assertEqual(
+            [(c.shape, c.device) for c in slot.value.values],
+            [(c.shape, c.device) for c in weight.value.values], slot.path)
 
   def test_interleaved_stages_split_their_kernels(self):
     # 4 virtual stages, 2 a stage: each Megatron pair cut between the
@@ -203,8 +221,9 @@ def on(*devices, shape):
 
 
 @pytest.mark.slow  # A fresh process on 8 logical CPUs.
-class BatchStageModelTest(unittest.TestCase):
-  """2 pipelines x 2 stages x 2 model devices (`three_axes_main.py`)."""
+class BatchStageModelTest(parameterized.TestCase):
+  """2 pipelines x 2 stages x 2 model devices (`three_axes_main.py`): with
+  Adam, and with Adam accumulating 3 steps' gradients."""
 
   ARGS = ()
 
@@ -213,17 +232,22 @@ class BatchStageModelTest(unittest.TestCase):
     super().setUpClass()
     cls.results = three_axes_results(*cls.ARGS)
 
-  def test_fit_is_one_devices(self):
-    assert_equal_weights([np.array(w) for w in self.results["weights"]],
-                         self.results["one_device_weights"])
-    for name, values in self.results["one_device_history"].items():
-      np.testing.assert_allclose(self.results["history"][name], values,
+  @parameterized.named_parameters(("adam", "adam"),
+                                  ("accumulating", "accumulating"))
+  def test_fit_is_one_devices(self, case):
+    results = self.results[case]
+    assert_equal_weights([np.array(w) for w in results["weights"]],
+                         results["one_device_weights"])
+    for name, values in results["one_device_history"].items():
+      np.testing.assert_allclose(results["history"][name], values,
                                  rtol=1e-5, err_msg=name)
 
-  def test_each_device_holds_half_its_stages_split_kernels(self):
+  @parameterized.named_parameters(("adam", "adam"),
+                                  ("accumulating", "accumulating"))
+  def test_each_device_holds_half_its_stages_split_kernels(self, case):
     self.maxDiff = None
     # Each pipeline's copy: the first on devices 0-3, the second on 4-7.
-    self.assertEqual(self.results["parts"], {
+    parts = {
         "up_0/kernel": on(0, 1, 4, 5, shape=[8, 8]),
         "up_0/bias": on(0, 1, 4, 5, shape=[8]),
         "down_0/kernel": on(0, 1, 4, 5, shape=[8, 8]),
@@ -233,15 +257,21 @@ class BatchStageModelTest(unittest.TestCase):
         "down_1/kernel": on(2, 3, 6, 7, shape=[8, 8]),
         "down_1/bias": on(2, 6, shape=[8]),
         "head/kernel": on(2, 6, shape=[8, 3]),
-        "head/bias": on(2, 6, shape=[3])})
+        "head/bias": on(2, 6, shape=[3])}
+    results = self.results[case]
+    self.assertEqual(results["parts"], parts)
+    # Adam's 2 moments, and an accumulator, each on its weight's stage.
+    expected = {f"{path}/{slot}": where
+                for path, where in self.expected_moments(parts).items()
+                for slot in ("momentum", "velocity")}
+    if case == "accumulating":
+      expected.update({f"{path}/gradient_accumulator": where
+                       for path, where in parts.items()})
+    self.assertEqual(results["slot_parts"], expected)
 
-  def expected_momentum(self):
-    """Adam's m of each weight: as the weight is, beside it."""
-    return self.results["parts"]
-
-  def test_each_slot_is_on_its_weights_stage(self):
-    self.maxDiff = None
-    self.assertEqual(self.results["momentum"], self.expected_momentum())
+  def expected_moments(self, parts):
+    """Adam's moments of each weight: as the weight is, beside it."""
+    return parts
 
 
 class ShardedStateBatchStageModelTest(BatchStageModelTest):
@@ -249,11 +279,12 @@ class ShardedStateBatchStageModelTest(BatchStageModelTest):
 
   ARGS = ("--sharded-state",)
 
-  def expected_momentum(self):
-    """Split weights' slots in parts as they are; the others' a flat half on
-    their stage's first device of each pipeline (head/bias: 3 padded to 4)."""
+  def expected_moments(self, parts):
+    """Split weights' moments in parts as they are; the others' a flat half
+    on their stage's first device of each pipeline (head/bias: 3 padded to
+    4). A gradient accumulator is whole, as without sharding."""
     return {
-        **{path: parts for path, parts in self.results["parts"].items()
+        **{path: where for path, where in parts.items()
            if "kernel" in path and path != "head/kernel" or
            path.startswith("up_")},
         "down_0/bias": on(0, 4, shape=[4]),

@@ -5,16 +5,19 @@ results.
 Run by test_pipeline_layouts.py in a fresh process: the mesh needs 8
 devices, the suite's processes split the CPU into 4. Two pipelines of two
 stages, Megatron's rules splitting each stage's kernels over its 2 model
-devices, fitted as `pipeline_fits.fit` fits one device; with
+devices, fitted as `pipeline_fits.fit` fits one device: with Adam, and with
+Adam accumulating the gradients of the 3 batches (one update); with
 `--sharded-state`, the optimizer state sharded over the pipelines.
 """
 
+import functools
 import json
 import sys
 
 import keras
 
 import replicator_strategy as rs
+from replicator_strategy.keras import stage_placement
 
 from pipeline_fits import fit  # noqa: I001
 from pipeline_fits import layout_map
@@ -23,32 +26,47 @@ from pipeline_fits import one_device
 
 rs.split_cpu(8)  # Before any TensorFlow op.
 
+ACCUMULATING = functools.partial(keras.optimizers.Adam,
+                                 gradient_accumulation_steps=3)
 
-def main():
+
+def strategy():
   mesh = keras.distribution.DeviceMesh(
       (2, 2, 2), ("batch", "stage", "model"), [f"/cpu:{i}" for i in range(8)])
-  sharding = rs.Sharding(optimizer_state="--sharded-state" in sys.argv[1:])
-  model, history = fit(megatron_mlp, rs.ReplicatorStrategy(
-      mesh=mesh, layout_map=layout_map(mesh), sharding=sharding,
-      pipeline=rs.Pipeline(stages=2, microbatches=2, split=["up_1"])))
-  weights, one_history = one_device(build=megatron_mlp)
-  print(json.dumps({
+  return rs.ReplicatorStrategy(
+      mesh=mesh, layout_map=layout_map(mesh),
+      sharding=rs.Sharding(optimizer_state="--sharded-state" in sys.argv[1:]),
+      pipeline=rs.Pipeline(stages=2, microbatches=2, split=["up_1"]))
+
+
+def places(variable):
+  """The (shape, device) of each of `variable`'s parts or copies."""
+  return [(c.shape.as_list(), c.device[-5:]) for c in variable.value.values]
+
+
+def fitted(**case):
+  """`fit(**case)` on `strategy()` and on one device."""
+  model, history = fit(megatron_mlp, strategy(), **case)
+  weights, one_history = one_device(build=megatron_mlp, **case)
+  slots = stage_placement.slots_by_weight(model.optimizer)
+  return {
       "weights": [w.tolist() for w in model.get_weights()],
       "history": history,
       "one_device_weights": [w.tolist() for w in weights],
       "one_device_history": one_history,
       # Weight -> the (shape, device) of each of its parts or copies.
-      "parts": {w.path.partition("/")[2]: [(c.shape.as_list(), c.device[-5:])
-                                           for c in w.value.values]
-                for w in model.weights},
-      # Adam's m of each weight (made in the weights' order), alike.
-      "momentum": {w.path.partition("/")[2]: [(c.shape.as_list(),
-                                               c.device[-5:])
-                                              for c in m.value.values]
-                   for w, m in zip(model.trainable_weights, [
-                       v for v in model.optimizer.variables
-                       if v.path.endswith("_momentum")], strict=True)},
-  }))
+      "parts": {w.path.partition("/")[2]: places(w) for w in model.weights},
+      # "<weight>/<slot>" (Adam's moments, an accumulator) -> the same.
+      "slot_parts": {
+          f"{w.path.partition('/')[2]}/"
+          f"{s.name[len(w.path.replace('/', '_')) + 1:]}": places(s)
+          for w in model.weights for s in slots[w.path]},
+  }
+
+
+def main():
+  print(json.dumps({"adam": fitted(),
+                    "accumulating": fitted(optimizer=ACCUMULATING)}))
 
 
 if __name__ == "__main__":
