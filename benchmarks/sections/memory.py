@@ -13,7 +13,8 @@ contender in a fresh process:
   sequence per device;
 - "+ SP, selective remat": and `keras.RematScope(mode="larger_than")`
   recomputes the layers whose outputs are larger than a block's (the MLP's
-  up projection and gelu) in the backward;
+  up projection and gelu) and attention's core (scores, softmax, heads'
+  outputs) in the backward;
 - "+ SP, remat attn+up": and `keras.RematScope(mode="list_of_layers")`
   naming each block's MultiHeadAttention and "up": their calls (the
   query, key and value projections, the scores, softmax and heads'
@@ -81,9 +82,10 @@ def strategy(name):
 def remat_scope(name, size):
   """The contender's `keras.RematScope`: for the selective one, the layers
   whose outputs are larger than a block's (Keras counts the rows a call
-  gets): the MLP's "up" with its gelu (attention's heads, split over the
-  devices, are each smaller); for "attn+up", each block's attention and
-  "up" by name."""
+  gets): the MLP's "up" with its gelu, and attention's core (its scores,
+  softmax and heads' outputs, each device's from its query, key and value
+  parts, `keras/attention_heads.py`), as Megatron-LM's selective recompute;
+  for "attn+up", each block's attention and "up" by name."""
   _, seq, width, _, blocks = size["memory_transformer"]
   if name == LAYERS:
     return keras.RematScope(mode="list_of_layers", layer_names=[
