@@ -61,7 +61,7 @@ SIZES = {  # name: (full run, --quick)
     # activations dominate), its global batch and steps (the first untimed).
     "memory_transformer": ((512, 512, 1024, 8, 4), (32, 16, 16, 4, 1)),
     "memory_batch": (4, 2),
-    "memory_steps": (3, 2),
+    "memory_steps": (6, 2),
 }
 
 

@@ -13,7 +13,12 @@ contender in a fresh process:
   sequence per device;
 - "+ SP, selective remat": and `keras.RematScope(mode="larger_than")`
   recomputes the layers whose outputs are larger than a block's (the MLP's
-  up projection and gelu) in the backward;
+  up projection and gelu) and attention's core (scores, softmax, heads'
+  outputs) in the backward;
+- "+ SP, remat attn+up": and `keras.RematScope(mode="list_of_layers")`
+  naming each block's MultiHeadAttention and "up": their calls (the
+  query, key and value projections, the scores, softmax and heads'
+  outputs; up's output and gelu) recomputed in the backward;
 - "+ SP, full remat": and `keras.RematScope(mode="full")`.
 
 Each step is traced (`strategy.run(model.train_step, ...)` in a
@@ -40,9 +45,10 @@ from benchmarks import timing
 from benchmarks.sections import model_parallel
 
 DEVICES = 4
-TP, SP, SELECTIVE, FULL = ("tensor parallel", "+ sequence parallel",
-                           "+ SP, selective remat", "+ SP, full remat")
-NAMES = (TP, SP, SELECTIVE, FULL)
+TP, SP, SELECTIVE, LAYERS, FULL = (
+    "tensor parallel", "+ sequence parallel", "+ SP, selective remat",
+    "+ SP, remat attn+up", "+ SP, full remat")
+NAMES = (TP, SP, SELECTIVE, LAYERS, FULL)
 # The row-parallel layers whose sums become reduce-scatters along the
 # sequence: what follows them, up to the next column layer, runs in parts.
 # The token embedding's too, so that the first block starts in parts.
@@ -76,9 +82,15 @@ def strategy(name):
 def remat_scope(name, size):
   """The contender's `keras.RematScope`: for the selective one, the layers
   whose outputs are larger than a block's (Keras counts the rows a call
-  gets): the MLP's "up" with its gelu, the largest activations between the
-  pairs and the cheapest to recompute, and attention's inner softmax."""
-  _, seq, width, _, _ = size["memory_transformer"]
+  gets): the MLP's "up" with its gelu, and attention's core (its scores,
+  softmax and heads' outputs, each device's from its query, key and value
+  parts, `keras/attention_heads.py`), as Megatron-LM's selective recompute;
+  for "attn+up", each block's attention and "up" by name."""
+  _, seq, width, _, blocks = size["memory_transformer"]
+  if name == LAYERS:
+    return keras.RematScope(mode="list_of_layers", layer_names=[
+        f"block{i}_{layer}" for i in range(blocks)
+        for layer in ("attention", "up")])
   if name == SELECTIVE:
     return keras.RematScope(
         mode="larger_than",
@@ -172,5 +184,6 @@ def memory_table(options, rows):
 
 SECTION = section.Section(
     name="memory", measures="activation bytes per device and step time: "
-    "tensor parallel, + sequence parallel, + selective or full remat",
+    "tensor parallel, + sequence parallel, + selective (by size or by name) "
+    "or full remat",
     fresh=memory_rows, child=memory_child, table=memory_table)

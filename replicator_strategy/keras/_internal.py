@@ -228,6 +228,12 @@ def attention_combine(attention, scores, value):
   return keras.ops.einsum(attention._combine_equation, scores, value)  # pylint: disable=protected-access
 
 
+def remat_mode(layer):
+  """The `keras.RematScope` mode `layer` was created in (`mode`,
+  `output_size_threshold`, `layer_names`), or None."""
+  return layer._remat_mode  # pylint: disable=protected-access
+
+
 def optimizer_weights(optimizer):
   """The weights `optimizer` was built for (its accumulators follow them)."""
   return optimizer._trainable_variables  # pylint: disable=protected-access

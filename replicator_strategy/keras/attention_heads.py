@@ -13,14 +13,22 @@ as they are. So the attention reads query, key and value in parts only:
   (`random_rows.dropout_part`);
 - `return_attention_scores=True` returns each device's scores (before the
   dropout, as Keras returns them) assembled along the heads axis, recorded
-  in parts (`megatron.assembled`).
+  in parts (`megatron.assembled`);
+- created in a `keras.RematScope(mode="larger_than")` whose threshold the
+  whole scores (batch x heads x query x key) exceed, each device's core
+  (scores, softmax, dropout, heads' outputs) is recomputed in the backward
+  from its query, key and value parts (`rematerialization.Recomputed`), as
+  Megatron-LM's selective recompute does: Keras's mode would recompute the
+  softmax alone, whose output the heads' outputs keep anyway.
 """
 
 import functools
+import math
 
 from replicator_strategy import random_rows
 from replicator_strategy.keras import _internal as ki
 from replicator_strategy.keras import random_layers
+from replicator_strategy.keras import rematerialization
 from replicator_strategy.keras import sequence_parallel
 from replicator_strategy.model_parallel import megatron
 
@@ -49,6 +57,19 @@ def _heads_dropout(attention, heads_axis, first_row):
         attention.num_heads // scores.shape[heads_axis], first_row)
 
   return dropout
+
+
+def _core_recomputed(attention, query, key):
+  """Whether `attention`'s `RematScope` asks for its scores recomputed: the
+  whole scores larger than its "larger_than" threshold (a dimension of
+  unknown size counted as 1, as Keras counts it)."""
+  mode = ki.remat_mode(attention)
+  if mode is None or mode.mode != "larger_than":
+    return False
+  rank = query.shape.rank
+  scores = math.prod(d or 1 for d in query.shape[:-1]) * math.prod(
+      d or 1 for d in key.shape[rank - 2 - len(attention.attention_axes):-2])
+  return scores > mode.output_size_threshold
 
 
 def attention_per_head_group(compute_attention):
@@ -82,7 +103,12 @@ def attention_per_head_group(compute_attention):
         out = ki.attention_combine(self, dropout(scores, i), v)
       return (out, scores) if return_attention_scores else out
 
-    results = [megatron.on_device(d, functools.partial(heads, i), *qkv)
+    def core(i):
+      if _core_recomputed(self, query, key):
+        return rematerialization.Recomputed(functools.partial(heads, i))
+      return functools.partial(heads, i)
+
+    results = [megatron.on_device(d, core(i), *qkv)
                for i, (d, *qkv) in enumerate(zip(devices, *parts))]
     if not return_attention_scores:
       return megatron.assembled(results, devices, -2), None

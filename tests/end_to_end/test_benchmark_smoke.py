@@ -276,10 +276,10 @@ class BenchmarkSmokeTest(unittest.TestCase):
     options = options_lib.Options(quick=True, sections=("memory",))
     section = registry["memory"]
     row, = section.fresh(options)
-    tp, sp, selective, full = row["ms"]
-    self.assertEqual([tp, sp, selective, full], [
+    tp, sp, selective, layers, full = row["ms"]
+    self.assertEqual([tp, sp, selective, layers, full], [
         "tensor parallel", "+ sequence parallel", "+ SP, selective remat",
-        "+ SP, full remat"])
+        "+ SP, remat attn+up", "+ SP, full remat"])
     self.assertTrue(row["agree"], row)  # Each equals one device.
     norms = row["norm_dropout_mb"]
     # The blocks' LayerNorms and dropouts: whole on device 0 without
@@ -289,6 +289,9 @@ class BenchmarkSmokeTest(unittest.TestCase):
     held = row["held_mb"]
     self.assertLess(held[sp], held[tp])
     self.assertLess(held[selective], held[sp])
+    # Each block's attention and up recomputed (at these sizes "larger_than"
+    # picks nearly every layer): less than 60% of what SP alone holds.
+    self.assertLess(held[layers], 0.6 * held[sp])
     self.assertLess(held[full], 0.2 * held[sp])
     self.assertLessEqual(row["peak_mb"][full], row["peak_mb"][sp])
     table = "\n".join(section.table(options, [row]))

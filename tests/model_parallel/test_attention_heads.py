@@ -7,7 +7,11 @@ the heads axis without reading query, key or value whole: training with
 dropout, and with the scores, equals one device at rtol 1e-5 on a (1, 2)
 and a (2, 2) mesh.
 
-Marked `slow` (the quick loop leaves them out): the (1, 2) meshes.
+Under `keras.RematScope(mode="larger_than")`, each device's core is
+recomputed in the backward (its softmax runs twice), training as one device.
+
+Marked `slow` (the quick loop leaves them out): the (1, 2) meshes and the
+recompute.
 """
 
 import functools
@@ -200,3 +204,50 @@ class UniformSliceTest(unittest.TestCase):
     known = random_rows.uniform_slice([4, 2, 3, 5], seed, 1, 4, 6, dtype, 3)
     for part in (known, unknown_rows(tf.zeros([4, 2, 3, 5], dtype))):
       np.testing.assert_array_equal(part, whole[3:, 4:])
+
+
+def core_remat(rows):
+  """A `RematScope` whose threshold is a device's scores (of 2 heads) for
+  `rows` rows a replica: Keras recomputes no layer of the attention, ours
+  its core (the whole scores are twice that)."""
+  return keras.RematScope(mode="larger_than",
+                          output_size_threshold=rows * HEADS // 2 * SEQ * SEQ)
+
+
+class CoreRematTest(unittest.TestCase):
+  """`RematScope(mode="larger_than")` with split heads: each device's core
+  (scores, softmax, dropout, heads' outputs) is recomputed in the backward."""
+
+  @pytest.mark.slow
+  def test_fit_on_a_2_by_2_mesh_equals_one_device(self):
+    strategy = rs.ReplicatorStrategy(layout_map=layout(2))
+    with strategy.scope(), core_remat(BATCH // 2):
+      model = attention_model()
+    assert_equal_to_one_device(self, fit(model), one_device())
+
+  @pytest.mark.slow
+  def test_fit_under_xla_equals_one_device_under_xla(self):
+    want = fit(compiled(attention_model()))
+    strategy = rs.ReplicatorStrategy(layout_map=layout(2))
+    with strategy.scope(), core_remat(BATCH // 2):
+      model = attention_model()
+    assert_equal_to_one_device(self, fit(compiled(model)), want)
+
+  @pytest.mark.slow
+  def test_each_device_computes_its_softmax_again_in_the_backward(self):
+    strategy = rs.ReplicatorStrategy(layout_map=layout(1))
+    with strategy.scope(), core_remat(BATCH):
+      model = attention_model()
+
+    @tf.function
+    def step(x):
+      def replica_step(x):
+        with tf.GradientTape() as tape:
+          loss = tf.reduce_sum(model(x, training=True))
+        return tape.gradient(loss, model.trainable_variables)
+      return strategy.run(replica_step, (x,))
+
+    graph = step.get_concrete_function(tf.constant(data()[0][:BATCH])).graph
+    softmaxes = [_device_index(op) for op in graph.get_operations()
+                 if op.type == "Softmax"]
+    self.assertEqual(sorted(softmaxes), [0, 0, 1, 1])  # Forward, recompute.
