@@ -69,6 +69,8 @@ STRATEGY_OPTIONS = {
     # 2 fragments, each one's rounds sending its int8 changes.
     "int8_fragments": {"sync": rs.SyncGroups(
         groups=2, average_every=4, fragments=2, outer_dtype="int8")},
+    # One pipeline of 2 stages on each worker's 2 devices.
+    "pipeline": {"pipeline": rs.Pipeline(stages=2, microbatches=2)},
     "4_shards": {"variable_partitioner": (
         tf.distribute.experimental.partitioners.FixedShardsPartitioner(4))},
 }
@@ -531,6 +533,37 @@ def random_layers_fit(strategy):
           for name in ("conv_dropout", "augmented_images")}
 
 
+def pipeline_mlp():
+  """3 tanh Dense blocks, each with a dropout, and a Dense head."""
+  layers = [keras.Input((8,))]
+  for i in range(3):
+    layers += [keras.layers.Dense(16, activation="tanh", name=f"dense_{i}"),
+               keras.layers.Dropout(0.2, name=f"dropout_{i}")]
+  return keras.Sequential(layers + [keras.layers.Dense(3, name="head")])
+
+
+def pipeline_fit(strategy):
+  """Adam's `fit` of `pipeline_mlp`, 2 epochs of 3 batches; the losses, the
+  weights, the replicas in sync and the device of each weight.
+
+  On 2 workers x 1 replica, Keras's NumPy input gives each worker its
+  replica's rows contiguously, the rows one device draws their dropout
+  values for.
+  """
+  x, y = data(rows=3 * GLOBAL_BATCH)
+  keras.utils.set_random_seed(0)
+  weights = pipeline_mlp().get_weights()
+  with strategy.scope():
+    model = pipeline_mlp()
+    model.set_weights(weights)
+    model.compile(keras.optimizers.Adam(0.01), "mse")
+  history = model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=2, shuffle=False,
+                      verbose=0)
+  return {"loss": history.history["loss"], "weights": _weights(model),
+          "replicas": strategy.num_replicas_in_sync,
+          "devices": [w.value.device for w in model.weights]}
+
+
 def peer_dies(strategy, fate=signal.SIGKILL):
   """Trains step after step; worker 1 gets `fate` after two steps.
 
@@ -873,6 +906,7 @@ RUNS = {"custom_loop": custom_loop, "primitives": primitives,
         "fewer_rows_than_replicas": fewer_rows_than_replicas,
         "conv_last_batches": conv_last_batches,
         "batch_share": batch_share, "random_layers_fit": random_layers_fit,
+        "pipeline_fit": pipeline_fit,
         "sync_groups_fit": sync_groups_fit,
         "sync_groups_loop": sync_groups_loop,
         "sync_groups_step_logs": sync_groups_step_logs}

@@ -443,6 +443,30 @@ class MeshModelAxisTwoWorkersTest(RunsOnWorkers, unittest.TestCase):
 
 
 @pytest.mark.slow
+class PipelineTwoWorkersTest(RunsOnWorkers, unittest.TestCase):
+  """A pipeline of 2 stages on each worker's 2 devices (2 micro-batches):
+  the batch axis spans the workers, a pipeline on each."""
+  RUNS = ("pipeline_fit",)
+  OPTIONS = "@pipeline"
+  LAUNCH = "pipeline"
+
+  def test_pipelines_on_two_workers_train_as_one_device(self):
+    # Adam, a dropout in each block: the losses and each worker's weights.
+    want = dict(in_one_process("pipeline_fit", 1))
+    del want["replicas"], want["devices"]
+    for index, worker in enumerate(self.workers):
+      with self.subTest(worker=index):
+        got = dict(worker["pipeline_fit"])
+        self.assertEqual(got.pop("replicas"), 2)
+        # The first 2 blocks' kernels and biases on the worker's first
+        # device, the third block's and the head's on its second.
+        self.assertEqual(got.pop("devices"), [
+            f"/job:worker/replica:0/task:{index}/device:CPU:{stage}"
+            for stage in (0, 0, 0, 0, 1, 1, 1, 1)])
+        assert_close_nested(self, got, want)
+
+
+@pytest.mark.slow
 class OverlappedSyncGroupsTwoWorkersTest(SyncGroupsTwoWorkersTest):
   """The same with overlap_averaging=True: each round's exchange between the
   workers runs in a thread while the groups take the next steps."""
