@@ -71,6 +71,7 @@ STRATEGY_OPTIONS = {
         groups=2, average_every=4, fragments=2, outer_dtype="int8")},
     # One pipeline of 2 stages on each worker's 2 devices.
     "pipeline": {"pipeline": rs.Pipeline(stages=2, microbatches=2)},
+    "zero3": {"sharding": rs.Sharding(weights="batch")},
     "4_shards": {"variable_partitioner": (
         tf.distribute.experimental.partitioners.FixedShardsPartitioner(4))},
 }
@@ -544,7 +545,8 @@ def pipeline_mlp():
 
 def pipeline_fit(strategy):
   """Adam's `fit` of `pipeline_mlp`, 2 epochs of 3 batches; the losses, the
-  weights, the replicas in sync and the device of each weight.
+  weights, the replicas in sync and the device and shape of each weight's
+  parts on this worker.
 
   On 2 workers x 1 replica, Keras's NumPy input gives each worker its
   replica's rows contiguously, the rows one device draws their dropout
@@ -561,7 +563,9 @@ def pipeline_fit(strategy):
                       verbose=0)
   return {"loss": history.history["loss"], "weights": _weights(model),
           "replicas": strategy.num_replicas_in_sync,
-          "devices": [w.value.device for w in model.weights]}
+          "parts": [[[part.device, part.shape.as_list()] for part in
+                     strategy.experimental_local_results(w.value)]
+                    for w in model.weights]}
 
 
 def peer_dies(strategy, fate=signal.SIGKILL):

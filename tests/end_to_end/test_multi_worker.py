@@ -449,21 +449,43 @@ class PipelineTwoWorkersTest(RunsOnWorkers, unittest.TestCase):
   RUNS = ("pipeline_fit",)
   OPTIONS = "@pipeline"
   LAUNCH = "pipeline"
+  SHARDS = 1  # A weight's shards over the pipelines: 1 on each worker.
 
   def test_pipelines_on_two_workers_train_as_one_device(self):
     # Adam, a dropout in each block: the losses and each worker's weights.
     want = dict(in_one_process("pipeline_fit", 1))
-    del want["replicas"], want["devices"]
+    del want["replicas"], want["parts"]
+    # The first 2 blocks' kernels and biases on a worker's first device,
+    # the third block's and the head's on its second.
+    stages = (0, 0, 0, 0, 1, 1, 1, 1)
     for index, worker in enumerate(self.workers):
       with self.subTest(worker=index):
         got = dict(worker["pipeline_fit"])
         self.assertEqual(got.pop("replicas"), 2)
-        # The first 2 blocks' kernels and biases on the worker's first
-        # device, the third block's and the head's on its second.
-        self.assertEqual(got.pop("devices"), [
-            f"/job:worker/replica:0/task:{index}/device:CPU:{stage}"
-            for stage in (0, 0, 0, 0, 1, 1, 1, 1)])
+        self.assertEqual(got.pop("parts"), [
+            [[f"/job:worker/replica:0/task:{index}/device:CPU:{stage}",
+              self.worker_shape(np.shape(weight), index)]]
+            for stage, weight in zip(stages, want["weights"], strict=True)])
         assert_close_nested(self, got, want)
+
+  def worker_shape(self, shape, index):
+    """The shape of worker `index`'s part of a weight of `shape`."""
+    rows, extra = divmod(shape[0], self.SHARDS)
+    return [rows + (index < extra)] + list(shape[1:])
+
+
+@pytest.mark.slow
+class PipelineShardedStateTwoWorkersTest(PipelineTwoWorkersTest):
+  """The same, each stage's optimizer slots cut over the 2 pipelines."""
+  OPTIONS = "@pipeline+shard_optimizer_state"
+
+
+@pytest.mark.slow
+class PipelineZero3TwoWorkersTest(PipelineTwoWorkersTest):
+  """The same, each stage's weights cut over the 2 pipelines (ZeRO-3): half
+  of each on each worker's device of its stage."""
+  OPTIONS = "@pipeline+zero3"
+  SHARDS = 2
 
 
 @pytest.mark.slow
