@@ -544,15 +544,17 @@ def pipeline_mlp():
 
 
 def pipeline_fit(strategy):
-  """Adam's `fit` of `pipeline_mlp`, 2 epochs of 3 batches; the losses, the
-  weights, the replicas in sync and the device and shape of each weight's
-  parts on this worker.
+  """Adam's `fit` of `pipeline_mlp` for 2 epochs (a final batch of 10 rows),
+  then `evaluate` and `predict` (a final batch of 3); every number, the
+  replicas in sync and the device and shape of each weight's parts on this
+  worker.
 
   On 2 workers x 1 replica, Keras's NumPy input gives each worker its
   replica's rows contiguously, the rows one device draws their dropout
   values for.
   """
-  x, y = data(rows=3 * GLOBAL_BATCH)
+  x, y = data()
+  xv, yv = data(rows=27, seed=2)
   keras.utils.set_random_seed(0)
   weights = pipeline_mlp().get_weights()
   with strategy.scope():
@@ -562,6 +564,8 @@ def pipeline_fit(strategy):
   history = model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=2, shuffle=False,
                       verbose=0)
   return {"loss": history.history["loss"], "weights": _weights(model),
+          "evaluate": model.evaluate(xv, yv, batch_size=8, verbose=0),
+          "predict": model.predict(xv, batch_size=8, verbose=0).tolist(),
           "replicas": strategy.num_replicas_in_sync,
           "parts": [[[part.device, part.shape.as_list()] for part in
                      strategy.experimental_local_results(w.value)]

@@ -452,7 +452,8 @@ class PipelineTwoWorkersTest(RunsOnWorkers, unittest.TestCase):
   SHARDS = 1  # A weight's shards over the pipelines: 1 on each worker.
 
   def test_pipelines_on_two_workers_train_as_one_device(self):
-    # Adam, a dropout in each block: the losses and each worker's weights.
+    # Adam, a dropout in each block, short final batches: the losses, each
+    # worker's weights, evaluation and predictions.
     want = dict(in_one_process("pipeline_fit", 1))
     del want["replicas"], want["parts"]
     # The first 2 blocks' kernels and biases on a worker's first device,
