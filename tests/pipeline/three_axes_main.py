@@ -1,13 +1,15 @@
 """A batch 2 x stage 2 x model 2 mesh on 8 logical CPUs: `python
-tests/pipeline/three_axes_main.py [--sharded-state]`, one JSON line of
-results.
+tests/pipeline/three_axes_main.py [--sharded-state] [--zero3]`, one JSON
+line of results.
 
 Run by test_pipeline_layouts.py in a fresh process: the mesh needs 8
 devices, the suite's processes split the CPU into 4. Two pipelines of two
 stages, Megatron's rules splitting each stage's kernels over its 2 model
 devices, fitted as `pipeline_fits.fit` fits one device: with Adam, and with
 Adam accumulating the gradients of the 3 batches (one update); with
-`--sharded-state`, the optimizer state sharded over the pipelines.
+`--sharded-state`, the optimizer state sharded over the pipelines; with
+`--zero3`, the weights too (`Sharding(weights="batch")`), each part of a
+split weight in shards over the pipelines.
 """
 
 import functools
@@ -35,7 +37,9 @@ def strategy():
       (2, 2, 2), ("batch", "stage", "model"), [f"/cpu:{i}" for i in range(8)])
   return rs.ReplicatorStrategy(
       mesh=mesh, layout_map=layout_map(mesh),
-      sharding=rs.Sharding(optimizer_state="--sharded-state" in sys.argv[1:]),
+      sharding=rs.Sharding(
+          optimizer_state="--sharded-state" in sys.argv[1:],
+          weights="batch" if "--zero3" in sys.argv[1:] else None),
       pipeline=rs.Pipeline(stages=2, microbatches=2, split=["up_1"]))
 
 
