@@ -320,3 +320,11 @@ class ZeRO3BatchStageModelTest(BatchStageModelTest):
         "down_1/bias": on(2, 6, shape=[4]),
         "head/kernel": on(2, 6, shape=[4, 3]),
         "head/bias": on(2, shape=[2]) + on(6, shape=[1])}
+
+  @parameterized.named_parameters(("adam", "adam"),
+                                  ("accumulating", "accumulating"))
+  def test_each_shard_is_gathered_among_its_own_devices(self, case):
+    # Shard r of a later stage's part j is gathered on pipeline r's device j
+    # of that stage, where it lives, not on logical device j.
+    self.assertEqual(self.results[case]["gathers"],
+                     [[f"CPU:{d}"] * 2 for d in range(8)])

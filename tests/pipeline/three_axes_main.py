@@ -15,11 +15,13 @@ split weight in shards over the pipelines.
 import functools
 import json
 import sys
+from unittest import mock
 
 import keras
 
 import replicator_strategy as rs
 from replicator_strategy.keras import stage_placement
+from replicator_strategy.sharding import exchange
 
 from pipeline_fits import fit  # noqa: I001
 from pipeline_fits import layout_map
@@ -48,9 +50,24 @@ def places(variable):
   return [(c.shape.as_list(), c.device[-5:]) for c in variable.value.values]
 
 
+def gathered_where(run):
+  """`run()`, and the distinct (device of a shard, device it is gathered on)
+  pairs of the all-gathers of sharded weights' shards it traces."""
+  original, pairs = exchange.all_gather, set()
+
+  def all_gather(ctx, value, axis, logical_device=0):
+    group = ctx.strategy.extended.logical_devices.groups[ctx.local_index]
+    pairs.add((value.device[-5:], group[logical_device][-5:]))
+    return original(ctx, value, axis, logical_device)
+
+  with mock.patch.object(exchange, "all_gather", all_gather):
+    return run(), sorted(pairs)
+
+
 def fitted(**case):
   """`fit(**case)` on `strategy()` and on one device."""
-  model, history = fit(megatron_mlp, strategy(), **case)
+  (model, history), gathers = gathered_where(
+      lambda: fit(megatron_mlp, strategy(), **case))
   weights, one_history = one_device(build=megatron_mlp, **case)
   slots = stage_placement.slots_by_weight(model.optimizer)
   return {
@@ -58,6 +75,7 @@ def fitted(**case):
       "history": history,
       "one_device_weights": [w.tolist() for w in weights],
       "one_device_history": one_history,
+      "gathers": gathers,
       # Weight -> the (shape, device) of each of its parts or copies.
       "parts": {w.path.partition("/")[2]: places(w) for w in model.weights},
       # "<weight>/<slot>" (Adam's moments, an accumulator) -> the same.
