@@ -235,6 +235,10 @@ class BatchStageModelTest(parameterized.TestCase):
   @parameterized.named_parameters(("adam", "adam"),
                                   ("accumulating", "accumulating"))
   def test_fit_is_one_devices(self, case):
+    self.assert_fit_is_one_devices(case)
+
+  def assert_fit_is_one_devices(self, case):
+    """The weights, loss and metrics of `case` are one device's."""
     results = self.results[case]
     assert_equal_weights([np.array(w) for w in results["weights"]],
                          results["one_device_weights"])
@@ -300,7 +304,8 @@ class ShardedStateBatchStageModelTest(BatchStageModelTest):
 
 class ZeRO3BatchStageModelTest(BatchStageModelTest):
   """The same, with `Sharding(weights="batch")`: each part of a split
-  weight, and each other weight, in halves by rows over the pipelines."""
+  weight, and each other weight, in halves by rows over the pipelines; and
+  with Adam built before `fit` ("built_first")."""
 
   ARGS = ("--zero3",)
 
@@ -328,3 +333,12 @@ class ZeRO3BatchStageModelTest(BatchStageModelTest):
     # of that stage, where it lives, not on logical device j.
     self.assertEqual(self.results[case]["gathers"],
                      [[f"CPU:{d}"] * 2 for d in range(8)])
+
+  def test_slots_built_first_move_sharded_with_their_weights(self):
+    results = self.results["built_first"]
+    self.assert_fit_is_one_devices("built_first")
+    parts = self.expected_parts()
+    self.assertEqual(results["parts"], parts)
+    self.assertEqual(results["slot_parts"], {
+        f"{path}/{slot}": where for path, where in parts.items()
+        for slot in ("momentum", "velocity")})

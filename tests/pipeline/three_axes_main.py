@@ -9,7 +9,8 @@ devices, fitted as `pipeline_fits.fit` fits one device: with Adam, and with
 Adam accumulating the gradients of the 3 batches (one update); with
 `--sharded-state`, the optimizer state sharded over the pipelines; with
 `--zero3`, the weights too (`Sharding(weights="batch")`), each part of a
-split weight in shards over the pipelines.
+split weight in shards over the pipelines, also with Adam built before
+`fit` (its slots then move to their stages).
 """
 
 import functools
@@ -87,8 +88,10 @@ def fitted(**case):
 
 
 def main():
-  print(json.dumps({"adam": fitted(),
-                    "accumulating": fitted(optimizer=ACCUMULATING)}))
+  results = {"adam": fitted(), "accumulating": fitted(optimizer=ACCUMULATING)}
+  if "--zero3" in sys.argv[1:]:  # Sharded slots moved with their weights.
+    results["built_first"] = fitted(built_first=True)
+  print(json.dumps(results))
 
 
 if __name__ == "__main__":
