@@ -146,10 +146,11 @@ class ShardedSplitVariable(split_variables.SplitVariable):
     ctx = tf.distribute.get_replica_context()
     local = ctx.local_index
     every_id, count = sharded_variables.gather_ids(ctx, ids, self.shape[0])
-    return [sharded_variables.lookup_in_shard(
-        ctx, self.layout, component, self.shard_index(local), ids, every_id,
-        count, self.logical_device(local, j))
-            for j, component in enumerate(self.parts(local))]
+    return [
+        sharded_variables.lookup_in_shard(
+            ctx, self.layout, component, self.shard_index(local), ids,
+            every_id, count, self.logical_device(local, j))
+        for j, component in enumerate(self.parts(local))]
 
   @property
   def looks_up_rows(self):
