@@ -175,16 +175,6 @@ class ReplicatorStrategy(tf.distribute.Strategy):
           f"Expected `pipeline` to be None or a replicator_strategy.Pipeline, "
           f"such as rs.Pipeline(stages=2, microbatches=4). Received: "
           f"pipeline={pipeline!r}.")
-    if (pipeline is not None and sharding.weights is not None and
-        model_layouts is not None):
-      raise NotImplementedError(
-          f"A pipeline with sharded weights (ZeRO-3: Sharding(weights=...), "
-          f"variable_partitioner) and a layout_map (tensor parallel inside "
-          f"each stage) together is not supported yet. Received: "
-          f"pipeline={pipeline!r}, sharding={sharding!r} and a layout_map. "
-          f"Shard the optimizer state instead, "
-          f"sharding=rs.Sharding(optimizer_state=True), or drop the "
-          f"layout_map.")
     the_mesh, sync, pipeline = mesh_lib.build(
         mesh, axis_roles, batch_dim_name, devices, devices_per_replica,
         model_layouts, sync, cluster.num_workers if cluster else 1, pipeline)

@@ -182,12 +182,13 @@ def move(strategy, variable, logical_device, weight=None):
   if tuple(c.device for c in held.values) == tuple(
       d for group in groups for d in group):
     return
-  # A split weight (or slot) is made split again, along its axis.
-  if split:
-    creating = layouts.creating(variable.path, held.whole_shape,
-                                (held.axis, None))
-  elif weight is not None:
+  # Sharded over the replicas too (ZeRO-3), it keeps its cut of each part.
+  sharded = getattr(held, "layout", None) if split else None
+  if weight is not None and (sharded is not None or not split):
     creating = _beside(strategy, weight, held)
+  elif split:  # A split weight (or slot) is made split again, along its axis.
+    creating = layouts.creating(variable.path, held.whole_shape,
+                                (held.axis, sharded))
   else:
     creating = contextlib.nullcontext()
   with strategy.scope(), devices.for_variables(logical_device), creating:

@@ -48,7 +48,8 @@ _creating = threading.local()  # .variable: (path, shape) being created.
 @contextlib.contextmanager
 def creating(path, shape, placement=None):
   """Marks the variable created inside as a Keras variable's (`path`);
-  `placement` (split, sharded dimensions) in place of the layout map's."""
+  `placement` (split, sharded dimensions) in place of the layout map's (the
+  sharded one may be the `RowLayout` of each part, kept as it is)."""
   previous = getattr(_creating, "variable", None)
   _creating.variable = (path, tuple(shape), placement)
   try:

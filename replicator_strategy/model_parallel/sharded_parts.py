@@ -43,6 +43,7 @@ from replicator_strategy.model_parallel import layouts
 from replicator_strategy.model_parallel import split_variables
 from replicator_strategy.sharding import creation
 from replicator_strategy.sharding import exchange
+from replicator_strategy.sharding import layout as layout_lib
 from replicator_strategy.sharding import variables as sharded_variables
 
 
@@ -67,6 +68,13 @@ class ShardedSplitVariable(split_variables.SplitVariable):
     return sharded_variables.shard_index(self.first_shard, local_replica,
                                          self.layout.num_shards)
 
+  def logical_device(self, local_replica, part):
+    """The logical device that part `part` is on: with pipeline stages, a
+    later stage's part j is not on logical device j. Its shards move among
+    every replica's that device."""
+    return self.distribute_strategy.extended.logical_devices.device_id(
+        local_replica, self.parts(local_replica)[part].device)
+
   def read_parts(self, local_replica):
     """Replica `local_replica`'s parts, each gathered whole on its device."""
     ctx = tf.distribute.get_replica_context()
@@ -76,7 +84,8 @@ class ShardedSplitVariable(split_variables.SplitVariable):
       with tf.device(component.device):
         reads.append(ctx.outside_loops(
             lambda c=component, j=j: sharded_variables.gather_whole(
-                ctx, self.layout, c.read_value(), shard, logical_device=j)))
+                ctx, self.layout, c.read_value(), shard,
+                logical_device=self.logical_device(local_replica, j))))
     return reads
 
   def _whole(self, local_replica):
@@ -137,9 +146,11 @@ class ShardedSplitVariable(split_variables.SplitVariable):
     ctx = tf.distribute.get_replica_context()
     local = ctx.local_index
     every_id, count = sharded_variables.gather_ids(ctx, ids, self.shape[0])
-    return [sharded_variables.lookup_in_shard(
-        ctx, self.layout, component, self.shard_index(local), ids, every_id,
-        count, j) for j, component in enumerate(self.parts(local))]
+    return [
+        sharded_variables.lookup_in_shard(
+            ctx, self.layout, component, self.shard_index(local), ids,
+            every_id, count, self.logical_device(local, j))
+        for j, component in enumerate(self.parts(local))]
 
   @property
   def looks_up_rows(self):
@@ -161,7 +172,8 @@ class ShardedSplitVariable(split_variables.SplitVariable):
         self.parts(ctx.local_index), self._split(value))):
       with tf.device(component.device):
         parts.append(self.layout.assemble_padded(exchange.all_gather(
-            ctx, self.layout.pad(piece, shard), self.layout.axis, j)))
+            ctx, self.layout.pad(piece, shard), self.layout.axis,
+            self.logical_device(ctx.local_index, j))))
     return self._concat(parts)
 
   def update_own_shards(self, local_replica, fn, *args, **kwargs):
@@ -228,7 +240,8 @@ def create(strategy, next_creator, request, split_axis, batch_axis,
 
   It is one where it is optimizer state of one (created `colocate_with` it),
   or a trainable weight split along `split_axis` that `batch_axis` (the
-  dimension a layout names the batch axis for) or `variable_partitioner`
+  dimension a layout names the batch axis for, or the `RowLayout` of a part
+  that a weight moved to its pipeline stage keeps) or `variable_partitioner`
   (asked about a part) shards over the replicas.
   """
   request = request or creation.SlotRequest()
@@ -245,20 +258,25 @@ def create(strategy, next_creator, request, split_axis, batch_axis,
           f"`colocate_vars_with` of that weight.")
     return _create(strategy, next_creator, weight.axis, weight.layout,
                    "whole" if request.reads_whole else "shard",
-                   variable_class, **kwargs)
+                   variable_class, split_variables.part_groups(weight),
+                   **kwargs)
   if (split_axis is None or weight is not None or
       (batch_axis is None and extended.variable_partitioner is None) or
       not creation.shardable(kwargs)):
     return None
-  shape = list(layouts.variable_being_created()[1])
-  shape[split_axis] //= extended.logical_devices.per_replica
-  layout = creation.row_layout(extended.variable_partitioner, shape,
-                               kwargs.get("dtype"), num_replicas,
-                               kwargs.get("name"), batch_axis)
+  groups = split_variables.stage_groups(extended.logical_devices)
+  if isinstance(batch_axis, layout_lib.RowLayout):
+    layout = batch_axis
+  else:
+    shape = list(layouts.variable_being_created()[1])
+    shape[split_axis] //= len(groups[0])
+    layout = creation.row_layout(extended.variable_partitioner, shape,
+                                 kwargs.get("dtype"), num_replicas,
+                                 kwargs.get("name"), batch_axis)
   if layout is None:
     return None
   return _create(strategy, next_creator, split_axis, layout, "whole",
-                 variable_class, **kwargs)
+                 variable_class, groups, **kwargs)
 
 
 def _check_one_worker(extended):
@@ -275,13 +293,12 @@ def _check_one_worker(extended):
 
 
 def _create(strategy, next_creator, axis, layout, replica_reads,
-            variable_class, **kwargs):
+            variable_class, groups, **kwargs):
   """The variable: shard r of part j of the whole initial value on each
-  replica r's device j."""
+  replica r's device j of `groups[r]` (its parts' devices)."""
   kwargs.pop("colocate_with", None)
   kwargs.pop("shape", None)
   extended = strategy.extended
-  groups = extended.logical_devices.groups
   _check_one_worker(extended)
   communicator = extended.communicator
   first_shard = communicator.first_replica_id

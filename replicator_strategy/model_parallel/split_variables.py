@@ -301,7 +301,7 @@ def stage_groups(logical):
                for group in logical.groups)
 
 
-def _part_groups(variable):
+def part_groups(variable):
   """Each replica's devices that the split `variable`'s parts are on."""
   devices = [c.device for c in variable.values]
   k = variable.num_parts
@@ -328,7 +328,7 @@ def create(strategy, next_creator, axis, on_read=None,
   kwargs.pop("shape", None)
   communicator = strategy.extended.communicator
   # A slot goes beside its split weight's parts (a later pipeline stage's).
-  groups = (_part_groups(weight) if isinstance(weight, SplitVariable) else
+  groups = (part_groups(weight) if isinstance(weight, SplitVariable) else
             stage_groups(strategy.extended.logical_devices))
   k = len(groups[0])
   with tf.init_scope(), tf.device(groups[0][0]):

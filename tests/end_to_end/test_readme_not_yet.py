@@ -14,7 +14,6 @@ import re
 import unittest
 from unittest import mock
 
-import keras
 import tensorflow as tf
 
 import replicator_strategy as rs
@@ -50,9 +49,8 @@ OPTIONS = {
 }
 # The pairs of options the constructor refuses, as README's items name them.
 REFUSED_PAIRS = set()
-# Where the constructor raises NotImplementedError: TPUs, a pipeline with
-# sharded weights and a layout map.
-NOT_IMPLEMENTED_SITES = 2
+# Where the constructor raises NotImplementedError: TPUs.
+NOT_IMPLEMENTED_SITES = 1
 
 
 def refuses_tpus(test):
@@ -99,18 +97,6 @@ def refuses_persistent_tapes_through_collectives_in_a_cond(test):
     tf.function(lambda: strategy.run(fn))()
 
 
-def refuses_sharded_weights_split_in_a_pipeline(test):
-  mesh = keras.distribution.DeviceMesh(
-      (1, 2, 2), ("batch", "stage", "model"), [f"/cpu:{i}" for i in range(4)])
-  layout_map = keras.distribution.LayoutMap(mesh)
-  layout_map[".*kernel"] = (None, "model")
-  with test.assertRaisesRegex(NotImplementedError,
-                              "sharded weights .* and a layout_map"):
-    rs.ReplicatorStrategy(mesh=mesh, layout_map=layout_map,
-                          sharding=rs.Sharding(weights="batch"),
-                          pipeline=rs.Pipeline(stages=2))
-
-
 # Words that identify a README item -> the check that it is refused.
 CHECKS = {
     "TPU execution": refuses_tpus,
@@ -119,8 +105,6 @@ CHECKS = {
     "`InputReplicationMode.PER_REPLICA`": refuses_per_replica_input,
     "persistent (or nested) `GradientTape`":
         refuses_persistent_tapes_through_collectives_in_a_cond,
-    "`pipeline` with `variable_partitioner`":
-        refuses_sharded_weights_split_in_a_pipeline,
 }
 
 

@@ -64,14 +64,17 @@ def initial_weights(build=mlp):
 
 def fit(build=mlp, strategy=None, *, batches=data,
         optimizer=keras.optimizers.Adam, learning_rate=0.01,
-        metrics=("mae",)):
+        metrics=("mae",), built_first=False):
   """(model, history) after an epoch of `batches()` from `build`'s seeded
-  initial weights."""
+  initial weights; `built_first`: with the optimizer built before `fit`
+  (a pipeline's stages then move its slots)."""
   weights = initial_weights(build)
   with strategy.scope() if strategy else contextlib.nullcontext():
     model = build()
     model.set_weights(weights)
     model.compile(optimizer(learning_rate), "mse", metrics=list(metrics))
+    if built_first:
+      model.optimizer.build(model.trainable_variables)
   history = model.fit(*batches(), batch_size=BATCH, shuffle=False, verbose=0)
   return model, history.history
 

@@ -235,6 +235,10 @@ class BatchStageModelTest(parameterized.TestCase):
   @parameterized.named_parameters(("adam", "adam"),
                                   ("accumulating", "accumulating"))
   def test_fit_is_one_devices(self, case):
+    self.assert_fit_is_one_devices(case)
+
+  def assert_fit_is_one_devices(self, case):
+    """The weights, loss and metrics of `case` are one device's."""
     results = self.results[case]
     assert_equal_weights([np.array(w) for w in results["weights"]],
                          results["one_device_weights"])
@@ -244,20 +248,9 @@ class BatchStageModelTest(parameterized.TestCase):
 
   @parameterized.named_parameters(("adam", "adam"),
                                   ("accumulating", "accumulating"))
-  def test_each_device_holds_half_its_stages_split_kernels(self, case):
+  def test_each_device_holds_its_part_of_its_stages_weights(self, case):
     self.maxDiff = None
-    # Each pipeline's copy: the first on devices 0-3, the second on 4-7.
-    parts = {
-        "up_0/kernel": on(0, 1, 4, 5, shape=[8, 8]),
-        "up_0/bias": on(0, 1, 4, 5, shape=[8]),
-        "down_0/kernel": on(0, 1, 4, 5, shape=[8, 8]),
-        "down_0/bias": on(0, 4, shape=[8]),
-        "up_1/kernel": on(2, 3, 6, 7, shape=[8, 8]),
-        "up_1/bias": on(2, 3, 6, 7, shape=[8]),
-        "down_1/kernel": on(2, 3, 6, 7, shape=[8, 8]),
-        "down_1/bias": on(2, 6, shape=[8]),
-        "head/kernel": on(2, 6, shape=[8, 3]),
-        "head/bias": on(2, 6, shape=[3])}
+    parts = self.expected_parts()
     results = self.results[case]
     self.assertEqual(results["parts"], parts)
     # Adam's 2 moments, and an accumulator, each on its weight's stage.
@@ -268,6 +261,22 @@ class BatchStageModelTest(parameterized.TestCase):
       expected.update({f"{path}/gradient_accumulator": where
                        for path, where in parts.items()})
     self.assertEqual(results["slot_parts"], expected)
+
+  def expected_parts(self):
+    """Weight -> [shape, device] of each of its parts or copies: each
+    pipeline's copy, the first on devices 0-3, the second on 4-7, each split
+    kernel in halves on its stage's two devices."""
+    return {
+        "up_0/kernel": on(0, 1, 4, 5, shape=[8, 8]),
+        "up_0/bias": on(0, 1, 4, 5, shape=[8]),
+        "down_0/kernel": on(0, 1, 4, 5, shape=[8, 8]),
+        "down_0/bias": on(0, 4, shape=[8]),
+        "up_1/kernel": on(2, 3, 6, 7, shape=[8, 8]),
+        "up_1/bias": on(2, 3, 6, 7, shape=[8]),
+        "down_1/kernel": on(2, 3, 6, 7, shape=[8, 8]),
+        "down_1/bias": on(2, 6, shape=[8]),
+        "head/kernel": on(2, 6, shape=[8, 3]),
+        "head/bias": on(2, 6, shape=[3])}
 
   def expected_moments(self, parts):
     """Adam's moments of each weight: as the weight is, beside it."""
@@ -291,3 +300,45 @@ class ShardedStateBatchStageModelTest(BatchStageModelTest):
         "down_1/bias": on(2, 6, shape=[4]),
         "head/kernel": on(2, 6, shape=[12]),
         "head/bias": on(2, 6, shape=[2])}
+
+
+class ZeRO3BatchStageModelTest(BatchStageModelTest):
+  """The same, with `Sharding(weights="batch")`: each part of a split
+  weight, and each other weight, in halves by rows over the pipelines; and
+  with Adam built before `fit` ("built_first")."""
+
+  ARGS = ("--zero3",)
+
+  def expected_parts(self):
+    """Shard r of part j of a split weight on pipeline r's device j of its
+    stage (device 4r + 2s + j); the others' rows on their stage's first
+    device of each pipeline (head/bias: 3 rows, 2 and 1). Moments and an
+    accumulator are sharded as their weights."""
+    return {
+        "up_0/kernel": on(0, 1, 4, 5, shape=[4, 8]),
+        "up_0/bias": on(0, 1, 4, 5, shape=[4]),
+        "down_0/kernel": on(0, 1, 4, 5, shape=[4, 8]),
+        "down_0/bias": on(0, 4, shape=[4]),
+        "up_1/kernel": on(2, 3, 6, 7, shape=[4, 8]),
+        "up_1/bias": on(2, 3, 6, 7, shape=[4]),
+        "down_1/kernel": on(2, 3, 6, 7, shape=[4, 8]),
+        "down_1/bias": on(2, 6, shape=[4]),
+        "head/kernel": on(2, 6, shape=[4, 3]),
+        "head/bias": on(2, shape=[2]) + on(6, shape=[1])}
+
+  @parameterized.named_parameters(("adam", "adam"),
+                                  ("accumulating", "accumulating"))
+  def test_each_shard_is_gathered_among_its_own_devices(self, case):
+    # Shard r of a later stage's part j is gathered on pipeline r's device j
+    # of that stage, where it lives, not on logical device j.
+    self.assertEqual(self.results[case]["gathers"],
+                     [[f"CPU:{d}"] * 2 for d in range(8)])
+
+  def test_slots_built_first_move_sharded_with_their_weights(self):
+    results = self.results["built_first"]
+    self.assert_fit_is_one_devices("built_first")
+    parts = self.expected_parts()
+    self.assertEqual(results["parts"], parts)
+    self.assertEqual(results["slot_parts"], {
+        f"{path}/{slot}": where for path, where in parts.items()
+        for slot in ("momentum", "velocity")})

@@ -65,19 +65,20 @@ class PipelineOptionsTest(unittest.TestCase):
                                 r"replicator_strategy.Pipeline.*pipeline=2"):
       rs.ReplicatorStrategy(pipeline=2)
 
-  def test_what_does_not_compose_yet(self):
+  def test_zero3_with_a_layout_map_inside_the_stages(self):
+    # Trained as one device on 8 CPUs: test_pipeline_layouts.py's
+    # ZeRO3BatchStageModelTest.
     mesh = device_mesh((1, 2, 2), ("batch", "stage", "model"))
     layouts = keras.distribution.LayoutMap(mesh)
     layouts[".*kernel"] = (None, "model")
     for kwargs in (dict(variable_partitioner=lambda shape, dtype: [2, 1]),
                    dict(sharding=rs.Sharding(weights="batch"))):
-      with self.subTest(list(kwargs)), self.assertRaisesRegex(
-          NotImplementedError, r"A pipeline with sharded weights \(ZeRO-3.* "
-          r"and a layout_map .* not supported yet. Received: "
-          r"pipeline=Pipeline\(stages=2.*"
-          r"sharding=rs.Sharding\(optimizer_state=True\)"):
-        rs.ReplicatorStrategy(mesh=mesh, layout_map=layouts,
-                              pipeline=rs.Pipeline(stages=2), **kwargs)
+      with self.subTest(list(kwargs)):
+        strategy = rs.ReplicatorStrategy(
+            mesh=mesh, layout_map=layouts, pipeline=rs.Pipeline(stages=2),
+            **kwargs)
+        self.assertEqual(str(strategy.mesh), "batch 1 x stage 2 x model 2")
+        self.assertIsNotNone(strategy.extended.variable_partitioner)
 
   def test_a_mesh_whose_stages_disagree(self):
     with self.assertRaisesRegex(ValueError, r"The mesh has 2 stage\(s\).*but "
