@@ -40,7 +40,8 @@ LAUNCH_TIMEOUT = 480  # A shared launch runs for minutes on a loaded machine.
 def launch_workers(runs, out, num_workers=2, env=None, launch_args=(),
                    command=None):
   """Runs `runs` on `num_workers` workers writing to `out` (or each worker
-  runs `command`); (status, output)."""
+  runs `command`); (status, output), the output whole: the launcher's line
+  on a failure can come before a dying worker's long traceback."""
   command = command or (sys.executable, str(TESTS / "multi_worker_main.py"),
                         ",".join(runs), str(out))
   done = subprocess.run(
@@ -49,7 +50,7 @@ def launch_workers(runs, out, num_workers=2, env=None, launch_args=(),
        *command],
       capture_output=True, text=True, timeout=LAUNCH_TIMEOUT + 30,
       check=False, env={**os.environ, **(env or {})})
-  return done.returncode, done.stdout[-6000:] + done.stderr[-3000:]
+  return done.returncode, done.stdout + done.stderr
 
 
 def worker_results(out, status, output, num_workers=2):
