@@ -274,9 +274,8 @@ class ReplicatorExtended(tfi.StrategyExtendedV1):
         isinstance(v, tfi.values.PerReplica) and
         self.communicator.ops_for(v, d) is ops and tfi.devices_match(v, d)
         for v, d in value_destination_pairs):
-      to_reduce, unpack = packing.pack(values, packing.bucket_bytes(options))
-      return unpack(ops.batch_reduce(
-          reduce_op, [(v, v) for v in to_reduce], options=options))
+      return packing.batch_reduce(ops, reduce_op, values,
+                                  packing.bucket_bytes(options), options)
     if all(self.communicator.ops_for(v, d) is ops
            for v, d in value_destination_pairs):
       return ops.batch_reduce(reduce_op, value_destination_pairs,

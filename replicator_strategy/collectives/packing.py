@@ -160,3 +160,12 @@ def pack(values, bucket_bytes=BUCKET_BYTES):
     return out
 
   return to_reduce, unpack
+
+
+def batch_reduce(cross_device_ops, reduce_op, values,
+                 bucket_bytes=BUCKET_BYTES, options=None):
+  """`cross_device_ops.batch_reduce` of the PerReplica `values`, each to its
+  own devices, through the buffers `pack` makes; one Mirrored per value."""
+  to_reduce, unpack = pack(values, bucket_bytes)
+  return unpack(cross_device_ops.batch_reduce(
+      reduce_op, [(v, v) for v in to_reduce], options=options))

@@ -155,9 +155,8 @@ class AllReplicas(Exchange):
     sent = [per_replica.make(devices, lambda r, parts=parts:
                              compression_lib.to_wire(parts[r], self._wire))
             for parts in self.gradients]
-    to_reduce, unpack = packing.pack(sent)
-    sums = unpack(self._communicator.cross_device_ops.batch_reduce(
-        tf.distribute.ReduceOp.SUM, [(g, g) for g in to_reduce]))
+    sums = packing.batch_reduce(self._communicator.cross_device_ops,
+                                tf.distribute.ReduceOp.SUM, sent)
     return [_from_wire(devices, per_replica.parts(total), parts[0].dtype)
             for parts, total in zip(self.gradients, sums)]
 
